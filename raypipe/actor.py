@@ -1,0 +1,361 @@
+"""The async inference actor: one work unit in, its results and dead letters committed.
+
+Ray Data hands the actor whole blocks, one per work unit (`raypipe.sources`). For a unit the
+actor splits the sendable rows into length-sorted micro-batches and sends them all at once;
+each call goes through, in order:
+
+    breaker (wait while the service is down) -> limiter (in-flight cap) -> gRPC client
+
+wrapped in the retry layer (`raypipe.retry`, transient codes only). A micro-batch rejected
+with a permanent error is bisected, so one poison paragraph does not take 31 good ones with
+it. Rows that still fail become dead letters with their error; rows with no text are recorded
+with `status="empty_text"` and never sent. The unit is then committed (`raypipe.sinks`), and
+the actor returns the unit's summary, which the driver folds into the run report.
+
+All of one actor's concurrent units share its breaker, limiter and channel, all created
+lazily inside Ray Data's event loop for the actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raypipe.breaker import CircuitBreaker
+from raypipe.client import BatchResult, GrpcModelClient, ModelClient
+from raypipe.config import ClientConfig, ServiceConfig
+from raypipe.errors import CircuitOpenError, ModelServiceError, SinkError
+from raypipe.limiter import AdaptiveLimiter, FixedLimiter, Limiter
+from raypipe.report import UnitStats
+from raypipe.retry import RetryPolicy, call_with_retries
+from raypipe.sinks import (
+    DEAD_LETTER_SCHEMA,
+    RESULT_STATUS_EMPTY,
+    RESULT_STATUS_OK,
+    commit_unit,
+    label_column,
+    mark_started,
+    now_utc,
+    results_schema,
+)
+from raypipe.store import OutputStore
+
+__all__ = ["SUMMARY_SCHEMA", "ActorSettings", "InferenceActor"]
+
+_OVERLOAD = frozenset({"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
+
+SUMMARY_SCHEMA = pa.schema(
+    [pa.field("unit", pa.string()), pa.field("error", pa.string()), pa.field("summary", pa.string())]
+)
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """Everything an actor needs, picklable (it travels to Ray workers)."""
+
+    output_uri: str
+    run_id: str
+    """The results partition written to (a replay writes into the run it replays)."""
+    attempt: str
+    """Identifies this start of the run (a resume is a new attempt of the same run)."""
+    service: ServiceConfig
+    client: ClientConfig
+    labels: tuple[str, ...]
+    state_run_id: str | None = None
+    """Where commit markers go, if not under `run_id` (a replay keeps its own)."""
+
+    @property
+    def marker_run_id(self) -> str:
+        return self.state_run_id or self.run_id
+
+
+@dataclass
+class _Outcome:
+    """The fate of some rows of a unit: probabilities, or the error that ended them."""
+
+    rows: np.ndarray  # indices into the unit's table
+    result: BatchResult | None = None
+    error: BaseException | None = None
+    attempts: int = 0
+
+
+class InferenceActor:
+    """A Ray Data callable class (`map_batches(InferenceActor, ...)`), async."""
+
+    def __init__(self, settings: ActorSettings, client_factory: Callable[[], ModelClient] | None = None) -> None:
+        self._settings = settings
+        self._client_factory = client_factory
+        self._store = OutputStore(settings.output_uri)
+        self._schema = results_schema(settings.labels)
+        self._actor_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._client: ModelClient | None = None
+        self._breaker: CircuitBreaker | None = None
+        self._limiter: Limiter | None = None
+        self._seq = 0
+
+    def _components(self) -> tuple[ModelClient, CircuitBreaker, Limiter]:
+        if self._client is None:
+            c = self._settings.client
+            s = self._settings.service
+            self._client = (
+                self._client_factory()
+                if self._client_factory
+                else GrpcModelClient(s.address, application=s.application, timeout_s=s.timeout_s)
+            )
+            b = c.breaker
+            self._breaker = CircuitBreaker(
+                failure_threshold=b.failure_threshold,
+                reset_timeout_s=b.reset_timeout_s,
+                max_reset_timeout_s=b.max_reset_timeout_s,
+                max_wait_s=b.max_wait_s,
+            )
+            lim = c.limiter
+            self._limiter = (
+                FixedLimiter(lim.initial)
+                if lim.kind == "fixed"
+                else AdaptiveLimiter(
+                    initial=lim.initial,
+                    min_limit=lim.min_limit,
+                    max_limit=lim.max_limit,
+                    backoff_ratio=lim.backoff_ratio,
+                    latency_tolerance=lim.latency_tolerance,
+                )
+            )
+        assert self._breaker is not None and self._limiter is not None
+        return self._client, self._breaker, self._limiter
+
+    async def __call__(self, block: pa.Table) -> pa.Table:
+        units, errors, summaries = [], [], []
+        for unit in pc.unique(block.column("_unit")).to_pylist():
+            rows = block.filter(pc.equal(block.column("_unit"), unit))
+            error, stats = await self._process_unit(unit, rows)
+            units.append(unit)
+            errors.append(error)
+            summaries.append(None if stats is None else json.dumps(stats.to_dict()))
+        return pa.table({"unit": units, "error": errors, "summary": summaries}, schema=SUMMARY_SCHEMA)
+
+    async def _process_unit(self, unit: str, rows: pa.Table) -> tuple[str | None, UnitStats | None]:
+        error = rows.column("_unit_error")[0].as_py()
+        if error is not None:
+            return error, None  # an unreadable shard: reported by the driver, not committed
+        expected = rows.column("_unit_rows")[0].as_py()
+        marker_only = expected == 0
+        if not marker_only and rows.num_rows != expected:
+            raise SinkError(
+                f"unit {unit} arrived split ({rows.num_rows} of {expected} rows); lower input.unit_rows "
+                "so a unit fits in one Ray Data block"
+            )
+        stats = UnitStats(
+            unit=unit, shard=rows.column("_source")[0].as_py(), attempt=self._settings.attempt, actor=self._actor_id
+        )
+        started = time.monotonic()
+        if marker_only:
+            rows = rows.slice(0, 0)
+        await asyncio.to_thread(mark_started, self._store, self._settings.marker_run_id, unit, self._settings.attempt)
+        results, dead = await self._infer_unit(rows, stats)
+        stats.seconds = round(time.monotonic() - started, 3)
+        stats.actor_stats = self._actor_snapshot()
+        await asyncio.to_thread(
+            commit_unit,
+            self._store,
+            self._settings.run_id,
+            unit,
+            results,
+            dead,
+            stats.to_dict(),
+            self._settings.marker_run_id,
+        )
+        return None, stats
+
+    async def _infer_unit(self, rows: pa.Table, stats: UnitStats) -> tuple[pa.Table, pa.Table]:
+        texts = rows.column("text").to_pylist()
+        ids = rows.column("id").to_pylist()
+        stats.rows = len(ids)
+        sendable = np.array([i for i, t in enumerate(texts) if t is not None and t.strip()], dtype=np.int64)
+        empty = np.setdiff1d(np.arange(len(ids)), sendable)
+        # Length-sorted micro-batches: neighbours pad to the same bucket on the server.
+        order = sendable[np.argsort([len(texts[i]) for i in sendable], kind="stable")]
+        size = self._settings.client.micro_batch_size
+        batches = [order[i : i + size] for i in range(0, len(order), size)]
+        outcomes: list[_Outcome] = []
+        for group in await asyncio.gather(*(self._classify(b, ids, texts, stats) for b in batches)):
+            outcomes.extend(group)
+        return self._tables(rows, outcomes, empty, stats)
+
+    async def _classify(
+        self, batch: np.ndarray, ids: Sequence[str], texts: Sequence[str], stats: UnitStats
+    ) -> list[_Outcome]:
+        """Classifies a micro-batch; bisects it on permanent errors to isolate bad rows."""
+        batch_ids = [ids[i] for i in batch]
+        batch_texts = [texts[i] for i in batch]
+        calls = 0
+
+        async def attempt() -> BatchResult:
+            nonlocal calls
+            calls += 1
+            return await self._attempt(batch_ids, batch_texts, stats)
+
+        def on_retry(attempt_number: int, exc: BaseException) -> None:
+            stats.retries += 1
+
+        try:
+            result = await call_with_retries(attempt, self._retry_policy(), on_retry=on_retry)
+            return [_Outcome(batch, result=result)]
+        except ModelServiceError as e:
+            if not e.transient and len(batch) > 1:
+                mid = len(batch) // 2
+                left, right = await asyncio.gather(
+                    self._classify(batch[:mid], ids, texts, stats), self._classify(batch[mid:], ids, texts, stats)
+                )
+                return left + right
+            return [_Outcome(batch, error=e, attempts=calls)]
+        except CircuitOpenError as e:
+            return [_Outcome(batch, error=e, attempts=calls)]
+
+    def _retry_policy(self) -> RetryPolicy:
+        r = self._settings.client.retry
+        return RetryPolicy(
+            max_attempts=r.max_attempts, initial_backoff_s=r.initial_backoff_s, max_backoff_s=r.max_backoff_s
+        )
+
+    async def _attempt(self, ids: list[str], texts: list[str], stats: UnitStats) -> BatchResult:
+        """One call: wait for the breaker, then for a slot, then ask the service.
+
+        The limiter learns latency only from answers and overload signals: a refused
+        connection answers in a millisecond and would otherwise become the baseline.
+        """
+        client, breaker, limiter = self._components()
+        permit = await breaker.acquire()
+        success = False
+        try:
+            await limiter.acquire()
+            started = time.monotonic()
+            try:
+                result = await client.classify(ids, texts)
+            except ModelServiceError as e:
+                latency = time.monotonic() - started
+                if e.status_code in _OVERLOAD:
+                    limiter.release(latency_s=latency, dropped=True)
+                else:
+                    limiter.release_ignored()
+                self._count_call(stats, e.status_code, latency)
+                success = not e.transient  # a permanent error means the service is up and answering
+                raise
+            except BaseException:
+                limiter.release_ignored()
+                raise
+            latency = time.monotonic() - started
+            limiter.release(latency_s=latency, dropped=False)
+            self._count_call(stats, "OK", latency)
+            success = True
+            return result
+        finally:
+            breaker.record(permit, success=success)
+
+    @staticmethod
+    def _count_call(stats: UnitStats, status: str, latency_s: float) -> None:
+        stats.calls += 1
+        stats.status_counts[status] += 1
+        stats.latency.add(latency_s)
+
+    def _actor_snapshot(self) -> dict[str, Any]:
+        _, breaker, limiter = self._components()
+        self._seq += 1
+        b = breaker.stats()
+        lim = limiter.stats()
+        return {
+            "seq": self._seq,
+            "breaker": {"openings": b.openings, "time_open_s": b.time_open_s, "probes": b.probes},
+            "limiter": {"min": lim.min, "max": lim.max, "final": lim.final},
+        }
+
+    def _tables(
+        self, rows: pa.Table, outcomes: list[_Outcome], empty: np.ndarray, stats: UnitStats
+    ) -> tuple[pa.Table, pa.Table]:
+        labels = self._settings.labels
+        run_id = self._settings.run_id
+        now = now_utc()
+        n_labels = len(labels)
+        result_rows: list[np.ndarray] = [empty]
+        probs: list[np.ndarray] = [np.full((len(empty), n_labels), np.nan, dtype=np.float32)]
+        truncated: list[np.ndarray] = [np.zeros(len(empty), dtype=bool)]
+        versions: list[str] = [""] * len(empty)
+        statuses: list[str] = [RESULT_STATUS_EMPTY] * len(empty)
+        dead_rows: list[int] = []
+        dead_info: list[tuple[str, str, int, str]] = []
+        for o in outcomes:
+            if o.result is not None:
+                if o.result.labels != labels:
+                    raise SinkError(f"the service answered labels {o.result.labels}, the run expects {labels}")
+                result_rows.append(o.rows)
+                probs.append(o.result.probabilities)
+                truncated.append(o.result.truncated)
+                versions += [o.result.model_version] * len(o.rows)
+                statuses += [RESULT_STATUS_OK] * len(o.rows)
+            else:
+                e = o.error
+                status = e.status_code if isinstance(e, ModelServiceError) else ""
+                kind = getattr(e, "kind", type(e).__name__)
+                dead_rows += o.rows.tolist()
+                dead_info += [(kind, status, o.attempts, str(e))] * len(o.rows)
+                stats.dead_letter_kinds[kind] += len(o.rows)
+        index = np.concatenate(result_rows).astype(np.int64)
+        p = np.concatenate(probs) if probs else np.zeros((0, n_labels), np.float32)
+        stats.empty_text = len(empty)
+        stats.ok = len(index) - len(empty)
+        stats.dead_letters = len(dead_rows)
+        taken = rows.take(pa.array(index, pa.int64()))
+        answered = np.isfinite(p).all(axis=1)
+        top = np.where(answered, np.nan_to_num(p, nan=-1.0).argmax(axis=1), -1)
+        top_score = np.where(answered, p[np.arange(len(p)), np.maximum(top, 0)], np.nan)
+        columns: dict[str, Any] = {"id": taken.column("id"), "status": pa.array(statuses, pa.string())}
+        for j, label in enumerate(labels):
+            columns[label_column(label)] = pa.array(p[:, j], pa.float32(), mask=~answered)
+        columns["top_label"] = pa.array([labels[t] if t >= 0 else None for t in top.tolist()], pa.string())
+        columns["top_score"] = pa.array(top_score, pa.float32(), mask=~answered)
+        columns["truncated"] = pa.array(np.concatenate(truncated), pa.bool_())
+        columns["model_version"] = pa.array([v or None for v in versions], pa.string())
+        columns["run_id"] = pa.array([run_id] * len(index), pa.string())
+        columns["inferred_at"] = pa.array([now] * len(index), pa.timestamp("us", tz="UTC"))
+        columns["updated_at"] = (
+            taken.column("updated_at")
+            if "updated_at" in taken.column_names
+            else pa.nulls(len(index), pa.timestamp("us", tz="UTC"))
+        )
+        columns["source"] = taken.column("_source")
+        columns["row"] = taken.column("_row")
+        results = pa.table(columns, schema=self._schema).sort_by([("source", "ascending"), ("row", "ascending")])
+
+        dead_taken = rows.take(pa.array(dead_rows, pa.int64()))
+        kinds, codes, attempts, messages = (
+            (list(x) for x in zip(*dead_info, strict=True)) if dead_info else ([], [], [], [])
+        )
+        dead = pa.table(
+            {
+                "id": dead_taken.column("id"),
+                "error_kind": pa.array(kinds, pa.string()),
+                "grpc_status": pa.array(codes, pa.string()),
+                "attempts": pa.array(attempts, pa.int32()),
+                "message": pa.array([m[:2000] for m in messages], pa.string()),
+                "failed_at": pa.array([now] * len(dead_rows), pa.timestamp("us", tz="UTC")),
+                "run_id": pa.array([run_id] * len(dead_rows), pa.string()),
+                "text": dead_taken.column("text"),
+                "updated_at": dead_taken.column("updated_at")
+                if "updated_at" in dead_taken.column_names
+                else pa.nulls(len(dead_rows), pa.timestamp("us", tz="UTC")),
+                "source": dead_taken.column("_source"),
+                "row": dead_taken.column("_row"),
+            },
+            schema=DEAD_LETTER_SCHEMA,
+        ).sort_by([("source", "ascending"), ("row", "ascending")])
+        return results, dead

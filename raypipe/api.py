@@ -1,0 +1,89 @@
+"""The Python API: one call per run mode, for notebooks, jobs and scripts.
+
+Each call builds the run's typed config from (lowest first) an optional config file, the
+`RAYPIPE_*` environment and its keyword arguments, validates it, runs, and returns the
+`RunReport` (also written to `OUTPUT/runs/<run_id>.json`). They connect to the Ray cluster
+already initialised in the process, else to `RAY_ADDRESS`, else start a local one.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from raypipe import modes
+from raypipe.config import PipelineConfig, load_config
+from raypipe.report import RunReport
+
+__all__ = ["backfill", "build_config", "daily", "replay"]
+
+
+def build_config(
+    *,
+    input: str | None = None,
+    output: str | None = None,
+    service: str | None = None,
+    run_id: str | None = None,
+    config_file: str | Path | None = None,
+    settings: dict[str, Any] | None = None,
+) -> PipelineConfig:
+    """The run's config: file, then environment, then `settings` (nested), then the named arguments."""
+    overrides: dict[str, Any] = dict(settings or {})
+    if input is not None:
+        overrides.setdefault("input", {})
+        overrides["input"] = {**overrides["input"], "uri": input}
+    if output is not None:
+        overrides["output"] = {**overrides.get("output", {}), "uri": output}
+    if service is not None:
+        overrides["service"] = {**overrides.get("service", {}), "address": service}
+    if run_id is not None:
+        overrides["run_id"] = run_id
+    return load_config(config_file, overrides, environ=os.environ)
+
+
+def backfill(
+    input: str | None = None,
+    output: str | None = None,
+    *,
+    service: str | None = None,
+    run_id: str | None = None,
+    config_file: str | Path | None = None,
+    settings: dict[str, Any] | None = None,
+) -> RunReport:
+    """Classifies every paragraph of `input` into `output`; the same `run_id` resumes it."""
+    config = build_config(
+        input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
+    )
+    return modes.backfill(config)
+
+
+def daily(
+    input: str | None = None,
+    output: str | None = None,
+    *,
+    service: str | None = None,
+    run_id: str | None = None,
+    until: datetime | None = None,
+    config_file: str | Path | None = None,
+    settings: dict[str, Any] | None = None,
+) -> RunReport:
+    """Classifies paragraphs new or changed since the last committed daily run."""
+    config = build_config(
+        input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
+    )
+    return modes.daily(config, until=until)
+
+
+def replay(
+    output: str | None = None,
+    *,
+    run_id: str,
+    service: str | None = None,
+    config_file: str | Path | None = None,
+    settings: dict[str, Any] | None = None,
+) -> RunReport:
+    """Re-infers the dead letters of run `run_id` and merges them into its results."""
+    config = build_config(output=output, service=service, config_file=config_file, settings=settings)
+    return modes.replay(config, of_run=run_id)

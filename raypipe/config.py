@@ -1,0 +1,265 @@
+"""One typed, frozen configuration for a run, validated before any data is read.
+
+Settings come from three layers, later ones winning: a config file (YAML or JSON), the
+environment (``RAYPIPE_<SECTION>__<FIELD>``, e.g. ``RAYPIPE_SERVICE__ADDRESS``), and explicit
+overrides (CLI flags, keyword arguments of the Python API). Unknown keys are errors, never
+ignored: a typo in a 96-hour job's config must fail in the first second.
+
+Nothing here reads the environment or a file at import time; `load_config` does, when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raypipe.errors import ConfigError
+
+__all__ = [
+    "ActorPoolConfig",
+    "BreakerConfig",
+    "ClientConfig",
+    "InputConfig",
+    "LimiterConfig",
+    "OutputConfig",
+    "PipelineConfig",
+    "RetryConfig",
+    "ServiceConfig",
+    "load_config",
+    "validate_uri",
+]
+
+ENV_PREFIX = "RAYPIPE_"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+def validate_uri(uri: str) -> str:
+    """Accepts `s3://bucket/prefix`, `file:///abs/path` or a local path; rejects the rest."""
+    if not uri or not uri.strip():
+        raise ValueError("must not be empty")
+    parsed = urlparse(uri)
+    if parsed.scheme in ("s3", "s3a"):
+        if not parsed.netloc:
+            raise ValueError(f"{uri!r} has no bucket (expected s3://bucket/prefix)")
+        return uri
+    if parsed.scheme in ("", "file"):
+        return uri
+    if len(parsed.scheme) == 1:  # a Windows drive letter, not a scheme
+        return uri
+    raise ValueError(f"{uri!r}: scheme {parsed.scheme!r} is not supported (use s3:// or a local path)")
+
+
+class ServiceConfig(_Frozen):
+    address: str = "127.0.0.1:9000"
+    """host:port of the Ray Serve gRPC proxy."""
+    application: str = "raypipe"
+    """Serve application name, sent as the `application` metadata so the proxy can route."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one Classify call."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """How long the up-front reachability check waits before failing the run."""
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        if not re.fullmatch(r"\[?[\w.\-:]+\]?:\d{1,5}", v):
+            raise ValueError(f"{v!r} is not host:port")
+        return v
+
+
+class RetryConfig(_Frozen):
+    max_attempts: int = Field(4, ge=1, le=20)
+    """Calls per micro-batch before its rows become dead letters (the reference build's 4)."""
+    initial_backoff_s: float = Field(0.1, gt=0)
+    """Scale of the exponential backoff (full jitter)."""
+    max_backoff_s: float = Field(5.0, gt=0)
+    """Cap of one backoff sleep."""
+
+
+class BreakerConfig(_Frozen):
+    failure_threshold: int = Field(5, ge=1)
+    """Consecutive transient failures (per actor) that open the breaker."""
+    reset_timeout_s: float = Field(1.0, gt=0)
+    """Time open before one probe call is let through; doubles while probes fail."""
+    max_reset_timeout_s: float = Field(30.0, gt=0)
+    """Cap of the doubled reset timeout."""
+    max_wait_s: float = Field(600.0, gt=0)
+    """Total time a micro-batch may wait on an open breaker before its rows are dead-lettered."""
+
+
+class LimiterConfig(_Frozen):
+    kind: Literal["adaptive", "fixed"] = "adaptive"
+    """`adaptive` finds the in-flight limit by itself (AIMD); `fixed` holds `initial`."""
+    initial: int = Field(4, ge=1)
+    """Starting limit (the limit itself for `fixed`), per actor."""
+    min_limit: int = Field(1, ge=1)
+    """Lower bound of the adaptive limit."""
+    max_limit: int = Field(64, ge=1)
+    """Upper bound of the adaptive limit."""
+    backoff_ratio: float = Field(0.9, gt=0, lt=1)
+    """Multiplicative decrease on overload or latency growth."""
+    latency_tolerance: float = Field(2.0, gt=1)
+    """Latency above this multiple of the no-load latency counts as overload."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LimiterConfig:
+        if self.min_limit > self.max_limit:
+            raise ValueError(f"min_limit {self.min_limit} > max_limit {self.max_limit}")
+        if self.kind == "adaptive" and not self.min_limit <= self.initial <= self.max_limit:
+            raise ValueError(f"initial {self.initial} is outside [{self.min_limit}, {self.max_limit}]")
+        return self
+
+
+class ClientConfig(_Frozen):
+    micro_batch_size: int = Field(32, ge=1, le=4096)
+    """Paragraphs per Classify call; 1 reproduces the reference build's per-paragraph calls."""
+    retry: RetryConfig = RetryConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    limiter: LimiterConfig = LimiterConfig()
+
+
+class InputConfig(_Frozen):
+    uri: str
+    """Shards to read: a file, a folder or a glob; local or s3://."""
+    format: Literal["auto", "parquet", "jsonl"] = "auto"
+    """Shard format; `auto` decides per file by its extension."""
+    id_column: str = "id"
+    text_column: str = "text"
+    updated_at_column: str = "updated_at"
+    """Used by daily runs to pick new and changed rows; passed through to the results."""
+    unit_rows: int = Field(2000, ge=1)
+    """Rows per work unit, the grain of commits and of resume (Parquet row groups are kept whole)."""
+    on_bad_shard: Literal["fail", "record"] = "fail"
+    """A shard that cannot be read or lacks a column: `fail` stops the run before inference
+    (or when first read); `record` lists it in the report, leaves the run `incomplete`, and goes on."""
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        return validate_uri(v)
+
+
+class OutputConfig(_Frozen):
+    uri: str
+    """Where results/, dead_letters/, runs/ and raypipe's own state go; local or s3://."""
+    lease_s: float = Field(120.0, gt=0)
+    """How long the output lease lasts without a heartbeat before another run may take it."""
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        return validate_uri(v)
+
+
+class ActorPoolConfig(_Frozen):
+    min_actors: int = Field(1, ge=1)
+    max_actors: int = Field(2, ge=1)
+    num_cpus: float = Field(0.25, gt=0)
+    """CPUs reserved per actor; fractional, since the actors wait on I/O (whole CPUs can starve reads)."""
+    units_per_actor: int = Field(2, ge=1)
+    """Work units one actor handles at once (its async concurrency)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ActorPoolConfig:
+        if self.min_actors > self.max_actors:
+            raise ValueError(f"min_actors {self.min_actors} > max_actors {self.max_actors}")
+        return self
+
+
+class PipelineConfig(_Frozen):
+    output: OutputConfig
+    input: InputConfig | None = None
+    """Required by backfill and daily runs; a replay reads its run's dead letters instead."""
+    service: ServiceConfig = ServiceConfig()
+    client: ClientConfig = ClientConfig()
+    actors: ActorPoolConfig = ActorPoolConfig()
+    run_id: str | None = None
+    """Names the run; the same id resumes it. Default: `<mode>-<UTC timestamp>`."""
+    progress_interval_s: float = Field(10.0, gt=0)
+    """How often progress is logged."""
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}", v):
+            raise ValueError(f"{v!r}: use letters, digits, '.', '_' and '-' (it names folders)")
+        return v
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top, not {type(data).__name__}")
+    return data
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown setting")
+        else:
+            lines.append(f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(
+    file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> PipelineConfig:
+    """Builds the run's config from a file, the environment and overrides (in that order)."""
+    merged: dict[str, Any] = {}
+    if file is not None:
+        merged = _read_file(Path(file))
+    if environ is not None:
+        merged = _deep_merge(merged, _from_env(environ))
+    if overrides:
+        merged = _deep_merge(merged, overrides)
+    try:
+        return PipelineConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError("invalid configuration:\n" + _describe(e)) from e

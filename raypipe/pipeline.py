@@ -1,0 +1,174 @@
+"""The Ray Data pipeline: units -> read tasks -> async actor pool -> unit summaries.
+
+    read_datasource(UnitDatasource)          one read task and one block per work unit
+      .map_batches(InferenceActor, ...)      actors infer, commit, return one summary per unit
+      .iter_batches()                        the driver folds summaries into progress/report
+
+Ray Data streams: read tasks run only as fast as the actors drain their blocks (its
+backpressure policies bound the blocks in flight), so a 95M-row backfill holds a few units
+per actor in memory, not the corpus.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pyarrow as pa
+from ray.data import ActorPoolStrategy, DataContext
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+from raypipe.actor import ActorSettings, InferenceActor
+from raypipe.client import ModelClient
+from raypipe.config import ActorPoolConfig
+from raypipe.errors import InputError
+from raypipe.report import UnitStats
+from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, marker_block, read_unit, unit_block_schema
+
+__all__ = ["UnitDatasource", "UnitResult", "run_units"]
+
+logger = logging.getLogger("raypipe")
+
+
+def _read_block(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None, on_bad_shard: str) -> list[pa.Table]:
+    try:
+        table = read_unit(unit, columns, window)
+    except (OSError, pa.ArrowException, InputError, ValueError) as e:
+        message = f"{type(e).__name__}: {e}"
+        if on_bad_shard == "fail":
+            raise InputError(f"cannot read rows {unit.row_start}..{unit.row_stop}: {message}", shard=unit.shard) from e
+        return [marker_block(unit, with_updated_at=window is not None, error=message)]
+    if table.num_rows == 0:
+        return [marker_block(unit, with_updated_at=window is not None, error=None)]
+    return [table]
+
+
+class UnitDatasource(Datasource):
+    """A Ray Data datasource with one read task per work unit, in plan order."""
+
+    def __init__(
+        self,
+        units: Sequence[WorkUnit],
+        columns: ColumnNames,
+        window: DeltaWindow | None = None,
+        on_bad_shard: Literal["fail", "record"] = "fail",
+    ) -> None:
+        self._units = list(units)
+        self._columns = columns
+        self._window = window
+        self._on_bad_shard = on_bad_shard
+
+    def get_name(self) -> str:
+        return "RaypipeUnits"
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+    ) -> list[ReadTask]:
+        schema = unit_block_schema(self._window is not None)
+        return [
+            ReadTask(
+                functools.partial(_read_block, unit, self._columns, self._window, self._on_bad_shard),
+                BlockMetadata(num_rows=unit.expected_rows, size_bytes=None, exec_stats=None, input_files=(unit.shard,)),
+                schema=schema,
+            )
+            for unit in self._units
+        ]
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    unit: str
+    error: str | None
+    stats: UnitStats | None
+
+
+def run_units(
+    units: Sequence[WorkUnit],
+    *,
+    columns: ColumnNames,
+    window: DeltaWindow | None,
+    on_bad_shard: Literal["fail", "record"],
+    settings: ActorSettings,
+    actors: ActorPoolConfig,
+    client_factory: Callable[[], ModelClient] | None = None,
+) -> Iterator[UnitResult]:
+    """Runs the pipeline over units, yielding each unit's outcome as it is committed."""
+    if not units:
+        return
+    import ray
+
+    ctx = DataContext.get_current()
+    # Unit blocks must reach the actors whole: never split them into smaller blocks.
+    ctx.target_max_block_size = max(ctx.target_max_block_size or 0, 512 * 1024 * 1024)
+    ds = ray.data.read_datasource(
+        UnitDatasource(units, columns, window, on_bad_shard),
+        override_num_blocks=len(units),
+        num_cpus=0.25,
+    )
+    ds = ds.map_batches(
+        InferenceActor,
+        fn_constructor_kwargs={"settings": settings, "client_factory": client_factory},
+        batch_size=None,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        compute=ActorPoolStrategy(
+            min_size=min(actors.min_actors, len(units)),
+            max_size=max(1, min(actors.max_actors, len(units))),
+            max_tasks_in_flight_per_actor=actors.units_per_actor,
+            max_concurrent_calls_per_actor=actors.units_per_actor,
+        ),
+        num_cpus=actors.num_cpus,
+    )
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for row in batch.to_pylist():
+            stats = None if row["summary"] is None else UnitStats.from_dict(json.loads(row["summary"]))
+            yield UnitResult(row["unit"], row["error"], stats)
+
+
+class Progress:
+    """Logs units, rows and rate every `interval_s` seconds, and an ETA."""
+
+    def __init__(
+        self, total_units: int, total_rows: int | None, interval_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.total_units = total_units
+        self.total_rows = total_rows
+        self.interval_s = interval_s
+        self._clock = clock
+        self._start = clock()
+        self._last = self._start
+        self.units = 0
+        self.rows = 0
+        self.dead = 0
+
+    def update(self, stats: UnitStats | None) -> None:
+        self.units += 1
+        if stats is not None:
+            self.rows += stats.rows
+            self.dead += stats.dead_letters
+        now = self._clock()
+        if now - self._last >= self.interval_s or self.units == self.total_units:
+            self._last = now
+            elapsed = max(now - self._start, 1e-9)
+            rate = self.rows / elapsed
+            eta = ""
+            if self.total_rows and rate > 0:
+                eta = f", ETA {max(0.0, (self.total_rows - self.rows) / rate):,.0f} s"
+            logger.info(
+                "progress: %d/%d units, %s rows (%.1f rows/s), %d dead letters%s",
+                self.units,
+                self.total_units,
+                f"{self.rows:,}",
+                rate,
+                self.dead,
+                eta,
+            )

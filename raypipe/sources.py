@@ -1,0 +1,380 @@
+"""Input shards: listing them, cutting them into work units, and reading a unit.
+
+A **work unit** is a contiguous row range of one shard (whole Parquet row groups where they
+are small enough; a whole file for JSON lines). It is the grain of everything that must be
+exact: a unit is read as one block, inferred, and committed with its results and dead letters
+in one step (see `raypipe.sinks`), so a resumed run skips committed units and redoes only the
+ones that were in flight.
+
+Planning reads only Parquet footers and the first line of JSON-lines files, so a missing
+column fails the run before any inference, naming the shard and the column.
+
+Rows leave `read_unit` with raypipe's column names (`id`, `text`, optional `updated_at`) plus
+where they came from (`_source`, `_row`) and which unit they belong to (`_unit`, `_unit_rows`);
+a unit that cannot be read under `on_bad_shard="record"` becomes one marker row carrying
+`_unit_error`, so the failure is recorded rather than lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+from raypipe.errors import InputError, NoShardsError, SchemaError
+
+__all__ = [
+    "ColumnNames",
+    "DeltaWindow",
+    "ShardFormat",
+    "WorkUnit",
+    "list_shards",
+    "plan_units",
+    "read_unit",
+    "unit_block_schema",
+]
+
+ShardFormat = Literal["parquet", "jsonl", "dead_letters"]
+_EXTENSIONS: dict[str, ShardFormat] = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+}
+
+
+@dataclass(frozen=True)
+class ColumnNames:
+    id: str = "id"
+    text: str = "text"
+    updated_at: str = "updated_at"
+
+
+@dataclass(frozen=True)
+class DeltaWindow:
+    """Selects rows with `after < updated_at <= until` (daily runs)."""
+
+    after: datetime | None
+    until: datetime
+
+
+@dataclass(frozen=True, order=True)
+class WorkUnit:
+    shard: str
+    """Full URI of the shard (s3://bucket/key or a local path)."""
+    format: ShardFormat
+    row_start: int
+    row_stop: int | None
+    """Exclusive end; None for 'to the end of the file' (JSON lines)."""
+    name: str | None = None
+    """Overrides the derived key (replays name units after the dead-letter file they redo)."""
+
+    @property
+    def key(self) -> str:
+        """Stable, file-name-safe identity: the same unit always gets the same output names."""
+        if self.name:
+            return self.name
+        digest = hashlib.sha1(f"{self.shard}|{self.row_start}|{self.row_stop}".encode()).hexdigest()[:12]
+        stem = posixpath.basename(self.shard).split(".")[0][:40] or "shard"
+        return f"{stem}-{self.row_start}-{digest}"
+
+    @property
+    def expected_rows(self) -> int | None:
+        return None if self.row_stop is None else self.row_stop - self.row_start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "format": self.format,
+            "row_start": self.row_start,
+            "row_stop": self.row_stop,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkUnit:
+        stop = None if d["row_stop"] is None else int(d["row_stop"])
+        return cls(d["shard"], d["format"], int(d["row_start"]), stop, d.get("name"))
+
+
+def _filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = url_to_fs(uri)
+    return fs, path
+
+
+def _full_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def _shard_format(path: str, forced: str) -> ShardFormat | None:
+    if forced != "auto":
+        return forced  # type: ignore[return-value]
+    for ext, fmt in _EXTENSIONS.items():
+        if path.endswith(ext):
+            return fmt
+    return None
+
+
+def list_shards(uri: str, *, format: str = "auto") -> list[tuple[str, ShardFormat]]:
+    """Shards under uri (a file, a folder searched recursively, or a glob), sorted by path.
+
+    Hidden files and folders (`.x`, `_x`, e.g. `_SUCCESS`, `.crc`) are skipped, as Spark and
+    Hive writers leave them. An input that matches no shard is an error, never an empty run.
+    """
+    fs, path = _filesystem(uri)
+    if any(ch in path for ch in "*?["):
+        candidates = sorted(fs.glob(path))
+    elif fs.isdir(path):
+        candidates = sorted(fs.find(path))
+    elif fs.exists(path):
+        candidates = [path]
+    else:
+        raise NoShardsError(f"input {uri} does not exist")
+    shards: list[tuple[str, ShardFormat]] = []
+    for candidate in candidates:
+        rel = candidate[len(path) :] if candidate.startswith(path) else candidate
+        if any(part.startswith((".", "_")) for part in rel.split("/") if part):
+            continue
+        fmt = _shard_format(candidate, format)
+        if fmt is not None and not fs.isdir(candidate):
+            shards.append((_full_uri(fs, candidate), fmt))
+    if not shards:
+        raise NoShardsError(
+            f"input {uri} matches no shards (looked for {', '.join(sorted(_EXTENSIONS))} files"
+            + ("" if format == "auto" else f" read as {format}")
+            + ")"
+        )
+    return shards
+
+
+def _check_columns(names: Iterable[str], shard: str, columns: ColumnNames, need_updated_at: bool) -> None:
+    present = set(names)
+    required = [columns.id, columns.text] + ([columns.updated_at] if need_updated_at else [])
+    for col in required:
+        if col not in present:
+            raise SchemaError(f"column {col!r} is missing; the shard has {sorted(present)}", shard=shard, column=col)
+
+
+def _check_types(schema: pa.Schema, shard: str, columns: ColumnNames) -> None:
+    id_type = schema.field(columns.id).type
+    if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
+        raise SchemaError(
+            f"id column {columns.id!r} has type {id_type}; ids must be strings or integers",
+            shard=shard,
+            column=columns.id,
+        )
+    text_type = schema.field(columns.text).type
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_null(text_type)):
+        raise SchemaError(
+            f"text column {columns.text!r} has type {text_type}; it must hold strings", shard=shard, column=columns.text
+        )
+
+
+def plan_units(
+    shards: Sequence[tuple[str, ShardFormat]],
+    *,
+    unit_rows: int,
+    columns: ColumnNames,
+    need_updated_at: bool = False,
+    on_bad_shard: Literal["fail", "record"] = "fail",
+) -> tuple[list[WorkUnit], list[dict[str, str]]]:
+    """Cuts shards into work units; returns (units, bad shards as {shard, error}).
+
+    With on_bad_shard="fail" a shard that cannot be opened or lacks a column raises here,
+    before any inference; with "record" it is returned in the second list instead.
+    """
+    units: list[WorkUnit] = []
+    bad: list[dict[str, str]] = []
+    for shard, fmt in shards:
+        try:
+            if fmt == "parquet":
+                units += _plan_parquet(shard, unit_rows, columns, need_updated_at)
+            else:
+                _check_jsonl_head(shard, columns, need_updated_at)
+                units.append(WorkUnit(shard, "jsonl", 0, None))
+        except (OSError, pa.ArrowException, ValueError) as e:
+            if isinstance(e, InputError):
+                err: InputError = e
+            else:
+                err = InputError(f"cannot read {fmt} shard: {type(e).__name__}: {e}", shard=shard)
+            if on_bad_shard == "fail":
+                raise err from e
+            bad.append({"shard": shard, "error": str(err)})
+    return units, bad
+
+
+def _plan_parquet(shard: str, unit_rows: int, columns: ColumnNames, need_updated_at: bool) -> list[WorkUnit]:
+    fs, path = _filesystem(shard)
+    with fs.open(path, "rb") as f:
+        meta = pq.ParquetFile(f).metadata
+    schema = meta.schema.to_arrow_schema()
+    _check_columns(schema.names, shard, columns, need_updated_at)
+    _check_types(schema, shard, columns)
+    units: list[WorkUnit] = []
+    start = 0
+    pending = 0
+    for i in range(meta.num_row_groups):
+        n = meta.row_group(i).num_rows
+        if pending and pending + n > unit_rows:
+            units.append(WorkUnit(shard, "parquet", start, start + pending))
+            start, pending = start + pending, 0
+        if n > 2 * unit_rows:  # a huge row group: cut it by rows (each unit re-reads the group)
+            for lo in range(0, n, unit_rows):
+                hi = min(n, lo + unit_rows)
+                units.append(WorkUnit(shard, "parquet", start + lo, start + hi))
+            start += n
+        else:
+            pending += n
+    if pending or not units:
+        units.append(WorkUnit(shard, "parquet", start, start + pending))
+    return units
+
+
+def _check_jsonl_head(shard: str, columns: ColumnNames, need_updated_at: bool) -> None:
+    fs, path = _filesystem(shard)
+    with fs.open(path, "rb") as f:
+        first = f.readline()
+    if not first.strip():
+        return  # an empty file is a unit of no rows
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError as e:
+        raise InputError(f"first line is not JSON: {e}", shard=shard) from e
+    if not isinstance(row, dict):
+        raise InputError("first line is not a JSON object", shard=shard)
+    _check_columns(row.keys(), shard, columns, need_updated_at)
+
+
+def unit_block_schema(with_updated_at: bool) -> pa.Schema:
+    """The columns of every block a unit becomes (one schema, so blocks concatenate)."""
+    fields = [
+        pa.field("id", pa.string()),
+        pa.field("text", pa.string()),
+        pa.field("_source", pa.string()),
+        pa.field("_row", pa.int64()),
+        pa.field("_unit", pa.string()),
+        pa.field("_unit_rows", pa.int64()),
+        pa.field("_unit_error", pa.string()),
+    ]
+    if with_updated_at:
+        fields.insert(2, pa.field("updated_at", pa.timestamp("us", tz="UTC")))
+    return pa.schema(fields)
+
+
+def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str]) -> pa.Table:
+    fs, path = _filesystem(unit.shard)
+    if unit.format == "jsonl":
+        with fs.open(path, "rb") as f:
+            data = f.read()
+        if not data.strip():
+            return pa.table({c: pa.array([], pa.string()) for c in wanted})
+        table = pajson.read_json(io.BytesIO(data))
+        _check_columns(table.column_names, unit.shard, columns, columns.updated_at in wanted)
+        table = table.select(wanted)
+    else:
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            groups, first_row, offset = [], 0, 0
+            for i in range(pf.metadata.num_row_groups):
+                n = pf.metadata.row_group(i).num_rows
+                if offset + n > unit.row_start and (unit.row_stop is None or offset < unit.row_stop):
+                    if not groups:
+                        first_row = offset
+                    groups.append(i)
+                offset += n
+            table = (
+                pf.read_row_groups(groups, columns=wanted) if groups else pf.schema_arrow.empty_table().select(wanted)
+            )
+        stop = unit.row_stop if unit.row_stop is not None else first_row + table.num_rows
+        table = table.slice(unit.row_start - first_row, stop - unit.row_start)
+    _check_types(table.schema, unit.shard, columns)
+    return table
+
+
+def _as_utc_timestamps(column: pa.ChunkedArray, shard: str, name: str) -> pa.ChunkedArray:
+    t = column.type
+    if pa.types.is_timestamp(t):
+        return column.cast(pa.timestamp("us", tz=t.tz or "UTC")).cast(pa.timestamp("us", tz="UTC"))
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        try:
+            return pc.cast(column, pa.timestamp("us", tz="UTC"))
+        except pa.ArrowInvalid as e:
+            raise SchemaError(
+                f"column {name!r} holds strings that are not ISO timestamps: {e}", shard=shard, column=name
+            ) from e
+    raise SchemaError(f"column {name!r} has type {t}; expected a timestamp", shard=shard, column=name)
+
+
+def _read_dead_letters(unit: WorkUnit) -> pa.Table:
+    """A dead-letter file as a unit block: the rows keep their original source and row."""
+    fs, path = _filesystem(unit.shard)
+    with fs.open(path, "rb") as f:
+        dead = pq.read_table(f, columns=["id", "text", "updated_at", "source", "row"])
+    n = dead.num_rows
+    return pa.table(
+        {
+            "id": dead.column("id"),
+            "text": dead.column("text"),
+            "updated_at": dead.column("updated_at"),
+            "_source": dead.column("source"),
+            "_row": dead.column("row"),
+            "_unit": pa.array([unit.key] * n, pa.string()),
+            "_unit_rows": pa.array([n] * n, pa.int64()),
+            "_unit_error": pa.nulls(n, pa.string()),
+        },
+        schema=unit_block_schema(True),
+    )
+
+
+def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None = None) -> pa.Table:
+    """Reads one unit as one table in `unit_block_schema` (rows outside `window` dropped)."""
+    if unit.format == "dead_letters":
+        return _read_dead_letters(unit)
+    wanted = [columns.id, columns.text] + ([columns.updated_at] if window is not None else [])
+    raw = _read_raw(unit, columns, wanted)
+    ids = raw.column(columns.id)
+    if not (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
+        ids = pc.cast(ids, pa.string())  # integer ids become their decimal strings
+    out: dict[str, Any] = {
+        "id": ids.cast(pa.string()),
+        "text": raw.column(columns.text).cast(pa.string()),
+    }
+    rows = pa.array(range(unit.row_start, unit.row_start + raw.num_rows), pa.int64())
+    if window is not None:
+        updated = _as_utc_timestamps(raw.column(columns.updated_at), unit.shard, columns.updated_at)
+        keep = pc.less_equal(updated, pa.scalar(window.until, pa.timestamp("us", tz="UTC")))
+        if window.after is not None:
+            keep = pc.and_(keep, pc.greater(updated, pa.scalar(window.after, pa.timestamp("us", tz="UTC"))))
+        keep = pc.fill_null(keep, False)
+        out = {k: pc.filter(v, keep) for k, v in out.items()}
+        out["updated_at"] = pc.filter(updated, keep)
+        rows = pc.filter(rows, keep)
+    n = len(rows)
+    out["_source"] = pa.array([unit.shard] * n, pa.string())
+    out["_row"] = rows
+    out["_unit"] = pa.array([unit.key] * n, pa.string())
+    out["_unit_rows"] = pa.array([n] * n, pa.int64())
+    out["_unit_error"] = pa.nulls(n, pa.string())
+    return pa.table(out, schema=unit_block_schema(window is not None))
+
+
+def marker_block(unit: WorkUnit, *, with_updated_at: bool, error: str | None) -> pa.Table:
+    """One row standing for a unit with no rows to send (empty, filtered out, or unreadable)."""
+    schema = unit_block_schema(with_updated_at)
+    values: dict[str, Any] = {name: [None] for name in schema.names}
+    values.update({"_source": [unit.shard], "_unit": [unit.key], "_unit_rows": [0], "_unit_error": [error]})
+    return pa.table(values, schema=schema)

@@ -1,0 +1,89 @@
+"""Starts Serve's gRPC proxy and runs the EmotionClassifier application on a Ray cluster.
+
+`serve.start(grpc_options=...)` must come before the first `serve.run`, and the proxy's gRPC
+port and servicer list cannot change while Serve runs, so `start_grpc_proxy` checks what is
+already running instead of silently keeping an old port. Several applications (say a clean
+one and a fault-injected one) can share the proxy: clients pick one with the `application`
+metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from serve_app.settings import ServerSettings
+
+__all__ = ["SERVICER_FUNCTION", "DeploymentOptions", "build_app", "deploy", "start_grpc_proxy"]
+
+SERVICER_FUNCTION = "raypipe.v1.emotion_pb2_grpc.add_EmotionClassifierServicer_to_server"
+
+
+@dataclass(frozen=True)
+class DeploymentOptions:
+    num_replicas: int = 1
+    """Fixed replica count (autoscaling is configured in the RayService manifest)."""
+    num_cpus: float = 1.0
+    """CPUs reserved per replica; TensorFlow's intra-op threads default to this, rounded up."""
+    max_ongoing_requests: int = 16
+    """Calls one replica holds at once; beyond it Serve queues them at the proxy."""
+    max_queued_requests: int = -1
+    """Calls queued per caller before RESOURCE_EXHAUSTED (-1: unbounded)."""
+
+
+def build_app(
+    model_dir: str | Path,
+    settings: ServerSettings | None = None,
+    options: DeploymentOptions | None = None,
+) -> Any:
+    """The bound application, ready for `serve.run`."""
+    from serve_app.app import EmotionClassifier
+    from serve_app.model import read_model_card
+
+    read_model_card(model_dir)  # fail here, with the path, rather than in every replica
+    settings = settings or ServerSettings()
+    options = options or DeploymentOptions()
+    return EmotionClassifier.options(
+        num_replicas=options.num_replicas,
+        max_ongoing_requests=options.max_ongoing_requests,
+        max_queued_requests=options.max_queued_requests,
+        ray_actor_options={"num_cpus": options.num_cpus},
+    ).bind(str(Path(model_dir).resolve()), settings.to_dict())
+
+
+def start_grpc_proxy(grpc_port: int, *, http_port: int = 8000) -> None:
+    """Starts Serve with a gRPC proxy on grpc_port, or checks that the running one matches."""
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": http_port},
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
+    )
+    import ray
+    from ray.serve.context import _get_global_client
+
+    running = ray.get(_get_global_client()._controller.get_grpc_config.remote())
+    if running.port != grpc_port or SERVICER_FUNCTION not in running.grpc_servicer_functions:
+        raise RuntimeError(
+            f"Serve is already running with gRPC port {running.port} and servicers "
+            f"{running.grpc_servicer_functions}; restart Serve to use port {grpc_port}"
+        )
+
+
+def deploy(
+    model_dir: str | Path,
+    *,
+    app_name: str = "raypipe",
+    grpc_port: int = 9000,
+    http_port: int = 8000,
+    settings: ServerSettings | None = None,
+    options: DeploymentOptions | None = None,
+) -> str:
+    """Deploys the app on the connected Ray cluster; returns the gRPC address clients use."""
+    start_grpc_proxy(grpc_port, http_port=http_port)
+    # serve.run returns once every deployment is healthy (replicas loaded and warmed), and
+    # raises if a replica's constructor fails, e.g. on a bad model directory.
+    serve.run(build_app(model_dir, settings, options), name=app_name, route_prefix=f"/{app_name}")
+    return f"127.0.0.1:{grpc_port}"

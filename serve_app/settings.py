@@ -1,0 +1,86 @@
+"""Server-side settings of the EmotionClassifier deployment, including fault injection.
+
+These are chosen by whoever deploys the service (`raypipe serve`, a RayService's
+serveConfigV2), never by a client: no field of a request can switch fault injection on.
+Plain frozen dataclasses so they travel as deployment arguments and parse from YAML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import grpc
+
+__all__ = ["FaultInjection", "ServerSettings"]
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Fails a fraction of Classify calls and/or delays them. Off by default; for tests and drills."""
+
+    fail_fraction: float = 0.0
+    """Fraction of calls answered with `status` instead of a prediction (0 disables)."""
+    status: str = "UNAVAILABLE"
+    """gRPC status code name of the injected failures."""
+    extra_latency_s: float = 0.0
+    """Delay added to every call before it is answered."""
+    seed: int | None = None
+    """Seeds the choice of failing calls, for repeatable drills."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fail_fraction <= 1.0:
+            raise ValueError(f"fail_fraction must be in [0, 1], not {self.fail_fraction}")
+        if self.extra_latency_s < 0:
+            raise ValueError(f"extra_latency_s must be >= 0, not {self.extra_latency_s}")
+        if self.status not in grpc.StatusCode.__members__ or self.status == "OK":
+            raise ValueError(f"status must name a gRPC error code, not {self.status!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.fail_fraction > 0 or self.extra_latency_s > 0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    max_batch_size: int = 256
+    """Most paragraphs accepted in one Classify call; more is INVALID_ARGUMENT."""
+    max_sequence_length: int | None = None
+    """Lowers the model's maximum token length; longer texts are truncated to it."""
+    token_budget: int = 8192
+    """Most (rows x padded length) in one forward pass; bounds memory per batch."""
+    batch_max_calls: int = 8
+    """Calls merged into one forward pass by @serve.batch."""
+    batch_wait_timeout_s: float = 0.005
+    """How long the first call of a batch waits for others to join it."""
+    intra_op_threads: int | None = None
+    """TensorFlow intra-op threads; default: the replica's CPUs, rounded up."""
+    inter_op_threads: int = 1
+    """TensorFlow inter-op threads."""
+    fault: FaultInjection = field(default_factory=FaultInjection)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "token_budget", "batch_max_calls", "inter_op_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.batch_wait_timeout_s < 0:
+            raise ValueError("batch_wait_timeout_s must be >= 0")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ServerSettings:
+        """Parses a plain mapping (YAML, deployment args), rejecting unknown keys."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown server settings: {', '.join(unknown)}")
+        fault = data.pop("fault", None) or {}
+        if isinstance(fault, dict):
+            fault_known = {f.name for f in fields(FaultInjection)}
+            if set(fault) - fault_known:
+                raise ValueError(f"unknown fault settings: {', '.join(sorted(set(fault) - fault_known))}")
+            fault = FaultInjection(**fault)
+        return cls(fault=fault, **data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,101 @@
+"""Test doubles shared by unit tests: an in-process gRPC EmotionClassifier and a fake client.
+
+The fake server speaks the real proto on 127.0.0.1:<port 0>, so the real `GrpcModelClient`
+(channel, metadata, deadlines, error mapping) is exercised without Ray or a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from raypipe.client import BatchResult, ModelInfo
+from raypipe.errors import ModelServiceError
+from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
+
+LABELS = ("sadness", "joy", "love", "anger", "fear", "surprise")
+
+
+def fake_probs(text: str) -> list[float]:
+    """A deterministic distribution derived from the text, so answers can be checked."""
+    digest = hashlib.sha256(text.encode()).digest()
+    raw = np.array([b + 1 for b in digest[: len(LABELS)]], dtype=np.float64)
+    return (raw / raw.sum()).astype(np.float32).tolist()
+
+
+class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
+    def __init__(self) -> None:
+        self.fail_next: list[grpc.StatusCode] = []
+        self.delay_s = 0.0
+        self.metadata_seen: list[dict[str, str]] = []
+        self.calls: Counter[str] = Counter()
+        self.poison = "POISON"
+
+    async def Classify(self, request, context):  # noqa: N802 - the RPC's name
+        self.metadata_seen.append(dict(context.invocation_metadata()))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_next:
+            code = self.fail_next.pop(0)
+            self.calls[code.name] += 1
+            await context.abort(code, f"fake {code.name}")
+        if any(p.text == self.poison for p in request.paragraphs):
+            self.calls["INVALID_ARGUMENT"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "poison paragraph")
+        self.calls["OK"] += 1
+        return emotion_pb2.ClassifyResponse(
+            predictions=[
+                emotion_pb2.Prediction(id=p.id, probabilities=fake_probs(p.text), truncated=len(p.text) > 1000)
+                for p in request.paragraphs
+            ],
+            labels=LABELS,
+            model_version="fake-1",
+        )
+
+    async def ModelInfo(self, request, context):  # noqa: N802
+        return emotion_pb2.ModelInfoResponse(
+            labels=LABELS, model_version="fake-1", max_sequence_length=128, max_batch_size=64
+        )
+
+
+async def start_fake_server() -> tuple[grpc.aio.Server, FakeServicer, str]:
+    server = grpc.aio.server()
+    servicer = FakeServicer()
+    emotion_pb2_grpc.add_EmotionClassifierServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, servicer, f"127.0.0.1:{port}"
+
+
+class ScriptedClient:
+    """A `ModelClient` without a network: answers with fake_probs, or raises scripted errors."""
+
+    def __init__(self, errors: Sequence[ModelServiceError] = (), poison: str = "POISON") -> None:
+        self.errors = list(errors)
+        self.poison = poison
+        self.calls = 0
+        self.paragraphs_ok = 0
+
+    async def classify(self, ids: Sequence[str], texts: Sequence[str]) -> BatchResult:
+        self.calls += 1
+        await asyncio.sleep(0)
+        if self.errors:
+            raise self.errors.pop(0)
+        if self.poison in texts:
+            from raypipe.errors import RequestRejected
+
+            raise RequestRejected("poison", status_code="INVALID_ARGUMENT")
+        self.paragraphs_ok += len(ids)
+        probs = np.array([fake_probs(t) for t in texts], dtype=np.float32).reshape(len(ids), len(LABELS))
+        return BatchResult(LABELS, "fake-1", probs, np.zeros(len(ids), dtype=bool))
+
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo(LABELS, "fake-1", 128, 64)
+
+    async def close(self) -> None:
+        pass

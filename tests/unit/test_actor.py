@@ -1,0 +1,111 @@
+"""InferenceActor on one unit, with a scripted client and a local output (no Ray, no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raypipe.actor import ActorSettings, InferenceActor
+from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
+from raypipe.errors import ServiceOverloaded, ServiceUnavailable
+from raypipe.sinks import committed_units
+from raypipe.sources import ColumnNames, list_shards, plan_units, read_unit
+from raypipe.store import OutputStore
+from tests.fakes import LABELS, ScriptedClient, fake_probs
+
+
+def make_unit(tmp_path, texts):
+    pq.write_table(pa.table({"id": [f"id{i}" for i in range(len(texts))], "text": texts}), tmp_path / "in.parquet")
+    units, _ = plan_units(list_shards(str(tmp_path / "in.parquet")), unit_rows=1000, columns=ColumnNames())
+    return units[0], read_unit(units[0], ColumnNames())
+
+
+def settings(tmp_path, **client):
+    cfg = ClientConfig(
+        micro_batch_size=4,
+        retry=RetryConfig(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002),
+        breaker=BreakerConfig(failure_threshold=50),
+        **client,
+    )
+    return ActorSettings(
+        output_uri=str(tmp_path / "out"), run_id="r1", attempt="a1", service=ServiceConfig(), client=cfg, labels=LABELS
+    )
+
+
+def run_actor(tmp_path, texts, client, **client_cfg):
+    unit, block = make_unit(tmp_path, texts)
+    actor = InferenceActor(settings(tmp_path, **client_cfg), client_factory=lambda: client)
+    summary = asyncio.run(actor(block))
+    store = OutputStore(str(tmp_path / "out"))
+    results = pq.read_table(store.results_file("r1", unit.key)) if store.exists(store.results_file("r1", unit.key)) else None
+    dl_path = store.dead_letter_file("r1", unit.key)
+    dead = pq.read_table(dl_path) if store.exists(dl_path) else None
+    return unit, summary, results, dead, store
+
+
+def test_unit_is_inferred_and_committed_with_every_row_accounted(tmp_path):
+    texts = [f"paragraph number {i}" + "!" * i for i in range(10)] + [None, "", "  "]
+    unit, summary, results, dead, store = run_actor(tmp_path, texts, ScriptedClient())
+    assert dead is None
+    assert sorted(results.column("id").to_pylist()) == sorted(f"id{i}" for i in range(13))
+    rows = {r["id"]: r for r in results.to_pylist()}
+    assert {rows[f"id{i}"]["status"] for i in (10, 11, 12)} == {"empty_text"}
+    assert rows["id10"]["prob_joy"] is None and rows["id10"]["top_label"] is None
+    for i in range(10):
+        r = rows[f"id{i}"]
+        expected = fake_probs(texts[i])
+        assert [r[f"prob_{label}"] for label in LABELS] == pytest.approx(expected, abs=1e-6)
+        assert r["top_label"] == LABELS[max(range(len(LABELS)), key=expected.__getitem__)]
+        assert r["status"] == "ok" and r["run_id"] == "r1" and r["model_version"] == "fake-1"
+        assert r["source"].endswith("in.parquet") and r["row"] == i
+    stats = json.loads(summary.column("summary")[0].as_py())
+    assert (stats["rows"], stats["ok"], stats["empty_text"], stats["dead_letters"]) == (13, 10, 3, 0)
+    assert stats["calls"] == 3 and stats["status_counts"] == {"OK": 3}  # 10 sendable rows / 4 per call
+    assert unit.key in committed_units(store, "r1")
+
+
+def test_transient_failures_are_retried_then_dead_lettered_with_attempts(tmp_path):
+    errors = [ServiceUnavailable("down", status_code="UNAVAILABLE")] * 3  # exhausts one batch's 3 attempts
+    client = ScriptedClient(errors=errors)
+    texts = ["alpha", "beta", "gamma"]  # one micro-batch
+    _, summary, results, dead, _ = run_actor(tmp_path, texts, client)
+    assert results is None
+    assert dead.column("id").to_pylist() == ["id0", "id1", "id2"]
+    assert set(dead.column("grpc_status").to_pylist()) == {"UNAVAILABLE"}
+    assert set(dead.column("error_kind").to_pylist()) == {"unavailable"}
+    assert set(dead.column("attempts").to_pylist()) == {3}
+    assert dead.column("text").to_pylist() == ["alpha", "beta", "gamma"]
+    stats = json.loads(summary.column("summary")[0].as_py())
+    assert stats["status_counts"] == {"UNAVAILABLE": 3} and stats["retries"] == 2
+
+
+def test_retry_success_counts_every_attempt(tmp_path):
+    client = ScriptedClient(errors=[ServiceOverloaded("busy", status_code="RESOURCE_EXHAUSTED")])
+    _, summary, results, dead, _ = run_actor(tmp_path, ["one", "two"], client)
+    assert dead is None and results.num_rows == 2
+    stats = json.loads(summary.column("summary")[0].as_py())
+    assert stats["status_counts"] == {"RESOURCE_EXHAUSTED": 1, "OK": 1}
+
+
+def test_poison_row_is_isolated_by_bisection(tmp_path):
+    texts = ["a1", "b22", "POISON", "d4444"]  # one batch of 4; the poison row is rejected
+    _, _, results, dead, _ = run_actor(tmp_path, texts, ScriptedClient())
+    assert sorted(results.column("id").to_pylist()) == ["id0", "id1", "id3"]
+    assert dead.column("id").to_pylist() == ["id2"]
+    assert dead.column("grpc_status").to_pylist() == ["INVALID_ARGUMENT"]
+    assert dead.column("attempts").to_pylist() == [1]  # permanent: not retried
+
+
+def test_redo_overwrites_and_removes_stale_files(tmp_path):
+    """A unit redone after a crash replaces its files; a stale dead-letter file is removed."""
+    client = ScriptedClient(errors=[ServiceUnavailable("down", status_code="UNAVAILABLE")] * 3)
+    unit, _, _, dead, store = run_actor(tmp_path, ["x", "y"], client)
+    assert dead is not None
+    unit2, _, results, dead2, _ = run_actor(tmp_path, ["x", "y"], ScriptedClient())
+    assert unit2.key == unit.key
+    assert dead2 is None and not store.exists(store.dead_letter_file("r1", unit.key))
+    assert results.num_rows == 2

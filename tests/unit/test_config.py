@@ -1,0 +1,65 @@
+"""The typed config: layering, validation, and clear errors before any data is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from raypipe.config import PipelineConfig, load_config
+from raypipe.errors import ConfigError
+
+
+def test_layers_file_then_env_then_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text(
+        "input: {uri: s3://bucket/in/}\noutput: {uri: /tmp/out}\nservice: {address: 'a:1', timeout_s: 7}\n"
+        "client: {micro_batch_size: 16}\n"
+    )
+    env = {"RAYPIPE_SERVICE__ADDRESS": "b:2", "RAYPIPE_CLIENT__RETRY__MAX_ATTEMPTS": "6", "UNRELATED": "x"}
+    cfg = load_config(f, {"client": {"micro_batch_size": 8}}, environ=env)
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.service.address == "b:2"  # env beats file
+    assert cfg.service.timeout_s == 7  # file kept where nothing overrides
+    assert cfg.client.micro_batch_size == 8  # overrides beat file
+    assert cfg.client.retry.max_attempts == 6  # env values are parsed to their types
+
+
+def test_unknown_keys_are_errors_naming_the_path():
+    with pytest.raises(ConfigError, match=r"client\.retyr: unknown setting"):
+        load_config(None, {"output": {"uri": "/o"}, "client": {"retyr": {}}})
+
+
+def test_env_typos_are_errors_too():
+    with pytest.raises(ConfigError, match="servce"):
+        load_config(None, {"output": {"uri": "/o"}}, environ={"RAYPIPE_SERVCE__ADDRESS": "x:1"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"output": {"uri": "gs://bucket/x"}}, "scheme 'gs' is not supported"),
+        ({"output": {"uri": "s3:///nobucket"}}, "has no bucket"),
+        ({"output": {"uri": "/o"}, "service": {"address": "no-port"}}, "is not host:port"),
+        ({"output": {"uri": "/o"}, "run_id": "../etc"}, "run_id"),
+        ({"output": {"uri": "/o"}, "client": {"limiter": {"min_limit": 9, "max_limit": 3}}}, "min_limit 9 > max_limit 3"),
+        ({"output": {"uri": "/o"}, "client": {"retry": {"max_attempts": 0}}}, "max_attempts"),
+        ({}, "output: Field required"),
+    ],
+)
+def test_bad_values_are_clear(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n- not a mapping\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+
+
+def test_config_is_frozen():
+    cfg = load_config(None, {"output": {"uri": "/o"}})
+    with pytest.raises(Exception, match="frozen"):
+        cfg.output.uri = "/elsewhere"  # type: ignore[misc]

@@ -1,0 +1,117 @@
+"""Listing shards, planning units, reading them, and bad input (local files, no Ray)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raypipe.errors import InputError, NoShardsError, SchemaError
+from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, list_shards, plan_units, read_unit
+
+COLS = ColumnNames()
+
+
+def write_parquet(path, ids, texts, row_group_size=10, **extra):
+    pq.write_table(pa.table({"id": ids, "text": texts, **extra}), path, row_group_size=row_group_size)
+
+
+def test_list_shards_skips_hidden_and_unknown_files(tmp_path):
+    write_parquet(tmp_path / "a.parquet", ["1"], ["x"])
+    (tmp_path / "b.jsonl").write_text('{"id": "2", "text": "y"}\n')
+    (tmp_path / "_SUCCESS").write_text("")
+    (tmp_path / ".a.parquet.crc").write_text("")
+    (tmp_path / "notes.txt").write_text("hi")
+    shards = list_shards(str(tmp_path))
+    assert [(p.rsplit("/", 1)[-1], f) for p, f in shards] == [("a.parquet", "parquet"), ("b.jsonl", "jsonl")]
+
+
+def test_no_shards_is_an_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(NoShardsError, match="matches no shards"):
+        list_shards(str(tmp_path))
+    with pytest.raises(NoShardsError, match="does not exist"):
+        list_shards(str(tmp_path / "nope"))
+
+
+def test_units_follow_row_groups_and_cover_every_row_once(tmp_path):
+    n = 95
+    write_parquet(tmp_path / "a.parquet", [str(i) for i in range(n)], ["t"] * n, row_group_size=10)
+    units, bad = plan_units(list_shards(str(tmp_path)), unit_rows=25, columns=COLS)
+    assert bad == []
+    assert [(u.row_start, u.row_stop) for u in units] == [(0, 20), (20, 40), (40, 60), (60, 80), (80, 95)]
+    rows = [r for u in units for r in read_unit(u, COLS).column("_row").to_pylist()]
+    assert rows == list(range(n))
+    assert len({u.key for u in units}) == len(units)
+
+
+def test_huge_row_group_is_cut_by_rows(tmp_path):
+    write_parquet(tmp_path / "a.parquet", [str(i) for i in range(100)], ["t"] * 100, row_group_size=100)
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, columns=COLS)
+    assert [(u.row_start, u.row_stop) for u in units] == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    ids = [i for u in units for i in read_unit(u, COLS).column("id").to_pylist()]
+    assert ids == [str(i) for i in range(100)]
+
+
+def test_missing_column_fails_at_plan_time_naming_shard_and_column(tmp_path):
+    pq.write_table(pa.table({"id": ["1"], "body": ["x"]}), tmp_path / "a.parquet")
+    with pytest.raises(SchemaError, match=r"column 'text' is missing.*a\.parquet") as info:
+        plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS)
+    assert info.value.column == "text"
+
+
+def test_record_mode_lists_bad_shards_and_keeps_good_ones(tmp_path):
+    write_parquet(tmp_path / "good.parquet", ["1"], ["x"])
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    units, bad = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, on_bad_shard="record")
+    assert [u.shard.rsplit("/", 1)[-1] for u in units] == ["good.parquet"]
+    assert len(bad) == 1 and bad[0]["shard"].endswith("corrupt.parquet")
+    with pytest.raises(InputError, match="corrupt.parquet"):
+        plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, on_bad_shard="fail")
+
+
+def test_integer_ids_become_strings_and_other_types_are_rejected(tmp_path):
+    write_parquet(tmp_path / "a.parquet", pa.array([7, 8], pa.int64()), ["x", "y"])
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS)
+    assert read_unit(units[0], COLS).column("id").to_pylist() == ["7", "8"]
+    write_parquet(tmp_path / "b.parquet", pa.array([1.5], pa.float64()), ["x"])
+    with pytest.raises(SchemaError, match="ids must be strings or integers"):
+        plan_units(list_shards(str(tmp_path / "b.parquet")), unit_rows=10, columns=COLS)
+
+
+def test_jsonl_units_and_custom_column_names(tmp_path):
+    lines = [{"pid": i, "body": f"text {i}", "ts": "2026-01-02T00:00:00Z"} for i in range(5)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    cols = ColumnNames(id="pid", text="body", updated_at="ts")
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=2, columns=cols)
+    assert units == [WorkUnit(units[0].shard, "jsonl", 0, None)]
+    table = read_unit(units[0], cols)
+    assert table.column("id").to_pylist() == ["0", "1", "2", "3", "4"]
+    assert table.column("_unit_rows").to_pylist() == [5] * 5
+
+
+def test_delta_window_selects_new_and_changed_rows(tmp_path):
+    ts = [datetime(2026, 1, d, tzinfo=timezone.utc) for d in (1, 2, 3, 4)]
+    write_parquet(tmp_path / "a.parquet", ["a", "b", "c", "d"], ["w", "x", "y", "z"],
+                  updated_at=pa.array(ts, pa.timestamp("us", tz="UTC")))
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, need_updated_at=True)
+    window = DeltaWindow(after=ts[0], until=ts[2])
+    table = read_unit(units[0], COLS, window)
+    assert table.column("id").to_pylist() == ["b", "c"]
+    assert table.column("_row").to_pylist() == [1, 2]
+    assert table.column("_unit_rows").to_pylist() == [2, 2]
+
+
+def test_delta_needs_updated_at(tmp_path):
+    write_parquet(tmp_path / "a.parquet", ["a"], ["x"])
+    with pytest.raises(SchemaError, match="'updated_at' is missing"):
+        plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, need_updated_at=True)
+
+
+def test_unit_round_trips_through_its_dict():
+    u = WorkUnit("s3://b/k.parquet", "parquet", 10, 20)
+    assert WorkUnit.from_dict(u.to_dict()) == u
+    assert WorkUnit.from_dict(u.to_dict()).key == u.key
