@@ -9,6 +9,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export RAY_USAGE_STATS_ENABLED := 0
+# Keep Ray on 127.0.0.1 (by default it swaps loopback for the host's routable address).
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
 .PHONY: venv protos demo-model demo test unit integration lint typecheck bench clean
 

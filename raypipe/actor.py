@@ -4,7 +4,7 @@ Ray Data hands the actor whole blocks, one per work unit (`raypipe.sources`). Fo
 actor splits the sendable rows into length-sorted micro-batches and sends them all at once;
 each call goes through, in order:
 
-    breaker (wait while the service is down) -> limiter (in-flight cap) -> gRPC client
+    limiter (in-flight cap) -> breaker (wait while the service is down) -> gRPC client
 
 wrapped in the retry layer (`raypipe.retry`, transient codes only). A micro-batch rejected
 with a permanent error is bisected, so one poison paragraph does not take 31 good ones with
@@ -229,38 +229,42 @@ class InferenceActor:
         )
 
     async def _attempt(self, ids: list[str], texts: list[str], stats: UnitStats) -> BatchResult:
-        """One call: wait for the breaker, then for a slot, then ask the service.
+        """One call: take an in-flight slot, then ask the breaker, then call the service.
 
-        The limiter learns latency only from answers and overload signals: a refused
-        connection answers in a millisecond and would otherwise become the baseline.
+        The breaker is asked last, right before the call, so a call admitted while it was
+        closed cannot go out after it opened: only the calls already in flight (at most the
+        limit) fail when the service goes away. The limiter learns latency only from answers
+        and overload signals: a refused connection answers in a millisecond and would
+        otherwise become the baseline.
         """
         client, breaker, limiter = self._components()
-        permit = await breaker.acquire()
-        success = False
+        await limiter.acquire()
+        sample: tuple[float, bool] | None = None  # (latency, dropped) if the service answered
         try:
-            await limiter.acquire()
+            permit = await breaker.acquire()
+            success = False
             started = time.monotonic()
             try:
                 result = await client.classify(ids, texts)
+                success = True
             except ModelServiceError as e:
                 latency = time.monotonic() - started
                 if e.status_code in _OVERLOAD:
-                    limiter.release(latency_s=latency, dropped=True)
-                else:
-                    limiter.release_ignored()
+                    sample = (latency, True)
                 self._count_call(stats, e.status_code, latency)
                 success = not e.transient  # a permanent error means the service is up and answering
                 raise
-            except BaseException:
-                limiter.release_ignored()
-                raise
+            finally:
+                breaker.record(permit, success=success)
             latency = time.monotonic() - started
-            limiter.release(latency_s=latency, dropped=False)
+            sample = (latency, False)
             self._count_call(stats, "OK", latency)
-            success = True
             return result
         finally:
-            breaker.record(permit, success=success)
+            if sample is None:
+                limiter.release_ignored()
+            else:
+                limiter.release(latency_s=sample[0], dropped=sample[1])
 
     @staticmethod
     def _count_call(stats: UnitStats, status: str, latency_s: float) -> None:

@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="deploy the EmotionClassifier Serve app")
     serve.add_argument("--model", required=True, help="model directory")
     serve.add_argument("--grpc-port", type=int, default=9000)
-    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port (default 8000)")
     serve.add_argument("--app-name", default="raypipe")
     serve.add_argument("--num-replicas", type=int, default=1)
     serve.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")

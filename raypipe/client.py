@@ -161,7 +161,7 @@ def check_service(address: str, *, application: str = "raypipe", timeout_s: floa
                 address=address,
             ) from e
         except grpc.RpcError as e:
-            err = map_rpc_error(e, address=address)  # type: ignore[arg-type]
+            err = map_rpc_error(e, address=address)
             raise type(err)(
                 f"model service at {address} (application {application!r}) failed the check: {err}",
                 status_code=err.status_code,

@@ -288,7 +288,8 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str]) -> pa.Tab
     else:
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
-            groups, first_row, offset = [], 0, 0
+            groups: list[int] = []
+            first_row = offset = 0
             for i in range(pf.metadata.num_row_groups):
                 n = pf.metadata.row_group(i).num_rows
                 if offset + n > unit.row_start and (unit.row_stop is None or offset < unit.row_stop):

@@ -67,8 +67,9 @@ class EmotionClassifier:
         self._version = self._model.card.version
         # One thread: forward passes run one at a time, each using all the replica's cores.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self._infer.set_max_batch_size(self._settings.batch_max_calls)
-        self._infer.set_batch_wait_timeout_s(self._settings.batch_wait_timeout_s)
+        # @serve.batch's wrapper carries these setters; its type stubs do not say so.
+        self._infer.set_max_batch_size(self._settings.batch_max_calls)  # type: ignore[attr-defined]
+        self._infer.set_batch_wait_timeout_s(self._settings.batch_wait_timeout_s)  # type: ignore[attr-defined]
         self._fault = self._settings.fault
         self._rng = random.Random(self._fault.seed)
         self._calls: Counter[str] = Counter()
@@ -123,7 +124,7 @@ class EmotionClassifier:
         return emotion_pb2.ModelInfoResponse(
             labels=self._labels,
             model_version=self._version,
-            max_sequence_length=self._model.max_sequence_length,
+            max_sequence_length=self._model.card.max_sequence_length,
             max_batch_size=self._settings.max_batch_size,
         )
 

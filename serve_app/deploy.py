@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 from ray.serve.config import gRPCOptions
@@ -47,7 +47,8 @@ def build_app(
     read_model_card(model_dir)  # fail here, with the path, rather than in every replica
     settings = settings or ServerSettings()
     options = options or DeploymentOptions()
-    return EmotionClassifier.options(
+    # @serve.deployment turned the class into a Deployment, which mypy cannot see.
+    return EmotionClassifier.options(  # type: ignore[attr-defined]
         num_replicas=options.num_replicas,
         max_ongoing_requests=options.max_ongoing_requests,
         max_queued_requests=options.max_queued_requests,
@@ -55,16 +56,21 @@ def build_app(
     ).bind(str(Path(model_dir).resolve()), settings.to_dict())
 
 
-def start_grpc_proxy(grpc_port: int, *, http_port: int = 8000) -> None:
-    """Starts Serve with a gRPC proxy on grpc_port, or checks that the running one matches."""
+def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None) -> None:
+    """Starts Serve with a gRPC proxy on grpc_port, or checks that the running one matches.
+
+    `http_port` matters only when Serve is not running yet (None: Serve's default, 8000).
+    """
     serve.start(
-        http_options={"host": "127.0.0.1", "port": http_port},
+        http_options=None if http_port is None else {"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
     )
     import ray
     from ray.serve.context import _get_global_client
 
-    running = ray.get(_get_global_client()._controller.get_grpc_config.remote())
+    client = _get_global_client()
+    assert client is not None, "serve.start() just ran"
+    running = cast(gRPCOptions, ray.get(client._controller.get_grpc_config.remote()))
     if running.port != grpc_port or SERVICER_FUNCTION not in running.grpc_servicer_functions:
         raise RuntimeError(
             f"Serve is already running with gRPC port {running.port} and servicers "
@@ -77,7 +83,7 @@ def deploy(
     *,
     app_name: str = "raypipe",
     grpc_port: int = 9000,
-    http_port: int = 8000,
+    http_port: int | None = None,
     settings: ServerSettings | None = None,
     options: DeploymentOptions | None = None,
 ) -> str:

@@ -36,7 +36,7 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
         self.calls: Counter[str] = Counter()
         self.poison = "POISON"
 
-    async def Classify(self, request, context):  # noqa: N802 - the RPC's name
+    async def Classify(self, request, context):
         self.metadata_seen.append(dict(context.invocation_metadata()))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
@@ -57,7 +57,7 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
             model_version="fake-1",
         )
 
-    async def ModelInfo(self, request, context):  # noqa: N802
+    async def ModelInfo(self, request, context):
         return emotion_pb2.ModelInfoResponse(
             labels=LABELS, model_version="fake-1", max_sequence_length=128, max_batch_size=64
         )

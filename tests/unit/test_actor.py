@@ -41,7 +41,9 @@ def run_actor(tmp_path, texts, client, **client_cfg):
     actor = InferenceActor(settings(tmp_path, **client_cfg), client_factory=lambda: client)
     summary = asyncio.run(actor(block))
     store = OutputStore(str(tmp_path / "out"))
-    results = pq.read_table(store.results_file("r1", unit.key)) if store.exists(store.results_file("r1", unit.key)) else None
+    results = (
+        pq.read_table(store.results_file("r1", unit.key)) if store.exists(store.results_file("r1", unit.key)) else None
+    )
     dl_path = store.dead_letter_file("r1", unit.key)
     dead = pq.read_table(dl_path) if store.exists(dl_path) else None
     return unit, summary, results, dead, store
@@ -109,3 +111,13 @@ def test_redo_overwrites_and_removes_stale_files(tmp_path):
     assert unit2.key == unit.key
     assert dead2 is None and not store.exists(store.dead_letter_file("r1", unit.key))
     assert results.num_rows == 2
+
+
+def test_successes_close_the_breaker_count(tmp_path):
+    """Failures then successes: the breaker's consecutive count is reset by successful calls."""
+    errors = [ServiceUnavailable("down", status_code="UNAVAILABLE")] * 2
+    _unit, block = make_unit(tmp_path, [f"text {i}" for i in range(40)])
+    actor = InferenceActor(settings(tmp_path), client_factory=lambda: ScriptedClient(errors=errors))
+    asyncio.run(actor(block))
+    stats = actor._breaker.stats()
+    assert stats.consecutive_failures == 0 and stats.openings == 0

@@ -40,7 +40,10 @@ def test_env_typos_are_errors_too():
         ({"output": {"uri": "s3:///nobucket"}}, "has no bucket"),
         ({"output": {"uri": "/o"}, "service": {"address": "no-port"}}, "is not host:port"),
         ({"output": {"uri": "/o"}, "run_id": "../etc"}, "run_id"),
-        ({"output": {"uri": "/o"}, "client": {"limiter": {"min_limit": 9, "max_limit": 3}}}, "min_limit 9 > max_limit 3"),
+        (
+            {"output": {"uri": "/o"}, "client": {"limiter": {"min_limit": 9, "max_limit": 3}}},
+            "min_limit 9 > max_limit 3",
+        ),
         ({"output": {"uri": "/o"}, "client": {"retry": {"max_attempts": 0}}}, "max_attempts"),
         ({}, "output: Field required"),
     ],

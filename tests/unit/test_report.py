@@ -30,16 +30,28 @@ def test_histograms_merge_like_one():
 
 def unit(name, attempt, actor, seq, **kw):
     s = UnitStats(unit=name, shard="s", attempt=attempt, actor=actor, **kw)
-    s.actor_stats = {"seq": seq, "breaker": {"openings": seq, "time_open_s": 1.0 * seq, "probes": seq},
-                     "limiter": {"min": 1, "max": 4 + seq, "final": 3}}
+    s.actor_stats = {
+        "seq": seq,
+        "breaker": {"openings": seq, "time_open_s": 1.0 * seq, "probes": seq},
+        "limiter": {"min": 1, "max": 4 + seq, "final": 3},
+    }
     return s
 
 
 def test_merge_sums_rows_and_keeps_each_actors_latest_snapshot():
     units = [
         unit("u1", "a1", "x", 1, rows=10, ok=9, empty_text=1, status_counts=Counter({"OK": 3})),
-        unit("u2", "a1", "x", 2, rows=5, ok=3, dead_letters=2, dead_letter_kinds=Counter({"unavailable": 2}),
-             status_counts=Counter({"OK": 1, "UNAVAILABLE": 4})),
+        unit(
+            "u2",
+            "a1",
+            "x",
+            2,
+            rows=5,
+            ok=3,
+            dead_letters=2,
+            dead_letter_kinds=Counter({"unavailable": 2}),
+            status_counts=Counter({"OK": 1, "UNAVAILABLE": 4}),
+        ),
         unit("u3", "a2", "y", 1, rows=7, ok=7, status_counts=Counter({"OK": 2})),
     ]
     r = RunReport(run_id="r", mode="backfill")

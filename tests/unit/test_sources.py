@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -69,7 +69,7 @@ def test_record_mode_lists_bad_shards_and_keeps_good_ones(tmp_path):
     units, bad = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, on_bad_shard="record")
     assert [u.shard.rsplit("/", 1)[-1] for u in units] == ["good.parquet"]
     assert len(bad) == 1 and bad[0]["shard"].endswith("corrupt.parquet")
-    with pytest.raises(InputError, match="corrupt.parquet"):
+    with pytest.raises(InputError, match=r"corrupt\.parquet"):
         plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, on_bad_shard="fail")
 
 
@@ -94,9 +94,13 @@ def test_jsonl_units_and_custom_column_names(tmp_path):
 
 
 def test_delta_window_selects_new_and_changed_rows(tmp_path):
-    ts = [datetime(2026, 1, d, tzinfo=timezone.utc) for d in (1, 2, 3, 4)]
-    write_parquet(tmp_path / "a.parquet", ["a", "b", "c", "d"], ["w", "x", "y", "z"],
-                  updated_at=pa.array(ts, pa.timestamp("us", tz="UTC")))
+    ts = [datetime(2026, 1, d, tzinfo=UTC) for d in (1, 2, 3, 4)]
+    write_parquet(
+        tmp_path / "a.parquet",
+        ["a", "b", "c", "d"],
+        ["w", "x", "y", "z"],
+        updated_at=pa.array(ts, pa.timestamp("us", tz="UTC")),
+    )
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, need_updated_at=True)
     window = DeltaWindow(after=ts[0], until=ts[2])
     table = read_unit(units[0], COLS, window)

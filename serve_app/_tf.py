@@ -1,0 +1,24 @@
+"""The one place serve_app imports TensorFlow and transformers' TF models.
+
+transformers 4.57 runs its TF models on tf-keras (Keras 2), not Keras 3, and TensorFlow
+decides what ``tf.keras`` means at import time. So the environment must be set before the
+first ``import tensorflow``; doing it here, lazily, keeps importing ``serve_app`` free of
+work and keeps the setting in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import cast
+
+
+def tensorflow() -> ModuleType:
+    """Return the ``tensorflow`` module, imported with serve_app's environment."""
+    # setdefault: an operator's explicit choice wins.
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    # C++ INFO/WARNING lines (oneDNN, CUDA stubs) would otherwise flood every replica log.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    return cast(ModuleType, tf)

@@ -1,0 +1,178 @@
+"""Session fixtures for integration tests: real parts, started once, on 127.0.0.1 only.
+
+- `s3`: moto's S3 server on a free loopback port; the AWS_* environment points at it, so
+  s3fs (driver, Ray workers, `ray job submit` entrypoints) reaches it with no code change.
+- `ray_cluster`: `ray start --head` with token authentication on (as production runs),
+  its workers inheriting the S3 environment; the test process connects as a driver.
+- `serve_address`: Serve's gRPC proxy and the EmotionClassifier app with the demo model.
+  Tests needing other server settings (fault injection, small capacity) deploy their own
+  application next to it through `deploy_app` and remove it afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@dataclass(frozen=True)
+class S3:
+    endpoint: str
+    env: dict[str, str]
+
+    def fs(self):  # a fresh s3fs filesystem against the endpoint
+        import s3fs
+
+        return s3fs.S3FileSystem(endpoint_url=self.endpoint, key="testing", secret="testing", skip_instance_cache=True)
+
+    def bucket(self, name: str) -> str:
+        fs = self.fs()
+        if not fs.exists(name):
+            fs.mkdir(name)
+        return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3]:
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    patch = pytest.MonkeyPatch()
+    for key, value in env.items():
+        patch.setenv(key, value)
+    yield S3(endpoint, env)
+    patch.undo()
+    server.stop()
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gcs_address: str
+    dashboard_url: str
+    env: dict[str, str]
+    """What a client process needs: the token-auth and S3 settings."""
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3: S3) -> Iterator[Cluster]:
+    import ray
+
+    # tests/conftest.py put the token-auth and loopback settings in the environment.
+    keys = (
+        "RAY_AUTH_MODE",
+        "RAY_AUTH_TOKEN_PATH",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+        "RAY_USAGE_STATS_ENABLED",
+        "HF_HUB_OFFLINE",
+        "TF_CPP_MIN_LOG_LEVEL",
+    )
+    env = {**s3.env, **{k: os.environ[k] for k in keys}}
+    gcs_port, dash_port = free_port(), free_port()
+    subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, check=False)
+    cmd = [
+        str(BIN / "ray"), "start", "--head",
+        f"--port={gcs_port}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash_port}",
+        "--num-cpus=8",  # logical: replicas and actors are mostly waiting, the 2 cores are shared
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    started = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout + started.stderr
+    patch = pytest.MonkeyPatch()
+    for key, value in env.items():
+        patch.setenv(key, value)
+    ray.init(address=f"127.0.0.1:{gcs_port}", logging_level="WARNING", log_to_driver=False)
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+    try:
+        yield Cluster(f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", env)
+    finally:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, check=False, timeout=120)
+            patch.undo()
+
+
+@pytest.fixture(scope="session")
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def serve_address(ray_cluster: Cluster, demo_model_dir: Path, grpc_port: int) -> str:
+    from serve_app.deploy import DeploymentOptions, deploy
+
+    return deploy(
+        demo_model_dir,
+        app_name="raypipe",
+        grpc_port=grpc_port,
+        http_port=free_port(),
+        options=DeploymentOptions(num_cpus=1.0),
+    )
+
+
+@pytest.fixture
+def deploy_app(serve_address: str, demo_model_dir: Path, grpc_port: int) -> Iterator[Callable[..., str]]:
+    """Deploys an extra application on the shared proxy; returns its name. Removed afterwards."""
+    from ray import serve
+
+    from serve_app.deploy import deploy
+
+    names: list[str] = []
+
+    def _deploy(name: str, settings=None, options=None) -> str:
+        deploy(demo_model_dir, app_name=name, grpc_port=grpc_port, settings=settings, options=options)
+        names.append(name)
+        return name
+
+    yield _deploy
+    for name in names:
+        serve.delete(name)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(0.2)

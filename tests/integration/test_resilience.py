@@ -1,0 +1,193 @@
+"""Nothing lost under faults: injected failures, a killed replica, an outage, low capacity, bad requests.
+
+Each test is bounded in time (pytest-timeout) and in the number of calls it makes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from ray import serve
+
+import raypipe
+from raypipe.samples import write_sample_corpus
+from serve_app.deploy import DeploymentOptions
+from serve_app.settings import FaultInjection, ServerSettings
+from tests.integration.conftest import free_port, wait_for
+from tests.integration.helpers import assert_nothing_lost, dead_letters
+from tests.integration.tcp_proxy import TcpProxy
+
+FAST_RETRY = {"initial_backoff_s": 0.05, "max_backoff_s": 0.5}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_sample_corpus(str(tmp_path_factory.mktemp("in") / "c"), rows=1500, parquet_shards=3, jsonl_shards=1)
+
+
+def settings(app: str, **extra):
+    base = {
+        "service": {"application": app, "timeout_s": 20},
+        "input": {"unit_rows": 250},
+        "client": {"micro_batch_size": 16, "retry": dict(FAST_RETRY)},
+        "progress_interval_s": 2,
+    }
+    for key, value in extra.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return base
+
+
+@pytest.mark.timeout(300)
+def test_20_percent_unavailable_completes_and_counts_match_the_server(tmp_path, corpus, serve_address, deploy_app):
+    app = deploy_app("faulty20", ServerSettings(fault=FaultInjection(fail_fraction=0.2, status="UNAVAILABLE", seed=5)))
+    report = raypipe.backfill(corpus.uri, str(tmp_path / "out"), service=serve_address, settings=settings(app))
+    assert report.status == "completed"
+    assert_nothing_lost(tmp_path / "out", corpus.ids)
+    server = serve.get_app_handle(app).stats.remote().result()
+    assert report.status_counts.get("UNAVAILABLE", 0) == server["calls"]["UNAVAILABLE"] > 0
+    assert report.status_counts["OK"] == server["calls"]["OK"]
+    assert report.rows_ok == server["paragraphs"]["OK"]
+    assert report.retries >= server["calls"]["UNAVAILABLE"] - report.rows_dead_letters
+
+
+@pytest.mark.timeout(300)
+def test_dead_letters_are_recorded_then_replayed_into_the_results(tmp_path, corpus, serve_address, deploy_app):
+    app = deploy_app(
+        "faulty-once", ServerSettings(fault=FaultInjection(fail_fraction=0.3, status="UNAVAILABLE", seed=9))
+    )
+    out = str(tmp_path / "out")
+    no_retry = settings(app, client={"retry": {**FAST_RETRY, "max_attempts": 1}})
+    report = raypipe.backfill(corpus.uri, out, service=serve_address, run_id="dl", settings=no_retry)
+    assert report.rows_dead_letters > 0 and report.dead_letter_kinds == {"unavailable": report.rows_dead_letters}
+    dl = dead_letters(out)
+    assert set(dl.column("grpc_status").to_pylist()) == {"UNAVAILABLE"}
+    assert set(dl.column("attempts").to_pylist()) == {1}
+    assert dl.column("text").null_count == 0
+    assert_nothing_lost(out, corpus.ids)
+
+    replayed = raypipe.replay(out, run_id="dl", service=serve_address, settings={"progress_interval_s": 2})
+    assert replayed.status == "completed" and replayed.replay_of == "dl"
+    assert replayed.rows_in == report.rows_dead_letters == replayed.rows_ok
+    results, dead = assert_nothing_lost(out, corpus.ids)
+    assert dead == [] and len(results) == len(corpus.ids)
+
+
+def _replica_actor(app: str):
+    from ray.util.state import list_actors
+
+    alive = [
+        a
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        if a.class_name.startswith("ServeReplica:" + app + ":")
+    ]
+    assert alive, f"no live replica of {app}"
+    return ray.get_actor(alive[0].name, namespace="serve")
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address, deploy_app):
+    app = deploy_app("killable")
+    out = tmp_path / "out"
+    box = {}
+    run = threading.Thread(
+        target=lambda: box.update(
+            report=raypipe.backfill(corpus.uri, str(out), service=serve_address, settings=settings(app))
+        )
+    )
+    run.start()
+    wait_for(lambda: len(list((out / "_raypipe").rglob("units/*.json"))) >= 1, 120, "a first committed unit")
+    ray.kill(_replica_actor(app), no_restart=False)
+    run.join(timeout=240)
+    report = box["report"]
+    assert report.status == "completed"
+    assert_nothing_lost(out, corpus.ids)
+    assert set(report.status_counts) - {"OK"}, "the kill should have failed some calls"
+
+
+@pytest.mark.timeout(300)
+def test_an_outage_opens_the_breaker_and_calls_while_open_stay_bounded(tmp_path, corpus, serve_address, grpc_port):
+    proxy = TcpProxy(grpc_port, free_port()).start()
+    out = tmp_path / "out"
+    threshold, limit_max = 5, 8
+    cfg = settings(
+        "raypipe",
+        client={
+            "breaker": {"failure_threshold": threshold, "reset_timeout_s": 1.0, "max_reset_timeout_s": 4.0},
+            "limiter": {"kind": "adaptive", "initial": 4, "max_limit": limit_max},
+        },
+        actors={"min_actors": 1, "max_actors": 1},
+    )
+    box = {}
+    run = threading.Thread(
+        target=lambda: box.update(report=raypipe.backfill(corpus.uri, str(out), service=proxy.address, settings=cfg))
+    )
+    try:
+        run.start()
+        wait_for(lambda: len(list((out / "_raypipe").rglob("units/*.json"))) >= 1, 120, "a first committed unit")
+        proxy.cut()
+        outage_s = 15.0
+        time.sleep(outage_s)
+        proxy.restore()
+        run.join(timeout=240)
+    finally:
+        proxy.stop()
+    report = box["report"]
+    assert report.status == "completed"
+    assert_nothing_lost(out, corpus.ids)
+    assert report.rows_dead_letters == 0
+    assert report.breaker_openings >= 1 and report.breaker_time_open_s >= 5
+    # The bound: per actor, before the breaker opens, at most the in-flight limit plus the
+    # failure threshold fail; while open, only probes go out, one per reset timeout, which
+    # doubles from 1 s to its 4 s cap: at most 2 + outage/4 probes for a 15 s outage.
+    probes_bound = 2 + int(outage_s / 4.0) + 1
+    assert report.breaker_probes <= probes_bound
+    failed = sum(n for code, n in report.status_counts.items() if code != "OK")
+    assert failed <= limit_max + threshold + probes_bound, report.status_counts
+
+
+@pytest.mark.timeout(420)
+def test_adaptive_limit_avoids_the_deadline_storm_a_fixed_200_causes(tmp_path, corpus, serve_address, deploy_app):
+    app = deploy_app(
+        "small",
+        ServerSettings(batch_max_calls=1, fault=FaultInjection(extra_latency_s=0.02)),
+        DeploymentOptions(max_ongoing_requests=2),
+    )
+
+    def limited(limiter):
+        return settings(
+            app,
+            service={"timeout_s": 1.5},
+            client={"micro_batch_size": 4, "limiter": limiter},
+            actors={"min_actors": 1, "max_actors": 1, "units_per_actor": 2},
+            input={"unit_rows": 750},
+        )
+
+    fixed = raypipe.backfill(
+        corpus.uri, str(tmp_path / "fixed"), service=serve_address, settings=limited({"kind": "fixed", "initial": 200})
+    )
+    adaptive = raypipe.backfill(
+        corpus.uri,
+        str(tmp_path / "adaptive"),
+        service=serve_address,
+        settings=limited({"kind": "adaptive", "initial": 4, "max_limit": 200}),
+    )
+    print(
+        "fixed 200:",
+        fixed.status_counts,
+        fixed.rows_dead_letters,
+        "| adaptive:",
+        adaptive.status_counts,
+        adaptive.limiter,
+        adaptive.rows_dead_letters,
+    )
+    for run, out in ((fixed, "fixed"), (adaptive, "adaptive")):
+        assert run.status == "completed"
+        assert_nothing_lost(tmp_path / out, corpus.ids)
+    storm = fixed.status_counts.get("DEADLINE_EXCEEDED", 0)
+    calm = adaptive.status_counts.get("DEADLINE_EXCEEDED", 0)
+    assert storm >= 50
+    assert calm <= max(5, storm // 20)
+    assert adaptive.limiter["max"] < 200
