@@ -53,6 +53,7 @@ from raypipe.store import OutputStore
 __all__ = ["SUMMARY_SCHEMA", "ActorSettings", "InferenceActor"]
 
 _OVERLOAD = frozenset({"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
+_CALL_OVERHEAD_CHARS = 4000
 
 SUMMARY_SCHEMA = pa.schema(
     [pa.field("unit", pa.string()), pa.field("error", pa.string()), pa.field("summary", pa.string())]
@@ -238,6 +239,9 @@ class InferenceActor:
         otherwise become the baseline.
         """
         client, breaker, limiter = self._components()
+        # The server pads a batch to its longest text: work ~ rows x longest, plus a fixed
+        # cost per call (the RPC, Serve's routing) worth about this many padded characters.
+        cost = _CALL_OVERHEAD_CHARS + len(texts) * max(map(len, texts))
         await limiter.acquire()
         sample: tuple[float, bool] | None = None  # (latency, dropped) if the service answered
         try:
@@ -264,7 +268,7 @@ class InferenceActor:
             if sample is None:
                 limiter.release_ignored()
             else:
-                limiter.release(latency_s=sample[0], dropped=sample[1])
+                limiter.release(latency_s=sample[0], dropped=sample[1], cost=cost)
 
     @staticmethod
     def _count_call(stats: UnitStats, status: str, latency_s: float) -> None:

@@ -63,11 +63,13 @@ class Limiter(Protocol):
 
     async def acquire(self) -> None: ...
 
-    def release(self, *, latency_s: float, dropped: bool) -> None:
+    def release(self, *, latency_s: float, dropped: bool, cost: float = 1.0) -> None:
         """Free a slot after a call that reached the service.
 
         `latency_s` is how long the call took; `dropped` says it failed with an overload
-        signal (RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED).
+        signal (RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED); `cost` is how much work the call
+        asked for (any positive unit), so calls of different sizes compare by latency per
+        unit of work rather than raw latency.
         """
         ...
 
@@ -179,7 +181,7 @@ class FixedLimiter(_SlotLimiter):
     def limit(self) -> int:
         return self._limit
 
-    def release(self, *, latency_s: float, dropped: bool) -> None:
+    def release(self, *, latency_s: float, dropped: bool, cost: float = 1.0) -> None:
         self._free_slot()
         self._samples += 1
         self._wake()
@@ -256,8 +258,12 @@ class AdaptiveLimiter(_SlotLimiter):
     def limit(self) -> int:
         return max(self._min, math.floor(self._limit))
 
-    def release(self, *, latency_s: float, dropped: bool) -> None:
-        """Free the slot and adjust the limit from this sample. Negative latency counts as 0."""
+    def release(self, *, latency_s: float, dropped: bool, cost: float = 1.0) -> None:
+        """Free the slot and adjust the limit from this sample. Negative latency counts as 0.
+
+        The baseline and the smoothed latency are kept per unit of `cost`; the raw latency
+        only dates the call, for the once-per-round-trip rule.
+        """
         in_use = self._in_flight  # including this call: how busy the limiter was
         self._free_slot()
         self._samples += 1
@@ -266,8 +272,9 @@ class AdaptiveLimiter(_SlotLimiter):
         if not dropped:
             # Dropped calls stay out of the latency estimates: a quick RESOURCE_EXHAUSTED
             # would fake a low baseline, a DEADLINE_EXCEEDED only measures the deadline.
-            self._recent.append(latency_s)
-            self._smoothed = latency_s if self._smoothed is None else 0.8 * self._smoothed + 0.2 * latency_s
+            per_cost = latency_s / max(cost, 1e-9)
+            self._recent.append(per_cost)
+            self._smoothed = per_cost if self._smoothed is None else 0.8 * self._smoothed + 0.2 * per_cost
         if dropped or self._too_slow():
             if now - latency_s >= self._last_decrease_at:
                 self._limit = max(self._min, self._limit * self._backoff)

@@ -123,7 +123,10 @@ def run_units(
         compute=ActorPoolStrategy(
             min_size=min(actors.min_actors, len(units)),
             max_size=max(1, min(actors.max_actors, len(units))),
-            max_tasks_in_flight_per_actor=actors.units_per_actor,
+            # Twice the units an actor works on, so one is queued behind each running one
+            # (its read is done before it is needed) and the pool may autoscale (Ray Data
+            # grows it only above 175% of its running capacity).
+            max_tasks_in_flight_per_actor=2 * actors.units_per_actor,
             max_concurrent_calls_per_actor=actors.units_per_actor,
         ),
         num_cpus=actors.num_cpus,

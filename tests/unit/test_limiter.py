@@ -373,3 +373,34 @@ def test_history_stays_bounded() -> None:
     assert stats.history[-1][1] == stats.final
     times = [t for t, _ in stats.history]
     assert times == sorted(times)
+
+
+def test_bigger_calls_taking_longer_in_proportion_are_not_overload() -> None:
+    """Latency is judged per unit of cost: a 5x bigger call may take 5x longer."""
+    clock = FakeClock()
+    limiter = adaptive(clock, initial=10, latency_tolerance=2.0)
+
+    async def main() -> None:
+        for i in range(100):
+            await fill(limiter)
+            cost = 1.0 if i % 2 else 5.0
+            clock.now += 0.1 * cost / limiter.limit
+            limiter.release(latency_s=0.1 * cost, dropped=False, cost=cost)
+
+    asyncio.run(main())
+    assert limiter.stats().decreases == 0
+    assert limiter.limit > 10
+
+
+def test_same_cost_latency_growth_still_backs_off() -> None:
+    clock = FakeClock()
+    limiter = adaptive(clock, initial=10, latency_tolerance=2.0)
+
+    async def main() -> None:
+        for latency in [0.1] * 30 + [0.5] * 30:
+            await fill(limiter)
+            clock.now += latency / limiter.limit
+            limiter.release(latency_s=latency, dropped=False, cost=3.0)
+
+    asyncio.run(main())
+    assert limiter.stats().decreases >= 1
