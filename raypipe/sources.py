@@ -206,7 +206,7 @@ def plan_units(
             else:
                 _check_jsonl_head(shard, columns, need_updated_at)
                 units.append(WorkUnit(shard, "jsonl", 0, None))
-        except (OSError, pa.ArrowException, ValueError) as e:
+        except (OSError, pa.ArrowException, ValueError, InputError) as e:
             if isinstance(e, InputError):
                 err: InputError = e
             else:

@@ -100,6 +100,8 @@ def ray_cluster(s3: S3) -> Iterator[Cluster]:
         "TF_CPP_MIN_LOG_LEVEL",
     )
     env = {**s3.env, **{k: os.environ[k] for k in keys}}
+    # As in an activated virtualenv (or a container image): `python` in a job entrypoint is ours.
+    env["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
     gcs_port, dash_port = free_port(), free_port()
     subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, check=False)
     cmd = [

@@ -66,9 +66,11 @@ def test_missing_column_fails_at_plan_time_naming_shard_and_column(tmp_path):
 def test_record_mode_lists_bad_shards_and_keeps_good_ones(tmp_path):
     write_parquet(tmp_path / "good.parquet", ["1"], ["x"])
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    pq.write_table(pa.table({"id": ["1"], "body": ["x"]}), tmp_path / "other.parquet")
     units, bad = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, on_bad_shard="record")
     assert [u.shard.rsplit("/", 1)[-1] for u in units] == ["good.parquet"]
-    assert len(bad) == 1 and bad[0]["shard"].endswith("corrupt.parquet")
+    assert [b["shard"].rsplit("/", 1)[-1] for b in bad] == ["corrupt.parquet", "other.parquet"]
+    assert "'text' is missing" in bad[1]["error"]
     with pytest.raises(InputError, match=r"corrupt\.parquet"):
         plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, on_bad_shard="fail")
 

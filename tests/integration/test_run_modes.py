@@ -1,0 +1,244 @@
+"""Run modes on a real cluster: job submission, kill-and-resume, daily deltas, bad input, leases."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from ray import serve
+
+import raypipe
+from raypipe.errors import ConfigError, InputError, OutputLockedError, SchemaError
+from raypipe.lease import Lease
+from raypipe.samples import write_sample_corpus
+from raypipe.store import OutputStore
+from tests.integration.conftest import wait_for
+from tests.integration.helpers import assert_nothing_lost, results
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "raypipe", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
+
+
+@pytest.mark.timeout(420)
+def test_backfill_submitted_with_ray_job_submit(s3, ray_cluster, serve_address):
+    bucket = s3.bucket("jobs")
+    corpus = write_sample_corpus(f"{bucket}/in", rows=600, parquet_shards=2, jsonl_shards=1, seed=21)
+    excludes = json.dumps({"excludes": [".venv", ".cache", "demo-output", ".git"]})
+    submit = subprocess.run(
+        [
+            str(Path(PYTHON).parent / "ray"), "job", "submit",
+            "--address", ray_cluster.dashboard_url,
+            "--working-dir", str(REPO),
+            "--runtime-env-json", excludes,
+            "--",
+            "python", "-m", "raypipe", "backfill",
+            "--input", f"{bucket}/in/", "--output", f"{bucket}/out",
+            "--service", serve_address, "--run-id", "job-1", "--set", "input.unit_rows=200",
+        ],
+        capture_output=True, text=True, timeout=360, cwd=REPO,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    assert "succeeded" in submit.stdout and "COMPLETED" in submit.stdout
+    fs = s3.fs()
+    report = json.loads(fs.cat("jobs/out/runs/job-1.json"))
+    assert report["status"] == "completed" and report["rows_in"] == 600
+    files = fs.glob("jobs/out/results/run=job-1/*.parquet")
+    ids = [i for f in files for i in pq.read_table(fs.open(f, "rb")).column("id").to_pylist()]
+    assert sorted(ids) == sorted(corpus.ids)
+
+
+def test_job_submission_without_the_token_is_refused(ray_cluster):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    refused = subprocess.run(
+        [str(Path(PYTHON).parent / "ray"), "job", "list", "--address", ray_cluster.dashboard_url],
+        capture_output=True, text=True, timeout=60, env={**env, "RAY_AUTH_MODE": "disabled"},
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "token" in (refused.stdout + refused.stderr).lower()
+
+
+@pytest.mark.timeout(420)
+def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cluster, serve_address, deploy_app):
+    app = deploy_app("resume")
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=3000, parquet_shards=3, jsonl_shards=0,
+                                 bad_fraction=0.0, row_group_size=50, seed=31)  # fmt: skip
+    out = tmp_path / "out"
+    args = ["backfill", "--input", corpus.uri, "--output", str(out), "--service", serve_address,
+            "--run-id", "resume-1", "--set", f"service.application={app}", "--set", "input.unit_rows=50",
+            "--set", "actors.max_actors=1", "--set", "actors.units_per_actor=2"]  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    driver = subprocess.Popen([PYTHON, "-m", "raypipe", *args], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    units_total = 60
+    markers = out / "_raypipe" / "runs" / "resume-1" / "units"
+    try:
+        wait_for(lambda: len(list(markers.glob("*.json"))) >= 0.3 * units_total, 240, "30% of the units committed")
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    committed_at_kill = len(list(markers.glob("*.json")))
+    assert committed_at_kill < units_total, "the run finished before it could be killed"
+    time.sleep(2)  # let Ray reap the dead driver's actors
+
+    report = raypipe.backfill(corpus.uri, str(out), service=serve_address, run_id="resume-1",
+                              settings={"service": {"application": app}, "input": {"unit_rows": 50}})  # fmt: skip
+    assert report.status == "completed"
+    results_ids, dead = assert_nothing_lost(out, corpus.ids)
+    assert len(results_ids) == len(corpus.ids) and dead == []
+    assert report.units_skipped_committed >= committed_at_kill
+    assert report.rows_skipped_committed == 50 * report.units_skipped_committed
+    assert report.rows_redone <= 0.10 * len(corpus.ids)
+    assert report.rows_in == len(corpus.ids)  # totals span both attempts
+    # The server's own count: every paragraph inferred across both attempts, committed or not.
+    served = serve.get_app_handle(app).stats.remote().result()["paragraphs"]["OK"]
+    assert len(corpus.ids) <= served <= 1.10 * len(corpus.ids), served
+    print(
+        f"resume: committed at kill {committed_at_kill}/{units_total} units; skipped "
+        f"{report.rows_skipped_committed} rows; redone {report.rows_redone} rows; server inferred {served}"
+    )
+
+
+def _write_day2(input_dir: Path, day1_ids: list[str], when: datetime) -> tuple[list[str], list[str]]:
+    """Adds a shard with 40 changed paragraphs (same ids, new text) and 60 new ones."""
+    changed = day1_ids[:40]
+    new = [f"new{i:04d}" for i in range(60)]
+    ids = changed + new
+    texts = [f"I am furious and outraged, this is infuriating ({i})" for i in changed] + [
+        f"What a wonderful, joyful surprise party ({i})" for i in new
+    ]
+    table = pa.table(
+        {"id": ids, "text": texts, "updated_at": pa.array([when] * len(ids), pa.timestamp("us", tz="UTC"))}
+    )
+    pq.write_table(table, input_dir / "day2.parquet")
+    return changed, new
+
+
+@pytest.mark.timeout(420)
+def test_daily_runs_send_only_new_and_changed_rows(tmp_path, serve_address, deploy_app):
+    app = deploy_app("daily")
+    day1 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    input_dir = tmp_path / "in"
+    corpus = write_sample_corpus(str(input_dir), rows=500, parquet_shards=2, jsonl_shards=1, bad_fraction=0.0,
+                                 updated_at=day1, seed=41)  # fmt: skip
+    out = str(tmp_path / "out")
+    cfg = {"service": {"application": app}, "input": {"unit_rows": 100}}
+    handle = serve.get_app_handle(app)
+
+    r1 = raypipe.daily(input_dir.as_posix(), out, service=serve_address, until=day1 + timedelta(days=1), settings=cfg)
+    assert r1.status == "completed" and r1.rows_in == 500
+    after_day1 = handle.stats.remote().result()["paragraphs"]["OK"]
+    assert after_day1 == 500
+
+    changed, new = _write_day2(input_dir, corpus.ids, day1 + timedelta(days=1, hours=12))
+    r2 = raypipe.daily(input_dir.as_posix(), out, service=serve_address, until=day1 + timedelta(days=2), settings=cfg)
+    sent_day2 = handle.stats.remote().result()["paragraphs"]["OK"] - after_day1
+    assert sent_day2 == len(changed) + len(new) == r2.rows_in
+    assert r2.window["after"] == (day1 + timedelta(days=1)).isoformat()
+
+    # A third run with nothing new sends nothing and still commits (and moves the watermark).
+    r3 = raypipe.daily(input_dir.as_posix(), out, service=serve_address, until=day1 + timedelta(days=3), settings=cfg)
+    assert r3.status == "completed" and r3.rows_in == 0
+    assert handle.stats.remote().result()["paragraphs"]["OK"] - after_day1 == sent_day2
+
+    latest = duckdb.sql(LATEST_SQL.format(results=f"{out}/results/*/*.parquet")).arrow().read_all()
+    rows = {r["id"]: r for r in latest.to_pylist()}
+    assert len(rows) == 500 + len(new)
+    assert all(rows[i]["run"] == r2.run_id for i in changed + new)
+    assert {rows[i]["top_label"] for i in changed} == {"anger"}
+    assert all(rows[i]["run"] == r1.run_id for i in corpus.ids[40:])
+
+    with pytest.raises(ConfigError, match="not after the watermark"):
+        raypipe.daily(input_dir.as_posix(), out, service=serve_address, until=day1, settings=cfg)
+
+
+# The README's "latest result per id" query, verbatim.
+LATEST_SQL = """
+SELECT * EXCLUDE (rn) FROM (
+  SELECT *, row_number() OVER (PARTITION BY id ORDER BY updated_at DESC, inferred_at DESC) AS rn
+  FROM read_parquet('{results}', hive_partitioning = true)
+) WHERE rn = 1
+"""
+
+
+def test_bad_input_outcomes(tmp_path, serve_address):
+    good = write_sample_corpus(str(tmp_path / "in"), rows=300, parquet_shards=2, jsonl_shards=0, bad_fraction=0.0,
+                               seed=51)  # fmt: skip
+    in_dir = tmp_path / "in"
+    (in_dir / "corrupt.parquet").write_bytes(b"PAR1" + os.urandom(300) + b"PAR1")
+    pq.write_table(pa.table({"paragraph_id": ["x1"], "body": ["other schema"]}), in_dir / "other_schema.parquet")
+    pq.write_table(pa.table({"id": pa.array([10, 11], pa.int64()), "text": ["int id one", "int id two"]}),
+                   in_dir / "int_ids.parquet")  # fmt: skip
+    dup_ids = good.ids[:3]
+    pq.write_table(pa.table({"id": dup_ids, "text": ["dup a", "dup b", "dup c"]}), in_dir / "dups.parquet")
+    out = tmp_path / "out"
+
+    # Default: a bad shard stops the run before any inference, naming the shard.
+    with pytest.raises(InputError, match=r"corrupt\.parquet"):
+        raypipe.backfill(str(in_dir), str(out), service=serve_address)
+    assert not (out / "results").exists()
+
+    # on_bad_shard=record: bad shards are listed, the rest is processed, the run is incomplete.
+    report = raypipe.backfill(str(in_dir), str(out), service=serve_address, run_id="bad",
+                              settings={"input": {"on_bad_shard": "record"}})  # fmt: skip
+    assert report.status == "incomplete"
+    assert sorted(Path(b["shard"]).name for b in report.bad_shards) == ["corrupt.parquet", "other_schema.parquet"]
+    assert any("column 'id' is missing" in b["error"] for b in report.bad_shards)
+    table = results(out)
+    ids = table.column("id").to_pylist()
+    assert {"10", "11"} <= set(ids)  # integer ids become their decimal strings
+    # Duplicate ids: every occurrence is inferred and kept, told apart by source and row.
+    for dup in dup_ids:
+        rows = [r for r in table.to_pylist() if r["id"] == dup]
+        assert len(rows) == 2 and len({r["source"] for r in rows}) == 2
+    assert sorted(set(ids)) == sorted(set(good.ids) | {"10", "11"})
+
+    with pytest.raises(SchemaError, match="ids must be strings or integers"):
+        pq.write_table(pa.table({"id": [1.5], "text": ["float id"]}), tmp_path / "float.parquet")
+        raypipe.backfill(str(tmp_path / "float.parquet"), str(tmp_path / "out2"), service=serve_address)
+
+
+def test_cli_exit_codes_and_clear_errors(tmp_path, serve_address, ray_cluster):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    bad_key = cli("backfill", "--input", str(tmp_path), "--output", str(tmp_path / "o"), "--set", "clinet.x=1", env=env)
+    assert bad_key.returncode == 2 and "clinet: unknown setting" in bad_key.stderr
+    bad_uri = cli("backfill", "--input", "gs://bucket/x", "--output", str(tmp_path / "o"), env=env)
+    assert bad_uri.returncode == 2 and "scheme 'gs' is not supported" in bad_uri.stderr
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=50, parquet_shards=1, jsonl_shards=0, seed=61)
+    ok = cli("backfill", "--input", corpus.uri, "--output", str(tmp_path / "o"), "--service", serve_address,
+             "--run-id", "cli-1", env=env)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "run cli-1 (backfill): COMPLETED" in ok.stdout
+    shown = cli("report", "--output", str(tmp_path / "o"), "--run-id", "cli-1", env=env)
+    assert shown.returncode == 0 and "rows          in 50" in shown.stdout
+
+
+def test_two_runs_on_one_s3_output_cannot_both_write(s3):
+    store = OutputStore(f"{s3.bucket('leases')}/out")
+    first = Lease(store, "run-a", duration_s=60)
+    first.acquire()
+    try:
+        with pytest.raises(OutputLockedError, match="run-a"):
+            Lease(store, "run-b", duration_s=60).acquire()
+    finally:
+        first.release()
+    second = Lease(store, "run-b", duration_s=60)
+    second.acquire()
+    assert second.held()
+    second.release()
+    assert not store.exists(store.state("lease.json"))
