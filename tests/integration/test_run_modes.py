@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -132,7 +132,7 @@ def _write_day2(input_dir: Path, day1_ids: list[str], when: datetime) -> tuple[l
 @pytest.mark.timeout(420)
 def test_daily_runs_send_only_new_and_changed_rows(tmp_path, serve_address, deploy_app):
     app = deploy_app("daily")
-    day1 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    day1 = datetime(2026, 1, 1, tzinfo=UTC)
     input_dir = tmp_path / "in"
     corpus = write_sample_corpus(str(input_dir), rows=500, parquet_shards=2, jsonl_shards=1, bad_fraction=0.0,
                                  updated_at=day1, seed=41)  # fmt: skip
