@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 # Keep Ray on 127.0.0.1 (by default it swaps loopback for the host's routable address).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: venv protos demo-model demo test unit integration lint typecheck bench clean
+.PHONY: venv protos demo-model demo test unit integration lint typecheck clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,9 +46,6 @@ integration: $(STAMP)
 
 test: lint typecheck  ## lint, types, unit tests, then integration tests (real Ray, Serve, moto S3)
 	$(PY) -m pytest tests -q -ra
-
-bench: $(STAMP)  ## throughput and memory against the ceilings (see bench/README.md)
-	$(PY) -m bench
 
 clean:
 	rm -rf demo-output .pytest_cache .mypy_cache .ruff_cache

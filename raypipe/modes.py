@@ -148,6 +148,9 @@ def _run(
                     f"it cannot be resumed as a {mode} of {config.input.uri if config.input else None}"
                 )
             logger.info("resuming run %s: %d planned units", run_id, len(plan.units))
+            if plan.bad_shards and config.input is not None:
+                plan = _retry_bad_shards(config, plan)
+                store.write_json(plan_path, plan.to_dict())
         else:
             plan = make_plan(store, run_id)
             store.write_json(plan_path, plan.to_dict())
@@ -242,6 +245,22 @@ def _input_plan(config: PipelineConfig, mode: str, window: DeltaWindow | None) -
     )
     logger.info("planned %d units over %d shards (%d bad)", len(units), len(shards), len(bad))
     return _Plan(mode, config.input.uri, units, bad, window)
+
+
+def _retry_bad_shards(config: PipelineConfig, plan: _Plan) -> _Plan:
+    """Plans again the shards an earlier attempt recorded as bad: a fixed shard joins the run."""
+    assert config.input is not None
+    shards = [(b["shard"], b["format"]) for b in plan.bad_shards]
+    units, bad = plan_units(
+        shards,  # type: ignore[arg-type]
+        unit_rows=config.input.unit_rows,
+        columns=_columns(config),
+        need_updated_at=plan.window is not None,
+        on_bad_shard="record",
+    )
+    if units:
+        logger.info("%d shard(s) recorded as bad are readable now: %d units added", len(shards) - len(bad), len(units))
+    return _Plan(plan.mode, plan.input, plan.units + units, bad, plan.window, plan.replay_of)
 
 
 def backfill(config: PipelineConfig, *, client_factory: Callable[[], ModelClient] | None = None) -> RunReport:

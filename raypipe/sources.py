@@ -213,7 +213,7 @@ def plan_units(
                 err = InputError(f"cannot read {fmt} shard: {type(e).__name__}: {e}", shard=shard)
             if on_bad_shard == "fail":
                 raise err from e
-            bad.append({"shard": shard, "error": str(err)})
+            bad.append({"shard": shard, "format": fmt, "error": str(err)})
     return units, bad
 
 

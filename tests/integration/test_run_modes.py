@@ -208,6 +208,15 @@ def test_bad_input_outcomes(tmp_path, serve_address):
         assert len(rows) == 2 and len({r["source"] for r in rows}) == 2
     assert sorted(set(ids)) == sorted(set(good.ids) | {"10", "11"})
 
+    # Fixing the bad shards and running the same run id again completes the run.
+    pq.write_table(pa.table({"id": ["fixed2"], "text": ["renamed columns, fixed"]}), in_dir / "other_schema.parquet")
+    pq.write_table(pa.table({"id": ["fixed1"], "text": ["the corrupt shard, rewritten"]}), in_dir / "corrupt.parquet")
+    again = raypipe.backfill(str(in_dir), str(out), service=serve_address, run_id="bad",
+                             settings={"input": {"on_bad_shard": "record"}})  # fmt: skip
+    assert again.status == "completed" and again.bad_shards == []
+    assert {"fixed1", "fixed2"} <= set(results(out).column("id").to_pylist())
+    assert again.units_skipped_committed == report.units_committed
+
     with pytest.raises(SchemaError, match="ids must be strings or integers"):
         pq.write_table(pa.table({"id": [1.5], "text": ["float id"]}), tmp_path / "float.parquet")
         raypipe.backfill(str(tmp_path / "float.parquet"), str(tmp_path / "out2"), service=serve_address)
