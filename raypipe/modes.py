@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from raypipe.actor import ActorSettings
-from raypipe.client import ModelClient, check_service
+from raypipe.client import check_service
 from raypipe.config import ClientConfig, PipelineConfig
 from raypipe.errors import ConfigError
 from raypipe.lease import Lease
@@ -104,7 +104,6 @@ def _run(
     config: PipelineConfig,
     mode: str,
     make_plan: Callable[[OutputStore, str], _Plan],
-    client_factory: Callable[[], ModelClient] | None,
     results_run_id: Callable[[str, _Plan], str] = lambda run_id, plan: run_id,
     after_commit: Callable[[OutputStore, str, _Plan, list[UnitStats]], None] | None = None,
 ) -> RunReport:
@@ -114,16 +113,10 @@ def _run(
     t0 = time.monotonic()
     report = RunReport(run_id=run_id, mode=mode, output=config.output.uri, started_at=started_at.isoformat())
 
-    if client_factory is None:
-        info = check_service(
-            config.service.address, application=config.service.application, timeout_s=config.service.connect_timeout_s
-        )
-        labels, version, max_batch = info.labels, info.model_version, info.max_batch_size
-    else:
-        import asyncio
-
-        info = asyncio.run(client_factory().model_info())
-        labels, version, max_batch = info.labels, info.model_version, info.max_batch_size
+    info = check_service(
+        config.service.address, application=config.service.application, timeout_s=config.service.connect_timeout_s
+    )
+    labels, version, max_batch = info.labels, info.model_version, info.max_batch_size
     client_cfg = config.client
     if max_batch and client_cfg.micro_batch_size > max_batch:
         logger.warning(
@@ -148,12 +141,19 @@ def _run(
                     f"it cannot be resumed as a {mode} of {config.input.uri if config.input else None}"
                 )
             logger.info("resuming run %s: %d planned units", run_id, len(plan.units))
+            if stored.get("model_version") not in (None, version):
+                logger.warning(
+                    "run %s was started with model %s and resumes with %s: its rows will carry both versions",
+                    run_id,
+                    stored["model_version"],
+                    version,
+                )
             if plan.bad_shards and config.input is not None:
                 plan = _retry_bad_shards(config, plan)
-                store.write_json(plan_path, plan.to_dict())
+                store.write_json(plan_path, {**plan.to_dict(), "model_version": stored.get("model_version")})
         else:
             plan = make_plan(store, run_id)
-            store.write_json(plan_path, plan.to_dict())
+            store.write_json(plan_path, {**plan.to_dict(), "model_version": version})
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
         if plan.window is not None:
             report.window = {"after": _iso(plan.window.after), "until": _iso(plan.window.until)}
@@ -185,6 +185,7 @@ def _run(
             _ensure_ray()
         progress = Progress(len(todo), sum(u.expected_rows or 0 for u in todo) or None, config.progress_interval_s)
         bad = list(plan.bad_shards)
+        units_by_key = {u.key: u for u in todo}
         this_attempt: list[UnitStats] = []
         for outcome in run_units(
             todo,
@@ -193,11 +194,11 @@ def _run(
             on_bad_shard=config.input.on_bad_shard if config.input else "fail",
             settings=settings,
             actors=config.actors,
-            client_factory=client_factory,
         ):
             progress.update(outcome.stats)
             if outcome.error is not None:
-                bad.append({"shard": outcome.unit, "error": outcome.error})
+                unit = units_by_key[outcome.unit]
+                bad.append({"shard": unit.shard, "format": unit.format, "error": outcome.error})
             if outcome.stats is not None:
                 this_attempt.append(outcome.stats)
                 if outcome.unit in redone:
@@ -263,20 +264,15 @@ def _retry_bad_shards(config: PipelineConfig, plan: _Plan) -> _Plan:
     return _Plan(plan.mode, plan.input, plan.units + units, bad, plan.window, plan.replay_of)
 
 
-def backfill(config: PipelineConfig, *, client_factory: Callable[[], ModelClient] | None = None) -> RunReport:
+def backfill(config: PipelineConfig) -> RunReport:
     """Infers every row of the input; resumable by run id."""
-    return _run(config, "backfill", lambda store, run_id: _input_plan(config, "backfill", None), client_factory)
+    return _run(config, "backfill", lambda store, run_id: _input_plan(config, "backfill", None))
 
 
 WATERMARK = "watermark.json"
 
 
-def daily(
-    config: PipelineConfig,
-    *,
-    until: datetime | None = None,
-    client_factory: Callable[[], ModelClient] | None = None,
-) -> RunReport:
+def daily(config: PipelineConfig, *, until: datetime | None = None) -> RunReport:
     """Infers rows new or changed since the last committed daily run, as a new partition."""
 
     def make_plan(store: OutputStore, run_id: str) -> _Plan:
@@ -294,15 +290,10 @@ def daily(
         store.write_json(store.state(WATERMARK), {"updated_at": _iso(plan.window.until), "run_id": run_id})
         logger.info("watermark advanced to %s", plan.window.until.isoformat())
 
-    return _run(config, "daily", make_plan, client_factory, after_commit=advance)
+    return _run(config, "daily", make_plan, after_commit=advance)
 
 
-def replay(
-    config: PipelineConfig,
-    *,
-    of_run: str,
-    client_factory: Callable[[], ModelClient] | None = None,
-) -> RunReport:
+def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
     """Re-infers run `of_run`'s dead letters and merges the answers into its results."""
     if config.run_id is None:
         config = config.model_copy(update={"run_id": f"{of_run}.replay-{_stamp()}"})
@@ -324,9 +315,7 @@ def replay(
     def finish(store: OutputStore, run_id: str, plan: _Plan, stats: list[UnitStats]) -> None:
         _finish_replays(store, of_run)
 
-    return _run(
-        config, "replay", make_plan, client_factory, results_run_id=lambda run_id, plan: of_run, after_commit=finish
-    )
+    return _run(config, "replay", make_plan, results_run_id=lambda run_id, plan: of_run, after_commit=finish)
 
 
 def _finish_replays(store: OutputStore, of_run: str) -> None:

@@ -25,7 +25,6 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from raypipe.actor import ActorSettings, InferenceActor
-from raypipe.client import ModelClient
 from raypipe.config import ActorPoolConfig
 from raypipe.errors import InputError
 from raypipe.report import UnitStats
@@ -99,7 +98,6 @@ def run_units(
     on_bad_shard: Literal["fail", "record"],
     settings: ActorSettings,
     actors: ActorPoolConfig,
-    client_factory: Callable[[], ModelClient] | None = None,
 ) -> Iterator[UnitResult]:
     """Runs the pipeline over units, yielding each unit's outcome as it is committed."""
     if not units:
@@ -116,7 +114,7 @@ def run_units(
     )
     ds = ds.map_batches(
         InferenceActor,
-        fn_constructor_kwargs={"settings": settings, "client_factory": client_factory},
+        fn_constructor_kwargs={"settings": settings},
         batch_size=None,
         batch_format="pyarrow",
         zero_copy_batch=True,

@@ -121,3 +121,37 @@ def test_successes_close_the_breaker_count(tmp_path):
     asyncio.run(actor(block))
     stats = actor._breaker.stats()
     assert stats.consecutive_failures == 0 and stats.openings == 0
+
+
+def test_rows_still_waiting_on_an_open_breaker_past_max_wait_become_dead_letters(tmp_path):
+    """The service never comes back: batches waiting on the open breaker give up after max_wait_s.
+
+    The batch holding the probe spends its retry budget (its calls reach the service); the
+    others wait, and past `breaker.max_wait_s` their rows are dead-lettered as `circuit_open`.
+    """
+    down = [ServiceUnavailable("down", status_code="UNAVAILABLE")] * 1000
+    unit, block = make_unit(tmp_path, [f"row {i}" for i in range(40)])  # 10 micro-batches of 4
+    cfg = settings(tmp_path)
+    client_cfg = cfg.client.model_copy(
+        update={
+            "retry": RetryConfig(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.002),
+            "breaker": BreakerConfig(
+                failure_threshold=1, reset_timeout_s=0.05, max_reset_timeout_s=0.05, max_wait_s=0.3
+            ),
+        }
+    )
+    actor = InferenceActor(
+        ActorSettings(**{**cfg.__dict__, "client": client_cfg}), client_factory=lambda: ScriptedClient(errors=down)
+    )
+    summary = asyncio.run(actor(block))
+    store = OutputStore(str(tmp_path / "out"))
+    dead = pq.read_table(store.dead_letter_file("r1", unit.key))
+    kinds = dead.column("error_kind").to_pylist()
+    assert len(kinds) == 40 and set(kinds) <= {"circuit_open", "unavailable"}
+    assert kinds.count("circuit_open") >= 20
+    stats = json.loads(summary.column("summary")[0].as_py())
+    breaker = actor._breaker.stats()
+    # What reached the service: the calls in flight when it went down (the initial limit, 4),
+    # then only probes, one per reset period.
+    assert stats["calls"] <= 4 + breaker.probes
+    assert breaker.calls_rejected >= 5
