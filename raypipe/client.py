@@ -45,6 +45,11 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     # Retries live in raypipe.retry, one layer only: switch off the channel's own.
     ("grpc.enable_retries", 0),
+    # After an outage the channel fails fast until its reconnect backoff expires (by default
+    # it grows to 120 s); cap it so a returning service is seen within seconds.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 4000),
 )
 
 

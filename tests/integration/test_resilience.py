@@ -111,7 +111,7 @@ def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address,
 def test_an_outage_opens_the_breaker_and_calls_while_open_stay_bounded(tmp_path, corpus, serve_address, grpc_port):
     proxy = TcpProxy(grpc_port, free_port()).start()
     out = tmp_path / "out"
-    threshold, limit_max = 5, 8
+    threshold, limit_max, outage_s = 5, 8, 15.0
     cfg = settings(
         "raypipe",
         client={
@@ -128,24 +128,38 @@ def test_an_outage_opens_the_breaker_and_calls_while_open_stay_bounded(tmp_path,
         run.start()
         wait_for(lambda: len(list((out / "_raypipe").rglob("units/*.json"))) >= 1, 120, "a first committed unit")
         proxy.cut()
-        outage_s = 15.0
         time.sleep(outage_s)
         proxy.restore()
         run.join(timeout=240)
     finally:
         proxy.stop()
     report = box["report"]
+    print(
+        f"outage: status {report.status_counts}, openings {report.breaker_openings}, "
+        f"open {report.breaker_time_open_s} s, probes {report.breaker_probes}"
+    )
     assert report.status == "completed"
     assert_nothing_lost(out, corpus.ids)
     assert report.rows_dead_letters == 0
     assert report.breaker_openings >= 1 and report.breaker_time_open_s >= 5
-    # The bound: per actor, before the breaker opens, at most the in-flight limit plus the
-    # failure threshold fail; while open, only probes go out, one per reset timeout, which
-    # doubles from 1 s to its 4 s cap: at most 2 + outage/4 probes for a 15 s outage.
-    probes_bound = 2 + int(outage_s / 4.0) + 1
+    # The bound, per actor: while open, one probe per reset timeout (1 s doubling to its 4 s
+    # cap), plus the probe that closes it; before it opens, the calls in flight (at most the
+    # limit) and `threshold` more can fail.
+    probes_bound = probes_within(report.breaker_time_open_s) + report.breaker_openings
     assert report.breaker_probes <= probes_bound
     failed = sum(n for code, n in report.status_counts.items() if code != "OK")
-    assert failed <= limit_max + threshold + probes_bound, report.status_counts
+    assert failed <= limit_max + threshold * report.breaker_openings + probes_bound, report.status_counts
+    assert report.breaker_time_open_s <= outage_s + 10  # closes soon after the service is back
+
+
+def probes_within(open_s: float, reset_s: float = 1.0, cap_s: float = 4.0) -> int:
+    """How many reset periods start within open_s seconds of opening (doubling, capped)."""
+    n, t, period = 0, 0.0, reset_s
+    while t + period <= open_s + 1e-9:
+        t += period
+        n += 1
+        period = min(cap_s, 2 * period)
+    return n
 
 
 @pytest.mark.timeout(420)
