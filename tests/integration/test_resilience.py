@@ -47,6 +47,10 @@ def test_20_percent_unavailable_completes_and_counts_match_the_server(tmp_path, 
     assert report.status == "completed"
     assert_nothing_lost(tmp_path / "out", corpus.ids)
     server = serve.get_app_handle(app).stats.remote().result()
+    print(
+        f"20% UNAVAILABLE: client {report.status_counts}, server {server['calls']}, "
+        f"retries {report.retries}, dead letters {report.rows_dead_letters}"
+    )
     assert report.status_counts.get("UNAVAILABLE", 0) == server["calls"]["UNAVAILABLE"] > 0
     assert report.status_counts["OK"] == server["calls"]["OK"]
     assert report.rows_ok == server["paragraphs"]["OK"]
@@ -102,6 +106,10 @@ def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address,
     ray.kill(_replica_actor(app), no_restart=False)
     run.join(timeout=240)
     report = box["report"]
+    print(
+        f"replica killed: {report.status_counts}, retries {report.retries}, "
+        f"dead letters {report.rows_dead_letters}, breaker openings {report.breaker_openings}"
+    )
     assert report.status == "completed"
     assert_nothing_lost(out, corpus.ids)
     assert set(report.status_counts) - {"OK"}, "the kill should have failed some calls"
