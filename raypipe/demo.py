@@ -49,7 +49,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     results = pads.dataset(str(work / "output" / "results"), format="parquet", partitioning="hive")
     table = results.to_table(filter=pc.field("status") == "ok")
     print("\nexample predictions:")
-    texts = dict(zip(corpus.ids, _texts(work / "input"), strict=False))
+    texts = dict(zip(corpus.ids, corpus.texts, strict=True))
     for row in table.slice(0, 5).to_pylist():
         text = (texts.get(row["id"]) or "")[:70]
         print(f"  {row['id']}  {row['top_label']:<9} {row['top_score']:.2f}  {text!r}")
@@ -58,14 +58,3 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     print(f"demo wall time: {time.monotonic() - t0:.1f} s")
     lost = len(corpus.ids) - report.rows_results - report.rows_dead_letters
     return 0 if report.status == "completed" and lost == 0 else 1
-
-
-def _texts(input_dir: Path) -> list[str]:
-    import pyarrow.dataset as pads
-
-    out: list[str] = []
-    for fmt, pattern in (("parquet", "*.parquet"), ("json", "*.jsonl")):
-        files = sorted(str(p) for p in input_dir.glob(pattern))
-        if files:
-            out += pads.dataset(files, format=fmt).to_table(columns=["text"]).column("text").to_pylist()
-    return out

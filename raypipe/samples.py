@@ -26,6 +26,8 @@ _BAD_TEXTS = (None, "", "   ", "\n\t ")
 class SampleCorpus:
     uri: str
     ids: list[str]
+    texts: list[str | None]
+    """The text written for each id, in the order of `ids`."""
     bad_ids: list[str]
     """Rows whose text is null, empty or whitespace: recorded with status `empty_text`."""
     labels: dict[str, int]
@@ -83,4 +85,4 @@ def write_sample_corpus(
                 json.dumps({"id": ids[i], "text": texts[i], "updated_at": stamps[i].isoformat()}) for i in range(lo, hi)
             ]
             fs.pipe_file(f"{root}/part-{k:03d}.jsonl", ("\n".join(lines) + "\n").encode())
-    return SampleCorpus(uri, ids, bad_ids, labels)
+    return SampleCorpus(uri, ids, texts, bad_ids, labels)

@@ -119,5 +119,4 @@ def started_units(store: OutputStore, run_id: str) -> set[str]:
 
 
 def now_utc() -> datetime:
-
     return datetime.now(UTC)

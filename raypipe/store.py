@@ -44,8 +44,8 @@ class OutputStore:
 
     def __init__(self, uri: str) -> None:
         self.uri = uri.rstrip("/")
-        self._fs: fsspec.AbstractFileSystem | None = None
         fs, root = url_to_fs(self.uri)
+        self._fs: fsspec.AbstractFileSystem | None = fs
         self._root = root.rstrip("/")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.is_local = protocol in ("file", "local")

@@ -79,6 +79,31 @@ def test_dead_letters_are_recorded_then_replayed_into_the_results(tmp_path, corp
     assert dead == [] and len(results) == len(corpus.ids)
 
 
+def backfill_in_background(input_uri, out, service, cfg):
+    """Starts a backfill in a thread and returns, once its first unit is committed, a `finish`
+    that waits for the run and returns its report (or raises its error)."""
+    box = {}
+
+    def run():
+        try:
+            box["report"] = raypipe.backfill(input_uri, str(out), service=service, settings=cfg)
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_for(lambda: len(list((out / "_raypipe").rglob("units/*.json"))) >= 1 or not thread.is_alive(), 120,
+             "a first committed unit")  # fmt: skip
+
+    def finish():
+        thread.join(timeout=240)
+        if "error" in box:
+            raise box["error"]
+        return box["report"]
+
+    return finish
+
+
 def _replica_actor(app: str):
     from ray.util.state import list_actors
 
@@ -95,17 +120,9 @@ def _replica_actor(app: str):
 def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address, deploy_app):
     app = deploy_app("killable")
     out = tmp_path / "out"
-    box = {}
-    run = threading.Thread(
-        target=lambda: box.update(
-            report=raypipe.backfill(corpus.uri, str(out), service=serve_address, settings=settings(app))
-        )
-    )
-    run.start()
-    wait_for(lambda: len(list((out / "_raypipe").rglob("units/*.json"))) >= 1, 120, "a first committed unit")
+    finish = backfill_in_background(corpus.uri, out, serve_address, settings(app))
     ray.kill(_replica_actor(app), no_restart=False)
-    run.join(timeout=240)
-    report = box["report"]
+    report = finish()
     print(
         f"replica killed: {report.status_counts}, retries {report.retries}, "
         f"dead letters {report.rows_dead_letters}, breaker openings {report.breaker_openings}"
@@ -128,20 +145,14 @@ def test_an_outage_opens_the_breaker_and_calls_while_open_stay_bounded(tmp_path,
         },
         actors={"min_actors": 1, "max_actors": 1},
     )
-    box = {}
-    run = threading.Thread(
-        target=lambda: box.update(report=raypipe.backfill(corpus.uri, str(out), service=proxy.address, settings=cfg))
-    )
     try:
-        run.start()
-        wait_for(lambda: len(list((out / "_raypipe").rglob("units/*.json"))) >= 1, 120, "a first committed unit")
+        finish = backfill_in_background(corpus.uri, out, proxy.address, cfg)
         proxy.cut()
         time.sleep(outage_s)
         proxy.restore()
-        run.join(timeout=240)
+        report = finish()
     finally:
         proxy.stop()
-    report = box["report"]
     print(
         f"outage: status {report.status_counts}, openings {report.breaker_openings}, "
         f"open {report.breaker_time_open_s} s, probes {report.breaker_probes}"
