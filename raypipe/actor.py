@@ -1,15 +1,29 @@
 """The async inference actor: one work unit in, its results and dead letters committed.
 
 Ray Data hands the actor whole blocks, one per work unit (`raypipe.sources`). For a unit the
-actor splits the sendable rows into length-sorted micro-batches and sends them all at once;
-each call goes through, in order:
+actor splits the sendable rows into length-sorted micro-batches and sends them all at once.
+Each micro-batch is one *call*, and a call goes through, in this order:
 
-    limiter (in-flight cap) -> breaker (wait while the service is down) -> gRPC client
+    breaker (one permit per call; waits while the service is down)
+      -> retry (`raypipe.retry`: transient codes, a few attempts with backoff)
+        -> limiter (one in-flight slot per attempt) -> gRPC client
 
-wrapped in the retry layer (`raypipe.retry`, transient codes only). A micro-batch rejected
-with a permanent error is bisected, so one poison paragraph does not take 31 good ones with
-it. Rows that still fail become dead letters with their error; rows with no text are recorded
-with `status="empty_text"` and never sent. The unit is then committed (`raypipe.sinks`), and
+The breaker sees one outcome per call, after its retries, never one per attempt. An attempt
+whose permit went stale while it waited for a slot (the breaker opened meanwhile) does not
+go out: it waits on the breaker again, so an outage costs the calls already in flight.
+
+Who is at fault when a call fails after its retries:
+- the service (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, CANCELLED): the rows go
+  back to be sent again; the breaker decides when the service is down, and when it stays down
+  past `breaker.max_wait_s` the run stops with `CircuitOpenError`, its rows still to do;
+- maybe the rows (INTERNAL, UNKNOWN, INVALID_ARGUMENT, ...; or a service-fault code that keeps
+  failing this batch for `retry.max_attempts` calls): a one-paragraph *canary* call decides.
+  If the canary fails too, every call fails alike: it is the service, handled as above. If it
+  succeeds, the batch is bisected, and a row that still fails when sent alone, while other
+  calls succeed, becomes a dead letter (a poison paragraph).
+
+Rows with no text are recorded with `status="empty_text"` and never sent. The unit is then
+committed through `raypipe.sinks.UnitCommitter` (fenced by the run's lease generation), and
 the actor returns the unit's summary, which the driver folds into the run report.
 
 All of one actor's concurrent units share its breaker, limiter and channel, all created
@@ -19,6 +33,7 @@ lazily inside Ray Data's event loop for the actor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -31,10 +46,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.breaker import CircuitBreaker
+from raypipe.breaker import CircuitBreaker, Permit
 from raypipe.client import BatchResult, GrpcModelClient, ModelClient
 from raypipe.config import ClientConfig, ServiceConfig
-from raypipe.errors import CircuitOpenError, ModelServiceError, SinkError
+from raypipe.errors import ModelServiceError, SinkError
+from raypipe.lease import Fence
 from raypipe.limiter import AdaptiveLimiter, FixedLimiter, Limiter
 from raypipe.report import UnitStats
 from raypipe.retry import RetryPolicy, call_with_retries
@@ -42,9 +58,8 @@ from raypipe.sinks import (
     DEAD_LETTER_SCHEMA,
     RESULT_STATUS_EMPTY,
     RESULT_STATUS_OK,
-    commit_unit,
+    UnitCommitter,
     label_column,
-    mark_started,
     now_utc,
     results_schema,
 )
@@ -53,7 +68,18 @@ from raypipe.store import OutputStore
 __all__ = ["SUMMARY_SCHEMA", "ActorSettings", "InferenceActor"]
 
 _OVERLOAD = frozenset({"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
-_CALL_OVERHEAD_CHARS = 4000
+# The canary: a paragraph no model rejects, so its failure can only be the service's.
+_CANARY_ID = "raypipe-canary"
+_CANARY_TEXT = "The weather is fine today."
+
+
+# (latency, dropped, answer) of an attempt the limiter may learn from.
+_Sample = tuple[float, bool, BatchResult | None]
+
+
+class _StalePermit(Exception):
+    """The breaker opened after this call's permit was issued: the attempt must not go out."""
+
 
 SUMMARY_SCHEMA = pa.schema(
     [pa.field("unit", pa.string()), pa.field("error", pa.string()), pa.field("summary", pa.string())]
@@ -74,6 +100,10 @@ class ActorSettings:
     labels: tuple[str, ...]
     state_run_id: str | None = None
     """Where commit markers go, if not under `run_id` (a replay keeps its own)."""
+    fence: Fence | None = None
+    """The attempt's lease fence: every commit checks it first."""
+    replaces: dict[str, str] | None = None
+    """Replays: unit key -> the dead-letter file (stem) whose rows the unit re-infers."""
 
     @property
     def marker_run_id(self) -> str:
@@ -96,7 +126,12 @@ class InferenceActor:
     def __init__(self, settings: ActorSettings, client_factory: Callable[[], ModelClient] | None = None) -> None:
         self._settings = settings
         self._client_factory = client_factory
-        self._store = OutputStore(settings.output_uri)
+        self._committer = UnitCommitter(
+            OutputStore(settings.output_uri),
+            settings.run_id,
+            fence=settings.fence,
+            marker_run_id=settings.marker_run_id,
+        )
         self._schema = results_schema(settings.labels)
         self._actor_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._client: ModelClient | None = None
@@ -111,7 +146,13 @@ class InferenceActor:
             self._client = (
                 self._client_factory()
                 if self._client_factory
-                else GrpcModelClient(s.address, application=s.application, timeout_s=s.timeout_s)
+                else GrpcModelClient(
+                    s.address,
+                    application=s.application,
+                    timeout_s=s.timeout_s,
+                    max_timeout_s=s.max_timeout_s,
+                    deadline_safety=s.deadline_safety,
+                )
             )
             b = c.breaker
             self._breaker = CircuitBreaker(
@@ -129,7 +170,8 @@ class InferenceActor:
                     min_limit=lim.min_limit,
                     max_limit=lim.max_limit,
                     backoff_ratio=lim.backoff_ratio,
-                    latency_tolerance=lim.latency_tolerance,
+                    queue_tolerance=lim.queue_tolerance,
+                    outside_slack_s=lim.outside_slack_s,
                 )
             )
         assert self._breaker is not None and self._limiter is not None
@@ -162,20 +204,12 @@ class InferenceActor:
         started = time.monotonic()
         if marker_only:
             rows = rows.slice(0, 0)
-        await asyncio.to_thread(mark_started, self._store, self._settings.marker_run_id, unit, self._settings.attempt)
+        await asyncio.to_thread(self._committer.mark_started, unit, self._settings.attempt)
         results, dead = await self._infer_unit(rows, stats)
         stats.seconds = round(time.monotonic() - started, 3)
         stats.actor_stats = self._actor_snapshot()
-        await asyncio.to_thread(
-            commit_unit,
-            self._store,
-            self._settings.run_id,
-            unit,
-            results,
-            dead,
-            stats.to_dict(),
-            self._settings.marker_run_id,
-        )
+        replaces = (self._settings.replaces or {}).get(unit)
+        await asyncio.to_thread(self._committer.commit, unit, results, dead, stats.to_dict(), replaces=replaces)
         return None, stats
 
     async def _infer_unit(self, rows: pa.Table, stats: UnitStats) -> tuple[pa.Table, pa.Table]:
@@ -196,32 +230,43 @@ class InferenceActor:
     async def _classify(
         self, batch: np.ndarray, ids: Sequence[str], texts: Sequence[str], stats: UnitStats
     ) -> list[_Outcome]:
-        """Classifies a micro-batch; bisects it on permanent errors to isolate bad rows."""
+        """Classifies a micro-batch until it is answered, or its rows are proven at fault.
+
+        `CircuitOpenError` (the service stayed down) propagates: the unit is not committed.
+        """
         batch_ids = [ids[i] for i in batch]
         batch_texts = [texts[i] for i in batch]
-        calls = 0
+        attempts = 0
+        failed_calls = 0
+        max_calls = self._settings.client.retry.max_attempts
+        while True:
+            try:
+                result = await self._call(batch_ids, batch_texts, stats)
+                return [_Outcome(batch, result=result)]
+            except ModelServiceError as e:
+                attempts += e.attempts
+                failed_calls += 1
+                if e.service_fault and failed_calls < max_calls:
+                    continue  # the service is down or slow: send the rows again (the breaker paces it)
+                if not await self._service_answers(stats):
+                    continue  # every call fails alike: it is the service, not these rows
+                if len(batch) > 1:
+                    mid = len(batch) // 2
+                    left, right = await asyncio.gather(
+                        self._classify(batch[:mid], ids, texts, stats),
+                        self._classify(batch[mid:], ids, texts, stats),
+                    )
+                    return left + right
+                return [_Outcome(batch, error=e, attempts=attempts)]
 
-        async def attempt() -> BatchResult:
-            nonlocal calls
-            calls += 1
-            return await self._attempt(batch_ids, batch_texts, stats)
-
-        def on_retry(attempt_number: int, exc: BaseException) -> None:
-            stats.retries += 1
-
+    async def _service_answers(self, stats: UnitStats) -> bool:
+        """Sends the canary paragraph: does the service answer a call that cannot be at fault?"""
+        stats.canaries += 1
         try:
-            result = await call_with_retries(attempt, self._retry_policy(), on_retry=on_retry)
-            return [_Outcome(batch, result=result)]
-        except ModelServiceError as e:
-            if not e.transient and len(batch) > 1:
-                mid = len(batch) // 2
-                left, right = await asyncio.gather(
-                    self._classify(batch[:mid], ids, texts, stats), self._classify(batch[mid:], ids, texts, stats)
-                )
-                return left + right
-            return [_Outcome(batch, error=e, attempts=calls)]
-        except CircuitOpenError as e:
-            return [_Outcome(batch, error=e, attempts=calls)]
+            await self._call([_CANARY_ID], [_CANARY_TEXT], stats)
+        except ModelServiceError:
+            return False
+        return True
 
     def _retry_policy(self) -> RetryPolicy:
         r = self._settings.client.retry
@@ -229,46 +274,82 @@ class InferenceActor:
             max_attempts=r.max_attempts, initial_backoff_s=r.initial_backoff_s, max_backoff_s=r.max_backoff_s
         )
 
-    async def _attempt(self, ids: list[str], texts: list[str], stats: UnitStats) -> BatchResult:
-        """One call: take an in-flight slot, then ask the breaker, then call the service.
+    async def _call(self, ids: list[str], texts: list[str], stats: UnitStats) -> BatchResult:
+        """One call: an in-flight slot, a breaker permit, then attempts until it succeeds or fails for good.
 
-        The breaker is asked last, right before the call, so a call admitted while it was
-        closed cannot go out after it opened: only the calls already in flight (at most the
-        limit) fail when the service goes away. The limiter learns latency only from answers
-        and overload signals: a refused connection answers in a millisecond and would
-        otherwise become the baseline.
+        The limiter's slot is held for the whole call, retries and backoff included, so an
+        outage costs at most `limit` calls' attempts before the breaker opens. The breaker
+        records the call's final outcome once. Any failure counts against the service here;
+        whether the rows were at fault is decided by the caller's canary.
         """
-        client, breaker, limiter = self._components()
-        # The server pads a batch to its longest text: work ~ rows x longest, plus a fixed
-        # cost per call (the RPC, Serve's routing) worth about this many padded characters.
-        cost = _CALL_OVERHEAD_CHARS + len(texts) * max(map(len, texts))
+        _, breaker, limiter = self._components()
+        last: list[_Sample] = []
+
+        def on_retry(attempt_number: int, exc: BaseException) -> None:
+            stats.retries += 1
+
         await limiter.acquire()
-        sample: tuple[float, bool] | None = None  # (latency, dropped) if the service answered
         try:
-            permit = await breaker.acquire()
-            success = False
-            started = time.monotonic()
-            try:
-                result = await client.classify(ids, texts)
-                success = True
-            except ModelServiceError as e:
-                latency = time.monotonic() - started
-                if e.status_code in _OVERLOAD:
-                    sample = (latency, True)
-                self._count_call(stats, e.status_code, latency)
-                success = not e.transient  # a permanent error means the service is up and answering
-                raise
-            finally:
-                breaker.record(permit, success=success)
-            latency = time.monotonic() - started
-            sample = (latency, False)
-            self._count_call(stats, "OK", latency)
-            return result
+            while True:
+                permit = await breaker.acquire()
+                success = False
+                try:
+                    result = await call_with_retries(
+                        functools.partial(self._attempt, ids, texts, stats, permit, last),
+                        self._retry_policy(),
+                        on_retry=on_retry,
+                    )
+                    success = True
+                    return result
+                except _StalePermit:
+                    continue  # the breaker opened while this call waited: wait on it again
+                finally:
+                    breaker.record(permit, success=success)
         finally:
-            if sample is None:
-                limiter.release_ignored()
-            else:
-                limiter.release(latency_s=sample[0], dropped=sample[1], cost=cost)
+            self._release(limiter, last[-1] if last else None)
+
+    async def _attempt(
+        self, ids: list[str], texts: list[str], stats: UnitStats, permit: Permit, samples: list[_Sample]
+    ) -> BatchResult:
+        """One attempt: check the breaker still admits the call, call the service, note what it said.
+
+        The breaker is checked right before the RPC, so an attempt admitted while it was
+        closed cannot go out after it opened: only the attempts already in flight fail when the
+        service goes away. The limiter learns only from answers (with the replica's report of
+        its queue) and overload signals; other failures say nothing about load (`samples` gets
+        an entry only for those).
+        """
+        client, breaker, _ = self._components()
+        if not breaker.admits(permit):
+            raise _StalePermit()
+        started = time.monotonic()
+        try:
+            result = await client.classify(ids, texts)
+        except ModelServiceError as e:
+            latency = time.monotonic() - started
+            if e.status_code in _OVERLOAD:
+                samples.append((latency, True, None))
+            self._count_call(stats, e.status_code, latency)
+            raise
+        latency = time.monotonic() - started
+        samples.append((latency, False, result))
+        self._count_call(stats, "OK", latency)
+        return result
+
+    @staticmethod
+    def _release(limiter: Limiter, sample: _Sample | None) -> None:
+        """Frees the call's slot, teaching the limiter from the call's last answer or overload signal."""
+        if sample is None:
+            limiter.release_ignored()
+            return
+        latency, dropped, answer = sample
+        server = answer.server if answer is not None else None
+        limiter.release(
+            latency_s=latency,
+            dropped=dropped,
+            replica_s=server.replica_s if server else None,
+            batches_ahead=server.batches_ahead if server else None,
+        )
 
     @staticmethod
     def _count_call(stats: UnitStats, status: str, latency_s: float) -> None:

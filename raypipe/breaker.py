@@ -41,9 +41,11 @@ others waiting (up to their `max_wait_s`)::
     finally:
         breaker.record(permit, success=success)
 
-Where it sits: limiter → retry → **breaker (per attempt)** → client. The breaker knows
-nothing of gRPC: the caller decides what a failure is (`success=False` for transient
-service failures only; a permanent error means the service answered, so `success=True`).
+Where it sits: **breaker (one permit per call)** → retry → limiter → client. It counts calls,
+not retry attempts: a call records one outcome, after its retries. An attempt checks
+`admits(permit)` right before it goes out, so one admitted while the breaker was closed does
+not go out after it opened. The breaker knows nothing of gRPC: the caller decides what a
+failure is.
 """
 
 from __future__ import annotations
@@ -178,6 +180,12 @@ class CircuitBreaker:
             if self._state is BreakerState.OPEN:
                 wake_at = min(wake_at, self._probe_at)
             await self._wait_for_change(wake_at - now)
+
+    def admits(self, permit: Permit) -> bool:
+        """May an attempt under `permit` go out now? False once the breaker opened after it was issued."""
+        if permit._generation != self._generation:
+            return False
+        return self._state is BreakerState.CLOSED or (permit._is_probe and self._state is BreakerState.HALF_OPEN)
 
     def record(self, permit: Permit, *, success: bool) -> None:
         """Report how the attempt made under `permit` went.

@@ -1,11 +1,14 @@
 """The `raypipe` command line (also `python -m raypipe`, e.g. as a `ray job submit` entrypoint).
 
     raypipe model build-demo DIR
+    raypipe model export (--from-hf DIR | --from-savedmodel DIR --labels A,B --tokenizer DIR) OUT
+    raypipe model check DIR
     raypipe serve --model DIR [--grpc-port 9000] [--detach]
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--until ISO]
-    raypipe replay   --output URI --run-id ID [--service HOST:PORT]
+    raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
     raypipe report   --output URI --run-id ID
+    raypipe gc       --output URI [--older-than-days 7]
     raypipe demo
 
 Run commands also take `--config FILE` and `--set section.key=value` (repeatable); the
@@ -48,6 +51,12 @@ def _add_run_args(p: argparse.ArgumentParser, *, with_input: bool) -> None:
     p.add_argument("--service", help="host:port of the Serve gRPC proxy (default 127.0.0.1:9000)")
     p.add_argument("--config", help="a YAML or JSON config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="take over the live lease of an earlier attempt of the same run at once (it is fenced off) "
+        "instead of waiting for it to expire",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +68,22 @@ def _parser() -> argparse.ArgumentParser:
     demo_model = model.add_parser("build-demo", help="build the offline demo model (cached)")
     demo_model.add_argument("dir")
     demo_model.add_argument("--force", action="store_true", help="rebuild even if cached")
+    export = model.add_parser("export", help="export a fine-tuned checkpoint to a served model directory")
+    source = export.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-hf", metavar="DIR", help="a local Hugging Face checkpoint (TF or PyTorch safetensors)")
+    source.add_argument("--from-savedmodel", metavar="DIR", help="a TF SavedModel (needs --labels and --tokenizer)")
+    export.add_argument("out", help="the model directory to write")
+    export.add_argument("--labels", help="label names in output order, comma-separated (default: id2label)")
+    export.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint's)")
+    export.add_argument("--max-length", type=int, help="most tokens per text (default: the model's limit)")
+    export.add_argument("--name", help="version prefix (default: model type and size, e.g. bert-6x384)")
+    export.add_argument("--signature", default="serving_default", help="SavedModel signature to serve")
+    export.add_argument("--output", help="SavedModel signature output to serve (default: probabilities or logits)")
+    export.add_argument("--output-kind", choices=("auto", "logits", "probabilities"), default="auto")
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    check = model.add_parser("check", help="load a model directory as the server does; show its card and predictions")
+    check.add_argument("dir")
+    check.add_argument("--text", action="append", help="a text to classify (repeatable; default: a few samples)")
 
     serve = sub.add_parser("serve", help="deploy the EmotionClassifier Serve app")
     serve.add_argument("--model", required=True, help="model directory")
@@ -67,8 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--app-name", default="raypipe")
     serve.add_argument("--num-replicas", type=int, default=1)
     serve.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
-    serve.add_argument("--max-ongoing-requests", type=int, default=16)
+    serve.add_argument("--max-ongoing-requests", type=int, default=64, help="calls one replica holds at once")
+    serve.add_argument(
+        "--max-queued-requests", type=int, default=256, help="calls queued at the proxy before RESOURCE_EXHAUSTED"
+    )
     serve.add_argument("--settings", help="YAML file of server settings (serve_app.settings.ServerSettings)")
+    serve.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "auto"),
+        help="compute precision (overrides --settings); bf16 needs AVX512_BF16 or AMX, auto picks it when present",
+    )
     serve.add_argument("--detach", action="store_true", help="deploy and return (needs a running cluster)")
 
     backfill = sub.add_parser("backfill", help="classify every paragraph of the input")
@@ -83,6 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="re-infer a run's dead letters into its results")
     _add_run_args(replay, with_input=False)
     replay.add_argument("--run-id", required=True, help="the run whose dead letters to replay")
+    replay.add_argument(
+        "--replay-id",
+        help="names the replay (default: resume the latest unfinished <run-id>.replay-<n>, else a new one)",
+    )
+
+    gc = sub.add_parser("gc", help="remove the unit state of runs committed long ago (reports stay)")
+    gc.add_argument("--output", required=True)
+    gc.add_argument("--older-than-days", type=float, default=7.0)
 
     report = sub.add_parser("report", help="print a run's report")
     report.add_argument("--output", required=True)
@@ -105,9 +146,9 @@ def _run(args: argparse.Namespace) -> int:
         input=getattr(args, "input", None),
         output=args.output,
         service=args.service,
-        run_id=None if args.command == "replay" else args.run_id,
+        run_id=args.replay_id if args.command == "replay" else args.run_id,
         config_file=args.config,
-        settings=_set_pairs(args.set),
+        settings=_set_pairs(args.set + (["output.take_over_lease=true"] if args.force else [])),
     )
     report: RunReport
     if args.command == "backfill":
@@ -122,7 +163,53 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK if report.status == "completed" else EXIT_INCOMPLETE
 
 
+def _model(args: argparse.Namespace) -> int:
+    from serve_app.model import ModelDirError
+
+    try:
+        if args.model_command == "build-demo":
+            from serve_app.demo_model import build_demo_model
+
+            print(build_demo_model(args.dir, force=args.force))
+        elif args.model_command == "export":
+            print(_export(args))
+        else:
+            from serve_app.export import check_model_dir
+
+            print(check_model_dir(args.dir, texts=args.text).render())
+    # ModelDirError (and ExportError, a subclass) names the file at fault; ValueError is a bad
+    # argument (a version name, a label list).
+    except (ModelDirError, ValueError) as e:
+        print(f"raypipe: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> Any:
+    from serve_app.export import export_hf_checkpoint, export_saved_model
+
+    labels = None if args.labels is None else [x.strip() for x in args.labels.split(",")]
+    common: dict[str, Any] = {"max_sequence_length": args.max_length, "name": args.name, "overwrite": args.force}
+    if args.from_hf is not None:
+        if args.signature != "serving_default" or args.output is not None or args.output_kind != "auto":
+            raise ValueError("--signature, --output and --output-kind apply to --from-savedmodel only")
+        return export_hf_checkpoint(args.from_hf, args.out, labels=labels, tokenizer_dir=args.tokenizer, **common)
+    if labels is None or args.tokenizer is None:
+        raise ValueError("--from-savedmodel needs --labels and --tokenizer")
+    return export_saved_model(
+        args.from_savedmodel,
+        args.out,
+        labels=labels,
+        tokenizer_dir=args.tokenizer,
+        signature=args.signature,
+        output=args.output,
+        output_kind=args.output_kind,
+        **common,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
     import time
 
     import ray
@@ -136,6 +223,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.settings:
         with open(args.settings) as f:
             settings = ServerSettings.from_dict(yaml.safe_load(f))
+    if args.precision:
+        settings = dataclasses.replace(settings, precision=args.precision)
     if args.detach:
         ray.init(address="auto", logging_level=logging.WARNING)
     else:
@@ -147,7 +236,10 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         settings=settings,
         options=DeploymentOptions(
-            num_replicas=args.num_replicas, num_cpus=args.num_cpus, max_ongoing_requests=args.max_ongoing_requests
+            num_replicas=args.num_replicas,
+            num_cpus=args.num_cpus,
+            max_ongoing_requests=args.max_ongoing_requests,
+            max_queued_requests=args.max_queued_requests,
         ),
     )
     print(f"EmotionClassifier serving on {address} (application {args.app_name!r})", flush=True)
@@ -173,8 +265,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=1))
     else:
-        data.pop("rows_results", None)
-        print(RunReport(**data).render())
+        print(RunReport.from_dict(data).render())
     return EXIT_OK
 
 
@@ -188,14 +279,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "model":
-            from serve_app.demo_model import build_demo_model
-
-            print(build_demo_model(args.dir, force=args.force))
-            return EXIT_OK
+            return _model(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "gc":
+            from raypipe.modes import gc as collect
+
+            removed = collect(args.output, older_than_days=args.older_than_days)
+            print(f"removed the unit state of {removed['runs']} run(s) ({removed['files']} files)")
+            return EXIT_OK
         if args.command == "demo":
             from raypipe.demo import run_demo
 

@@ -6,11 +6,20 @@ of Ray. It is also the one place where gRPC's errors become raypipe's (`map_rpc_
 
 The channel is created lazily on the first call, inside the running event loop: grpc.aio
 channels are bound to the loop they were made in, and actors are constructed outside it.
+
+Deadlines fit the work (`Deadlines`): a call gets `safety` x the time it should take, which
+by Little's law is the work this client has in flight with it (characters) over the rate at
+which the service has been answering this client, never less than a floor. A healthy but
+busy service is then never timed out, however deep the batching queue, while a stalled one
+still is. The server's own view of each call (queue wait, compute time, batches ahead) comes
+back in trailing metadata and is handed to the limiter as `BatchResult.server`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,19 +30,33 @@ from raypipe.errors import (
     ModelServiceError,
     RequestRejected,
     ServiceCancelled,
+    ServiceInternal,
     ServiceOverloaded,
     ServiceTimeout,
     ServiceUnavailable,
 )
 from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 
-__all__ = ["BatchResult", "GrpcModelClient", "ModelClient", "ModelInfo", "check_service", "map_rpc_error"]
+__all__ = [
+    "BatchResult",
+    "Deadlines",
+    "GrpcModelClient",
+    "ModelClient",
+    "ModelInfo",
+    "ServerTiming",
+    "check_service",
+    "map_rpc_error",
+]
 
 _TRANSIENT: dict[grpc.StatusCode, type[ModelServiceError]] = {
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: ServiceTimeout,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ServiceOverloaded,
     grpc.StatusCode.CANCELLED: ServiceCancelled,
+    # A replica that dies mid-call (killed, OOM, a poison paragraph crashing the model)
+    # answers INTERNAL or UNKNOWN: retried, and attributed by the actor before any row is blamed.
+    grpc.StatusCode.INTERNAL: ServiceInternal,
+    grpc.StatusCode.UNKNOWN: ServiceInternal,
 }
 
 # Large enough for a micro-batch of long paragraphs (and their answers) in one message.
@@ -53,6 +76,41 @@ _CHANNEL_OPTIONS = (
 )
 
 
+# Trailing-metadata keys of the replica's timing (serve_app.app.TIMING_KEYS; a unit test
+# keeps the two equal, since the client must not import the server's Ray code).
+_TIMING_KEYS = {
+    "queue_s": "raypipe-queue-ms",
+    "compute_s": "raypipe-compute-ms",
+    "replica_s": "raypipe-replica-ms",
+    "batches_ahead": "raypipe-batches-ahead",
+}
+
+
+@dataclass(frozen=True)
+class ServerTiming:
+    """The replica's view of one answered call (from its trailing metadata)."""
+
+    queue_s: float
+    """Arrival in the replica to the start of the call's batch (tokenizing included)."""
+    compute_s: float
+    """The forward passes of the call's batch (shared with the other calls in it)."""
+    replica_s: float
+    """Arrival in the replica to the answer."""
+    batches_ahead: int
+    """Batches the replica started after the call arrived and before the call's own."""
+
+    @classmethod
+    def from_metadata(cls, metadata: Sequence[tuple[str, str | bytes]] | None) -> ServerTiming | None:
+        """Parses trailing metadata; None when the server sent no (or malformed) timing."""
+        values = {k: v for k, v in metadata or () if isinstance(v, str)}
+        try:
+            ms = {name: float(values[key]) for name, key in _TIMING_KEYS.items() if name != "batches_ahead"}
+            ahead = int(values[_TIMING_KEYS["batches_ahead"]])
+        except (KeyError, ValueError):
+            return None
+        return cls(ms["queue_s"] / 1000, ms["compute_s"] / 1000, ms["replica_s"] / 1000, ahead)
+
+
 @dataclass(frozen=True)
 class BatchResult:
     """The answer to one micro-batch, rows in request order."""
@@ -61,6 +119,63 @@ class BatchResult:
     model_version: str
     probabilities: np.ndarray  # float32 [n, len(labels)]
     truncated: np.ndarray  # bool [n]
+    server: ServerTiming | None = None
+    """What the replica reported about the call, if it did."""
+
+
+class Deadlines:
+    """Per-call deadlines from the work in flight and the service's measured rate.
+
+    `start(work)` before a call returns its timeout and counts its work in flight;
+    `finish(work, answered=...)` after it. The rate is the work answered over the span of
+    the last `window` answers (at least `min_span_s` long, else unknown); until it is known,
+    calls get `floor_s`. Work is in any unit proportional to the service's effort
+    (characters here).
+    """
+
+    def __init__(
+        self,
+        *,
+        floor_s: float,
+        max_s: float,
+        safety: float = 4.0,
+        window: int = 64,
+        min_span_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < floor_s <= max_s:
+            raise ValueError(f"need 0 < floor_s <= max_s, got {floor_s}, {max_s}")
+        if safety < 1:
+            raise ValueError(f"safety must be >= 1, got {safety}")
+        self.floor_s = floor_s
+        self.max_s = max_s
+        self._safety = safety
+        self._min_span = min_span_s
+        self._clock = clock
+        self._in_flight = 0.0
+        self._answers: deque[tuple[float, float]] = deque(maxlen=window)  # (time, work)
+
+    @property
+    def rate(self) -> float | None:
+        """Work answered per second, recently; None until measured."""
+        if len(self._answers) < 2:
+            return None
+        span = self._answers[-1][0] - self._answers[0][0]
+        if span < self._min_span:
+            return None
+        return sum(w for _, w in list(self._answers)[1:]) / span
+
+    def start(self, work: float) -> float:
+        self._in_flight += work
+        rate = self.rate
+        if rate is None:
+            return self.floor_s
+        return min(self.max_s, max(self.floor_s, self._safety * self._in_flight / rate))
+
+    def finish(self, work: float, *, answered: bool) -> None:
+        self._in_flight = max(0.0, self._in_flight - work)
+        if answered:
+            self._answers.append((self._clock(), work))
 
 
 @dataclass(frozen=True)
@@ -92,9 +207,26 @@ def map_rpc_error(err: grpc.aio.AioRpcError, *, address: str) -> ModelServiceErr
 class GrpcModelClient:
     """`ModelClient` over a grpc.aio channel to a Ray Serve gRPC proxy (or any server of the proto)."""
 
-    def __init__(self, address: str, *, application: str = "raypipe", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        application: str = "raypipe",
+        timeout_s: float = 30.0,
+        max_timeout_s: float | None = None,
+        deadline_safety: float = 4.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`timeout_s` is the floor of a Classify deadline (and ModelInfo's deadline);
+        `max_timeout_s` its ceiling (None: the floor, i.e. a fixed deadline)."""
         self.address = address
         self.timeout_s = timeout_s
+        self.deadlines = Deadlines(
+            floor_s=timeout_s,
+            max_s=timeout_s if max_timeout_s is None else max(timeout_s, max_timeout_s),
+            safety=deadline_safety,
+            clock=clock,
+        )
         self._metadata = (("application", application),)
         self._channel: grpc.aio.Channel | None = None
         self._stub: emotion_pb2_grpc.EmotionClassifierStub | None = None
@@ -109,13 +241,23 @@ class GrpcModelClient:
         request = emotion_pb2.ClassifyRequest(
             paragraphs=[emotion_pb2.Paragraph(id=i, text=t) for i, t in zip(ids, texts, strict=True)]
         )
+        work = float(sum(map(len, texts)))
+        timeout = self.deadlines.start(work)
+        answered = False
         try:
-            response = await self._get_stub().Classify(request, timeout=self.timeout_s, metadata=self._metadata)
+            call = self._get_stub().Classify(request, timeout=timeout, metadata=self._metadata)
+            response = await call
+            trailing = await call.trailing_metadata()
+            answered = True
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, address=self.address) from e
-        return self._decode(ids, response)
+        finally:
+            self.deadlines.finish(work, answered=answered)
+        return self._decode(ids, response, ServerTiming.from_metadata(list(trailing or ())))
 
-    def _decode(self, ids: Sequence[str], response: emotion_pb2.ClassifyResponse) -> BatchResult:
+    def _decode(
+        self, ids: Sequence[str], response: emotion_pb2.ClassifyResponse, server: ServerTiming | None = None
+    ) -> BatchResult:
         labels = tuple(response.labels)
         preds = response.predictions
         answered = [p.id for p in preds]
@@ -128,7 +270,7 @@ class GrpcModelClient:
             )
         probs = np.array([list(p.probabilities) for p in preds], dtype=np.float32).reshape(len(preds), len(labels))
         truncated = np.array([p.truncated for p in preds], dtype=bool)
-        return BatchResult(labels, response.model_version, probs, truncated)
+        return BatchResult(labels, response.model_version, probs, truncated, server)
 
     async def model_info(self) -> ModelInfo:
         try:

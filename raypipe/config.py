@@ -65,7 +65,15 @@ class ServiceConfig(_Frozen):
     application: str = "raypipe"
     """Serve application name, sent as the `application` metadata so the proxy can route."""
     timeout_s: float = Field(30.0, gt=0)
-    """Deadline of one Classify call."""
+    """Floor of a Classify call's deadline. The deadline is the larger of this and
+    `deadline_safety` x the time the call should take: this actor's work in flight with and
+    ahead of it, over the rate at which the service has been answering it (Little's law),
+    so a busy but healthy service never times out a call. Also the whole deadline until
+    the rate is known."""
+    max_timeout_s: float = Field(600.0, gt=0)
+    """Ceiling of a call's deadline, so a service that stopped answering is still noticed."""
+    deadline_safety: float = Field(4.0, ge=1)
+    """Multiple of the expected time a call gets before it is given up."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long the up-front reachability check waits before failing the run."""
 
@@ -99,17 +107,22 @@ class BreakerConfig(_Frozen):
 
 class LimiterConfig(_Frozen):
     kind: Literal["adaptive", "fixed"] = "adaptive"
-    """`adaptive` finds the in-flight limit by itself (AIMD); `fixed` holds `initial`."""
-    initial: int = Field(4, ge=1)
+    """`adaptive` finds the in-flight limit from the server's overload signals (AIMD);
+    `fixed` holds `initial`."""
+    initial: int = Field(8, ge=1)
     """Starting limit (the limit itself for `fixed`), per actor."""
-    min_limit: int = Field(1, ge=1)
-    """Lower bound of the adaptive limit."""
+    min_limit: int = Field(2, ge=1)
+    """Lower bound of the adaptive limit: one call in the replica's batch, one waiting."""
     max_limit: int = Field(64, ge=1)
     """Upper bound of the adaptive limit."""
     backoff_ratio: float = Field(0.9, gt=0, lt=1)
-    """Multiplicative decrease on overload or latency growth."""
-    latency_tolerance: float = Field(2.0, gt=1)
-    """Latency above this multiple of the no-load latency counts as overload."""
+    """Multiplicative decrease on an overload signal."""
+    queue_tolerance: int = Field(0, ge=0)
+    """Whole batches a call may wait behind in the replica (beyond the running one) before
+    it counts as overload; 0 keeps about one batch queued, enough to keep the model busy."""
+    outside_slack_s: float = Field(0.25, gt=0)
+    """Time a call may spend in front of the replica (proxy queue, network) before it counts
+    as overload."""
 
     @model_validator(mode="after")
     def _bounds(self) -> LimiterConfig:
@@ -139,6 +152,10 @@ class InputConfig(_Frozen):
     """Used by daily runs to pick new and changed rows; passed through to the results."""
     unit_rows: int = Field(2000, ge=1)
     """Rows per work unit, the grain of commits and of resume (Parquet row groups are kept whole)."""
+    updated_at_partition: str | None = None
+    """Hive partition key whose value is the date (YYYY-MM-DD) of its rows' updated_at, e.g.
+    `updated_date` for `.../updated_date=2026-11-20/part-0.parquet`: a daily skips partitions
+    outside its window without opening them. Row groups are pruned by their statistics anyway."""
     on_bad_shard: Literal["fail", "record"] = "fail"
     """A shard that cannot be read or lacks a column: `fail` stops the run before inference
     (or when first read); `record` lists it in the report, leaves the run `incomplete`, and goes on."""
@@ -153,7 +170,14 @@ class OutputConfig(_Frozen):
     uri: str
     """Where results/, dead_letters/, runs/ and raypipe's own state go; local or s3://."""
     lease_s: float = Field(120.0, gt=0)
-    """How long the output lease lasts without a heartbeat before another run may take it."""
+    """How long the output lease lasts without a heartbeat before another run may take it; a
+    retried attempt of the same run waits at most this long for the earlier one's lease."""
+    take_over_lease: bool = False
+    """Take a live lease of an earlier attempt of the same run at once (CLI `--force`), fencing
+    that attempt off, instead of waiting for the lease to expire."""
+    require_conditional_writes: bool = True
+    """Refuse an S3 endpoint that ignores conditional writes (If-None-Match), where the lease
+    could not keep two writers apart. Set false only if nothing else can write this output."""
 
     @field_validator("uri")
     @classmethod

@@ -6,18 +6,28 @@
     │   ├── NoShardsError           an input URI that matches no shards
     │   └── SchemaError             a shard lacks a required column or has a wrong type
     ├── ModelServiceError           a call to the model service failed (status_code, address)
-    │   ├── ServiceUnavailable      UNAVAILABLE (or the channel could not connect)   transient
-    │   ├── ServiceTimeout          DEADLINE_EXCEEDED                                transient
-    │   ├── ServiceOverloaded       RESOURCE_EXHAUSTED                               transient
-    │   ├── ServiceCancelled        CANCELLED by the server                          transient
-    │   └── RequestRejected         INVALID_ARGUMENT and every other code            permanent
-    ├── CircuitOpenError            the breaker stayed open past the allowed wait
+    │   ├── ServiceUnavailable      UNAVAILABLE (or the channel could not connect)   transient, service
+    │   ├── ServiceTimeout          DEADLINE_EXCEEDED                                transient, service
+    │   ├── ServiceOverloaded       RESOURCE_EXHAUSTED                               transient, service
+    │   ├── ServiceCancelled        CANCELLED by the server                          transient, service
+    │   ├── ServiceInternal         INTERNAL, UNKNOWN (a replica died mid-call?)     transient, ambiguous
+    │   └── RequestRejected         INVALID_ARGUMENT and every other code            permanent, ambiguous
+    ├── CircuitOpenError            the service stayed down past the allowed wait: the run stops
     ├── SinkError                   results, dead letters or commit markers could not be written
-    └── OutputLockedError           another run holds the output's lease
+    │   └── OutputPermissionError   the output refuses our credentials (403)
+    ├── OutputLockedError           another run holds the output's lease
+    │   └── LeaseLostError          this attempt was fenced off by a newer one: it stops writing
+    └── UnsafeOutputError           the output store ignores conditional writes (no fencing)
 
-`ModelServiceError.transient` says whether a retry can help; the retry layer reads that
-attribute and nothing else. gRPC errors are mapped to this tree in exactly one place,
-`raypipe.client.map_rpc_error`.
+Two attributes drive the client's decisions, and nothing else is read:
+- `ModelServiceError.transient`: the retry layer retries an error only when it is set;
+- `ModelServiceError.service_fault`: True when the code says the *service* is at fault
+  (it is down, slow or overloaded), so the rows must go back to be sent again and the breaker
+  decides when to stop; False when the call may have failed because of its rows (INTERNAL from
+  a replica a poison paragraph crashed, INVALID_ARGUMENT): those calls are attributed by a
+  canary call before any row is isolated (see `raypipe.actor`).
+
+gRPC errors are mapped to this tree in exactly one place, `raypipe.client.map_rpc_error`.
 """
 
 from __future__ import annotations
@@ -28,17 +38,21 @@ __all__ = [
     "CircuitOpenError",
     "ConfigError",
     "InputError",
+    "LeaseLostError",
     "ModelServiceError",
     "NoShardsError",
     "OutputLockedError",
+    "OutputPermissionError",
     "RaypipeError",
     "RequestRejected",
     "SchemaError",
     "ServiceCancelled",
+    "ServiceInternal",
     "ServiceOverloaded",
     "ServiceTimeout",
     "ServiceUnavailable",
     "SinkError",
+    "UnsafeOutputError",
 ]
 
 
@@ -78,6 +92,7 @@ class ModelServiceError(RaypipeError):
 
     kind = "service_error"
     transient: ClassVar[bool] = False
+    service_fault: ClassVar[bool] = True
 
     def __init__(self, message: str, *, status_code: str, address: str | None = None) -> None:
         super().__init__(message)
@@ -107,13 +122,25 @@ class ServiceCancelled(ModelServiceError):
     transient = True
 
 
+class ServiceInternal(ModelServiceError):
+    """INTERNAL or UNKNOWN: a replica that died mid-call answers so, and so does a broken model."""
+
+    kind = "internal"
+    transient = True
+    service_fault = False
+
+
 class RequestRejected(ModelServiceError):
     kind = "rejected"
     transient = False
+    service_fault = False
 
 
 class CircuitOpenError(RaypipeError):
-    """The breaker stayed open longer than the configured total wait."""
+    """The model service stayed down (breaker open) longer than the configured total wait.
+
+    The run stops with its remaining rows still to do; rerunning the same run id resumes it.
+    """
 
     kind = "circuit_open"
 
@@ -132,6 +159,10 @@ class SinkError(RaypipeError):
         self.path = path
 
 
+class OutputPermissionError(SinkError):
+    kind = "permission"
+
+
 class OutputLockedError(RaypipeError):
     kind = "output_locked"
 
@@ -139,3 +170,15 @@ class OutputLockedError(RaypipeError):
         super().__init__(message)
         self.holder = holder
         self.expires_at = expires_at
+
+
+class LeaseLostError(OutputLockedError):
+    """A newer attempt (generation) took this run's lease; this attempt must not write again."""
+
+    kind = "lease_lost"
+
+
+class UnsafeOutputError(RaypipeError):
+    """The output's object store ignores conditional writes, so two writers cannot be fenced."""
+
+    kind = "unsafe_output"

@@ -1,16 +1,30 @@
-"""The output lease: at most one run writes to an output location at a time.
+"""The output lease: one writer per output, and a fence that stops a superseded attempt.
 
-`_raypipe/lease.json` names the holder (run id, host, pid, a random token) and when the
-lease expires. A run creates it exclusively (S3 `If-None-Match: *`; `O_EXCL` locally),
-renews it from a heartbeat thread, and deletes it at the end. Another run id finding a live
-lease is refused with `OutputLockedError`, naming the holder; an expired lease (its holder
-died without cleaning up) is taken over with a conditional replace (S3 `If-Match` on the
-ETag), so two runs racing for it cannot both win. A new attempt of the *same* run id may take
-over a live lease at once: that is how a killed run is resumed without waiting out the lease.
+`_raypipe/lease.json` names the holder (run id, host, pid, a random token), its *generation*
+and when it expires. A run creates it exclusively (S3 `If-None-Match: *`; `O_EXCL` locally),
+renews it from a heartbeat thread, and deletes it at the end.
+
+- Another run id finding a live lease is refused with `OutputLockedError`, naming the holder.
+- An expired lease (its holder died) is taken over with a conditional replace (S3 `If-Match`
+  on the ETag; locally a compare-and-swap under `flock`), so two takers racing cannot both
+  win. Each takeover increments the generation.
+- A new attempt of the *same* run id (a retried RayJob, a re-submit) waits for the live lease
+  to expire, then takes it over; `force=True` (CLI `--force`) takes it at once. Either way the
+  earlier attempt is fenced off: every write of a run goes through `check()` (the driver's
+  plan, report and watermark; each unit commit in `raypipe.sinks`), which raises
+  `LeaseLostError` once the lease names another token. The heartbeat notices the loss too and
+  sets `lost`, so the driver stops at its next step.
+- Where the lease itself cannot be trusted it refuses to start: an S3 endpoint that ignores
+  conditional writes (probed at start: a second create-only PUT of the same key must fail)
+  raises `UnsafeOutputError` unless the operator opts out; a 403 raises
+  `OutputPermissionError`, never "another run took the lease".
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -18,117 +32,221 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from raypipe.errors import OutputLockedError, SinkError
+from raypipe.errors import LeaseLostError, OutputLockedError, OutputPermissionError, SinkError, UnsafeOutputError
 from raypipe.store import OutputStore
 
-__all__ = ["Lease"]
+__all__ = ["Fence", "Lease"]
 
 logger = logging.getLogger("raypipe")
+
+LEASE_FILE = "lease.json"
 
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
 
 
+@dataclass(frozen=True)
+class Fence:
+    """What a writer needs to check that its attempt still holds the lease (picklable)."""
+
+    token: str
+    generation: int
+
+    def check(self, store: OutputStore) -> None:
+        """Raises `LeaseLostError` unless the output's lease still carries this token."""
+        try:
+            current = json.loads(store.read_bytes(store.state(LEASE_FILE)))
+        except FileNotFoundError:
+            current = None
+        except PermissionError as e:
+            raise OutputPermissionError(f"cannot read the output lease: {e}", path=store.uri) from e
+        if current is None or current.get("token") != self.token:
+            holder = "nobody" if current is None else f"generation {current.get('generation')} ({current.get('host')})"
+            raise LeaseLostError(
+                f"this attempt (generation {self.generation}) lost the output lease of {store.uri} to {holder}; "
+                "it stops writing",
+                holder=str(None if current is None else current.get("holder")),
+                expires_at=str(None if current is None else current.get("expires_at_iso")),
+            )
+
+
 class Lease:
     def __init__(
-        self, store: OutputStore, holder: str, *, duration_s: float = 120.0, clock: Callable[[], float] = time.time
+        self,
+        store: OutputStore,
+        holder: str,
+        *,
+        duration_s: float = 120.0,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._store = store
-        self._path = store.state("lease.json")
+        self._path = store.state(LEASE_FILE)
         self.holder = holder
         self.duration_s = duration_s
         self._clock = clock
+        self._sleep = sleep
         self._token = uuid.uuid4().hex
+        self.generation = 0
+        self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def fence(self) -> Fence:
+        return Fence(self._token, self.generation)
+
     def _record(self) -> bytes:
+        expires = self._clock() + self.duration_s
         return json.dumps(
             {
                 "holder": self.holder,
                 "token": self._token,
+                "generation": self.generation,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
-                "expires_at": self._clock() + self.duration_s,
-                "expires_at_iso": _iso(self._clock() + self.duration_s),
+                "expires_at": expires,
+                "expires_at_iso": _iso(expires),
             }
         ).encode()
 
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The current lease and its version tag (ETag on S3, mtime locally)."""
+        """The current lease and its version tag (ETag on S3, content locally)."""
         try:
-            info = self._store.fs.info(self._path)
-            data = json.loads(self._store.read_bytes(self._path))
+            raw = self._store.read_bytes(self._path)
+            tag = raw.decode() if self._store.is_local else self._store.fs.info(self._path).get("ETag")
         except FileNotFoundError:
             return None, None
-        tag = info.get("ETag") or str(info.get("mtime") or info.get("LastModified"))
-        return data, tag
+        except PermissionError as e:
+            raise OutputPermissionError(
+                f"cannot read the output lease: {e}", path=self._store.full_uri(self._path)
+            ) from e
+        return json.loads(raw), tag
+
+    @contextlib.contextmanager
+    def _local_lock(self) -> Iterator[None]:
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        with open(self._path + ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def _create(self) -> bool:
+        self.generation = 1
         if self._store.is_local:
-            os.makedirs(os.path.dirname(self._path), exist_ok=True)
-            try:
-                fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(self._record())
+            with self._local_lock():
+                if os.path.exists(self._path):
+                    return False
+                self._store.write_bytes(self._path, self._record())
             return True
         try:
             self._store.fs.pipe_file(self._path, self._record(), mode="create")
         except FileExistsError:
             return False
+        except PermissionError as e:
+            raise OutputPermissionError(
+                f"no permission to write the output lease ({e}); check the credentials' access to the output",
+                path=self._store.full_uri(self._path),
+            ) from e
         return True
 
-    def _replace(self, tag: str | None) -> bool:
+    def _replace(self, tag: str | None, generation: int) -> bool:
         """Overwrites the lease only if it is still the version we read."""
+        self.generation = generation
         if self._store.is_local:
-            _, now_tag = self._read()
-            if now_tag != tag:
-                return False
-            self._store.write_bytes(self._path, self._record())
+            with self._local_lock():
+                _, now_tag = self._read()
+                if now_tag != tag:
+                    return False
+                self._store.write_bytes(self._path, self._record())
             return True
         bucket, _, key = self._path.partition("/")
         try:
             self._store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=self._record(), IfMatch=tag)
-        except OSError:
-            return False
+        except PermissionError as e:
+            raise OutputPermissionError(
+                f"no permission to write the output lease ({e})", path=self._store.full_uri(self._path)
+            ) from e
+        except OSError as e:
+            if e.errno == errno.EINVAL or isinstance(e, FileExistsError | FileNotFoundError):
+                return False  # 412 Precondition Failed: somebody else changed it first
+            raise SinkError(f"cannot write the output lease: {e}", path=self._store.full_uri(self._path)) from e
         self._store.fs.invalidate_cache(self._path)
         return True
 
-    def acquire(self) -> None:
-        """Takes the lease or raises OutputLockedError; then keeps it alive until `release`."""
-        if not self._create():
+    def check_conditional_writes(self) -> None:
+        """Refuses an S3 endpoint that ignores `If-None-Match` (the lease could not exclude anyone)."""
+        if self._store.is_local:
+            return
+        probe = self._store.state(f".conditional-write-probe-{uuid.uuid4().hex[:8]}")
+        try:
+            self._store.fs.pipe_file(probe, b"1", mode="create")
+            try:
+                self._store.fs.pipe_file(probe, b"2", mode="create")
+            except FileExistsError:
+                return
+            raise UnsafeOutputError(
+                f"the object store behind {self._store.uri} ignores conditional writes (If-None-Match), so raypipe "
+                "cannot keep two attempts from writing at once; use an endpoint that supports them (AWS S3 does), "
+                "or set output.require_conditional_writes=false to accept the risk"
+            )
+        except PermissionError as e:
+            raise OutputPermissionError(
+                f"no permission to write under the output ({e})", path=self._store.full_uri(probe)
+            ) from e
+        finally:
+            self._store.delete(probe)
+
+    def acquire(self, *, force: bool = False) -> None:
+        """Takes the lease, or raises `OutputLockedError`; then keeps it alive until `release`.
+
+        A live lease of the same run id is waited out (its holder may still be writing), or
+        taken at once with `force`; a live lease of another run id is refused.
+        """
+        while not self._create():
             current, tag = self._read()
-            if current is None:  # released between our two looks
-                if not self._create():
-                    raise OutputLockedError(
-                        "the output lease changed hands while taking it", holder="?", expires_at="?"
-                    )
-            else:
-                expired = float(current.get("expires_at", 0)) < self._clock()
-                same_run = current.get("holder") == self.holder
-                if not (expired or same_run):
-                    raise OutputLockedError(
-                        f"output {self._store.uri} is being written by run {current.get('holder')!r} "
-                        f"(host {current.get('host')}, pid {current.get('pid')}) until "
-                        f"{current.get('expires_at_iso')} unless renewed; wait for it, or use another output",
-                        holder=str(current.get("holder")),
-                        expires_at=str(current.get("expires_at_iso")),
-                    )
-                if same_run and not expired:
-                    logger.warning("taking over the live lease of an earlier attempt of run %s", self.holder)
-                if not self._replace(tag):
-                    raise OutputLockedError(
-                        "another run took the output lease at the same moment",
-                        holder="?",
-                        expires_at="?",
-                    )
+            if current is None:
+                continue  # released between our two looks: try to create it again
+            now = self._clock()
+            expires = float(current.get("expires_at", 0))
+            same_run = current.get("holder") == self.holder
+            if expires >= now and not same_run:
+                raise OutputLockedError(
+                    f"output {self._store.uri} is being written by run {current.get('holder')!r} "
+                    f"(host {current.get('host')}, pid {current.get('pid')}) until "
+                    f"{current.get('expires_at_iso')} unless renewed; wait for it, or use another output",
+                    holder=str(current.get("holder")),
+                    expires_at=str(current.get("expires_at_iso")),
+                )
+            if expires >= now and not force:
+                wait = min(expires - now + 0.5, self.duration_s / 4)
+                logger.warning(
+                    "an earlier attempt of run %s (host %s, pid %s) holds the output lease until %s: waiting for "
+                    "it to expire (use --force to take it over now)",
+                    self.holder,
+                    current.get("host"),
+                    current.get("pid"),
+                    current.get("expires_at_iso"),
+                )
+                self._sleep(wait)
+                continue
+            if same_run:
+                logger.warning(
+                    "taking over the lease of run %s from generation %s: that attempt is fenced off",
+                    self.holder,
+                    current.get("generation"),
+                )
+            if self._replace(tag, int(current.get("generation", 0)) + 1):
+                break
+            # Somebody else replaced it first: look again (they hold it now, or it moved on).
         self._thread = threading.Thread(target=self._heartbeat, name="raypipe-lease", daemon=True)
         self._thread.start()
 
@@ -137,11 +255,30 @@ class Lease:
             try:
                 current, tag = self._read()
                 if current is None or current.get("token") != self._token:
-                    logger.error("lost the output lease to %s", None if current is None else current.get("holder"))
+                    self.lost = True
+                    logger.error(
+                        "lost the output lease to %s (generation %s): stopping",
+                        None if current is None else current.get("holder"),
+                        None if current is None else current.get("generation"),
+                    )
                     return
-                self._replace(tag)
+                self._replace(tag, self.generation)
             except (OSError, SinkError) as e:  # a blip: the next beat tries again
                 logger.warning("could not renew the output lease: %s", e)
+
+    def check(self) -> None:
+        """Raises `LeaseLostError` if another attempt took the lease (call before every write)."""
+        if self.lost:
+            raise LeaseLostError(
+                f"run {self.holder} lost the output lease of {self._store.uri}; it stops writing",
+                holder="?",
+                expires_at="?",
+            )
+        try:
+            self.fence.check(self._store)
+        except LeaseLostError:
+            self.lost = True
+            raise
 
     def held(self) -> bool:
         current, _ = self._read()
@@ -151,7 +288,11 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self.held():
+        if self._store.is_local:
+            with self._local_lock():
+                if self.held():
+                    self._store.delete(self._path)
+        elif self.held():
             self._store.delete(self._path)
 
     def __enter__(self) -> Lease:

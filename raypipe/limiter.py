@@ -1,24 +1,32 @@
 """In-flight limiters: how many calls one actor may have outstanding at the model service.
 
 They replace the reference build's hand-tuned `asyncio.Semaphore(50)`. A caller takes a slot
-with `acquire()` before a call and gives it back with `release(latency_s=..., dropped=...)`
-(or `release_ignored()` when the call never reached the service), always from a `finally`.
+with `acquire()` before a call and gives it back with `release(latency_s=..., dropped=...,
+...)` (or `release_ignored()` when the call never reached the service), always from a
+`finally`.
 
 - `FixedLimiter` is that semaphore, with stats: a fixed cap, for measurements and as the
   safe fallback.
-- `AdaptiveLimiter` finds the cap by itself, AIMD with a latency guard, in the spirit of
-  Netflix's concurrency-limits and TCP Reno (below).
+- `AdaptiveLimiter` finds the cap by itself: AIMD (as TCP Reno) driven by what the server
+  says about its load, never by raw latency (below).
 
-Where it sits: **limiter (in-flight cap)** → retry → breaker → client. It is the first
-thing a call meets, so it is also where backpressure reaches Ray Data: an actor whose
-slots are full stops taking new work from its `__call__`s.
+Where it sits: breaker → retry → **limiter (in-flight cap)** → client. It is also where
+backpressure reaches Ray Data: an actor whose slots are full stops taking new work.
 
-What to release with: a sample (`release`) only when the latency says something about the
-service's queue, i.e. a success (`dropped=False`) or an overload signal (`dropped=True`),
-with the duration of the RPC that ended the call, not of backoffs or breaker waits. Other
-outcomes (UNAVAILABLE, a permanent rejection, `CircuitOpenError`, a cancelled caller) go
-through `release_ignored()`: a connection refused in a millisecond would otherwise pass for
-the no-load latency and make every normal call look slow.
+Why not latency: the server batches across callers, so on a busy, healthy replica most of a
+call's latency is waiting for the batch ahead of it to finish. That wait is what keeps the
+model fed; a latency rule reads it as overload and throttles until the model idles between
+small batches (measured: down to 1 in flight and 36% of the ceiling). What does mean
+overload is work the replica cannot use soon: a call that waited behind more than the next
+batch (the server reports how many batches started between its arrival and its own), time
+spent queued in front of the replica (the call's latency minus the time the replica says it
+held it: Serve's proxy queues calls beyond a replica's `max_ongoing_requests`), and calls
+refused or timed out (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED).
+
+What to release with: `release` only when the service answered (a success, `dropped=False`,
+with the server's report if it sent one) or sent an overload signal (`dropped=True`). Other
+outcomes (UNAVAILABLE, a permanent rejection, a cancelled caller) go through
+`release_ignored()`.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ class LimiterStats:
     final: int
     #: Releases that carried a latency sample.
     samples: int
-    #: Multiplicative decreases (overload or latency growth seen).
+    #: Multiplicative decreases (overload seen).
     decreases: int
     #: `(clock time, limit)` at each change of the integer limit, thinned to at most
     #: about `HISTORY_POINTS` points; the first point is the initial limit.
@@ -63,13 +71,21 @@ class Limiter(Protocol):
 
     async def acquire(self) -> None: ...
 
-    def release(self, *, latency_s: float, dropped: bool, cost: float = 1.0) -> None:
+    def release(
+        self,
+        *,
+        latency_s: float,
+        dropped: bool,
+        replica_s: float | None = None,
+        batches_ahead: int | None = None,
+    ) -> None:
         """Free a slot after a call that reached the service.
 
-        `latency_s` is how long the call took; `dropped` says it failed with an overload
-        signal (RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED); `cost` is how much work the call
-        asked for (any positive unit), so calls of different sizes compare by latency per
-        unit of work rather than raw latency.
+        `latency_s` is how long the call took, as the client saw it; `dropped` says it
+        failed with an overload signal (RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED). From a
+        server that reports them: `replica_s`, how long the replica held the call, and
+        `batches_ahead`, how many batches it started after the call arrived and before
+        the call's own (0 when the call made the next batch).
         """
         ...
 
@@ -181,7 +197,14 @@ class FixedLimiter(_SlotLimiter):
     def limit(self) -> int:
         return self._limit
 
-    def release(self, *, latency_s: float, dropped: bool, cost: float = 1.0) -> None:
+    def release(
+        self,
+        *,
+        latency_s: float,
+        dropped: bool,
+        replica_s: float | None = None,
+        batches_ahead: int | None = None,
+    ) -> None:
         self._free_slot()
         self._samples += 1
         self._wake()
@@ -199,56 +222,55 @@ class FixedLimiter(_SlotLimiter):
 
 
 class AdaptiveLimiter(_SlotLimiter):
-    """AIMD in-flight limit with a latency guard.
+    """AIMD in-flight limit driven by the server's overload signals.
 
-    The limit is a float. On a good sample, and only while the limiter is actually the
-    bottleneck (at least half the limit in flight; below that the client is app-limited and
-    growing would mean nothing), it grows by 1/limit: about +1 per round trip, as TCP's
-    congestion avoidance. On an overload signal (a dropped call) or when the smoothed latency
-    exceeds `latency_tolerance` × the baseline, it is multiplied by `backoff_ratio`, at most
-    once per round trip: a call that started before the last decrease was sent under the
-    old limit and says nothing new, so a burst of drops from one window counts once. The
-    limit stays in [`min_limit`, `max_limit`].
+    The limit is a float. On an answer without an overload signal, and only while the
+    limiter is actually the bottleneck (at least half the limit in flight; below that the
+    client is app-limited and growing would mean nothing), it grows by 1/limit: about +1 per
+    round trip, as TCP's congestion avoidance. On an overload signal it is multiplied by
+    `backoff_ratio`, at most once per round trip: a call that started before the last
+    decrease was sent under the old limit and says nothing new, so a burst of signals from
+    one window counts once. The limit stays in [`min_limit`, `max_limit`].
 
-    The baseline is the lowest latency of the last `window` good samples: the no-load
-    latency, able to follow a drift (longer texts, a slower replica) within `window` calls.
+    Overload signals: a dropped call; a call that waited behind more than `queue_tolerance`
+    whole batches in the replica; a call that spent more than `outside_slack_s` queued in
+    front of the replica (latency minus `replica_s`: the proxy's queue, the network).
 
-    What it converges to: the largest limit that keeps latency within tolerance of the
-    no-load latency, i.e. about one service time of queueing at the server; beyond that,
-    more in flight only adds waiting, not throughput. Why AIMD: additive increase with
-    multiplicative decrease makes several independent clients (here, several actors
-    sharing one service) converge to equal shares of the capacity without talking to each
-    other (Chiu and Jain, 1989), which neither fixed caps nor multiplicative growth do.
+    What it converges to: about one batch of work queued in the replica behind the running
+    one, so the model never waits for work and a call never waits more than about two batch
+    times; beyond that, more in flight adds only waiting. Why AIMD: additive increase with
+    multiplicative decrease makes several independent clients (here, several actors sharing
+    one service) converge to equal shares without talking to each other (Chiu and Jain,
+    1989), and the sum of their limits to what the replicas can queue.
     """
 
     def __init__(
         self,
         *,
         initial: int = 8,
-        min_limit: int = 1,
-        max_limit: int = 256,
+        min_limit: int = 2,
+        max_limit: int = 64,
         backoff_ratio: float = 0.9,
-        latency_tolerance: float = 2.0,
-        window: int = 100,
+        queue_tolerance: int = 0,
+        outside_slack_s: float = 0.25,
         clock: Clock = time.monotonic,
     ) -> None:
         if not 1 <= min_limit <= initial <= max_limit:
             raise ValueError(f"need 1 <= min_limit <= initial <= max_limit, got {min_limit}, {initial}, {max_limit}")
         if not 0 < backoff_ratio < 1:
             raise ValueError(f"backoff_ratio must be in (0, 1), got {backoff_ratio}")
-        if not latency_tolerance >= 1:
-            raise ValueError(f"latency_tolerance must be >= 1, got {latency_tolerance}")
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        if queue_tolerance < 0:
+            raise ValueError(f"queue_tolerance must be >= 0, got {queue_tolerance}")
+        if not outside_slack_s > 0:
+            raise ValueError(f"outside_slack_s must be > 0, got {outside_slack_s}")
         super().__init__(clock)
         self._initial = initial
         self._min = min_limit
         self._max = max_limit
         self._backoff = backoff_ratio
-        self._tolerance = latency_tolerance
+        self._queue_tolerance = queue_tolerance
+        self._outside_slack = outside_slack_s
         self._limit = float(initial)
-        self._recent: deque[float] = deque(maxlen=window)  # good latencies, for the baseline
-        self._smoothed: float | None = None  # EWMA of good latencies
         self._last_decrease_at = -math.inf
         self._samples = 0
         self._decreases = 0
@@ -258,24 +280,21 @@ class AdaptiveLimiter(_SlotLimiter):
     def limit(self) -> int:
         return max(self._min, math.floor(self._limit))
 
-    def release(self, *, latency_s: float, dropped: bool, cost: float = 1.0) -> None:
-        """Free the slot and adjust the limit from this sample. Negative latency counts as 0.
-
-        The baseline and the smoothed latency are kept per unit of `cost`; the raw latency
-        only dates the call, for the once-per-round-trip rule.
-        """
+    def release(
+        self,
+        *,
+        latency_s: float,
+        dropped: bool,
+        replica_s: float | None = None,
+        batches_ahead: int | None = None,
+    ) -> None:
+        """Free the slot and adjust the limit from this sample. Negative latency counts as 0."""
         in_use = self._in_flight  # including this call: how busy the limiter was
         self._free_slot()
         self._samples += 1
         latency_s = max(latency_s, 0.0)
         now = self._clock()
-        if not dropped:
-            # Dropped calls stay out of the latency estimates: a quick RESOURCE_EXHAUSTED
-            # would fake a low baseline, a DEADLINE_EXCEEDED only measures the deadline.
-            per_cost = latency_s / max(cost, 1e-9)
-            self._recent.append(per_cost)
-            self._smoothed = per_cost if self._smoothed is None else 0.8 * self._smoothed + 0.2 * per_cost
-        if dropped or self._too_slow():
+        if dropped or self._overloaded(latency_s, replica_s, batches_ahead):
             if now - latency_s >= self._last_decrease_at:
                 self._limit = max(self._min, self._limit * self._backoff)
                 self._decreases += 1
@@ -296,7 +315,7 @@ class AdaptiveLimiter(_SlotLimiter):
             history=self._history.points(),
         )
 
-    def _too_slow(self) -> bool:
-        if self._smoothed is None or not self._recent:
-            return False
-        return self._smoothed > self._tolerance * min(self._recent)
+    def _overloaded(self, latency_s: float, replica_s: float | None, batches_ahead: int | None) -> bool:
+        if batches_ahead is not None and batches_ahead > self._queue_tolerance:
+            return True
+        return replica_s is not None and latency_s - replica_s > self._outside_slack

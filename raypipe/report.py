@@ -2,50 +2,104 @@
 
 Actors summarise each unit they commit (`UnitStats`, stored in the commit marker); the driver
 merges the summaries of all committed units (this attempt's and earlier attempts') into one
-`RunReport`, printed at the end and written to `OUTPUT/runs/<run_id>.json`. Latencies are
-kept as log-bucketed histograms so summaries from many actors merge exactly.
+`RunReport`, printed at the end and written to `OUTPUT/runs/<run_id>.json`. Call latencies
+are kept in DDSketches (bounded memory, mergeable, every quantile within a stated relative
+error of the exact one), so summaries from many actors and attempts merge into one.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["LatencyHistogram", "RunReport", "UnitStats"]
+from ddsketch import DDSketch
 
-# Bucket upper bounds in seconds: 0.5 ms .. ~140 s, about 19% apart.
-_BOUNDS = tuple(0.0005 * 2 ** (i / 4) for i in range(73))
+__all__ = ["LATENCY_RELATIVE_ERROR", "LatencySketch", "RunReport", "UnitStats"]
+
+#: Relative error of every latency quantile the report states: the sketch answers a value
+#: within this fraction of the exact order statistic (DDSketch's guarantee).
+LATENCY_RELATIVE_ERROR = 0.01
+# Upper bounds of the log-bucketed histogram commit markers held before the sketch, read
+# back so a run started by an older raypipe can still be resumed and reported.
+_LEGACY_BOUNDS = tuple(0.0005 * 2 ** (i / 4) for i in range(73))
 
 
-@dataclass
-class LatencyHistogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(_BOUNDS) + 1))
+class LatencySketch:
+    """Call latencies (seconds) in a DDSketch with `LATENCY_RELATIVE_ERROR` relative accuracy.
 
-    def add(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(_BOUNDS, seconds)] += 1
+    Memory grows with log(max/min) of the latencies, not with their count (about 230 bins per
+    decade at 1%, and only the occupied ones are stored). `to_dict` is the compact form stored
+    in commit markers: the mapping's accuracy, then the occupied bin keys and their counts.
+    """
 
-    def merge(self, other: LatencyHistogram) -> None:
-        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+    def __init__(self, relative_accuracy: float = LATENCY_RELATIVE_ERROR) -> None:
+        self.relative_accuracy = relative_accuracy
+        self._sketch = DDSketch(relative_accuracy)
+
+    def add(self, seconds: float, weight: float = 1.0) -> None:
+        # A negative duration is a clock artefact; the sketch would file it as a separate sign.
+        self._sketch.add(max(0.0, seconds), weight)
+
+    def merge(self, other: LatencySketch) -> None:
+        """Adds `other`'s latencies; both must share the relative accuracy."""
+        self._sketch.merge(other._sketch)
 
     @property
-    def total(self) -> int:
-        return sum(self.counts)
+    def count(self) -> int:
+        return round(self._sketch.count)
 
-    def percentile(self, q: float) -> float | None:
-        """The q-quantile (0..1) in seconds, as its bucket's upper bound; None if empty."""
-        total = self.total
-        if not total:
-            return None
-        rank = max(1, math.ceil(q * total))
-        seen = 0
-        for i, c in enumerate(self.counts):
-            seen += c
-            if seen >= rank:
-                return _BOUNDS[i] if i < len(_BOUNDS) else float("inf")
-        return None  # pragma: no cover - unreachable: rank <= total
+    @property
+    def max(self) -> float | None:
+        """The largest latency added, exactly; None if empty."""
+        return float(self._sketch._max) if self.count else None
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (0..1) in seconds, within the relative accuracy; None if empty."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must be in [0, 1], not {q}")
+        value = self._sketch.get_quantile_value(q)
+        return None if value is None else float(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        store = self._sketch._store
+        keys = [store.offset + i for i, c in enumerate(store.bins) if c]
+        return {
+            "relative_accuracy": self.relative_accuracy,
+            "keys": keys,
+            "counts": [round(store.bins[k - store.offset]) for k in keys],
+            "zeros": round(self._sketch._zero_count),
+            "sum": self._sketch.sum,
+            "min": self._sketch._min if self.count else None,
+            "max": self.max,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | list[int] | None) -> LatencySketch:
+        """Reads `to_dict`'s form; also a legacy histogram's bucket counts (upper bounds)."""
+        if d is None or isinstance(d, list):
+            sketch = cls()
+            for bound, count in zip((*_LEGACY_BOUNDS, _LEGACY_BOUNDS[-1]), d or (), strict=True):
+                if count:
+                    sketch.add(bound, count)
+            return sketch
+        sketch = cls(d["relative_accuracy"])
+        inner = sketch._sketch
+        for key, count in zip(d["keys"], d["counts"], strict=True):
+            inner._store.add(key, count)
+        inner._zero_count = d["zeros"]
+        inner._count = sum(d["counts"]) + d["zeros"]
+        inner._sum = d["sum"]
+        if inner._count:
+            inner._min, inner._max = d["min"], d["max"]
+        return sketch
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LatencySketch) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"LatencySketch(count={self.count}, relative_accuracy={self.relative_accuracy})"
 
 
 @dataclass
@@ -64,22 +118,25 @@ class UnitStats:
     calls: int = 0
     status_counts: Counter[str] = field(default_factory=Counter)
     retries: int = 0
-    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    canaries: int = 0
+    """Canary calls made to tell a broken service from rows at fault."""
+    latency: LatencySketch = field(default_factory=LatencySketch)
     actor_stats: dict[str, Any] = field(default_factory=dict)
     """A snapshot of the actor's breaker and limiter when the unit was committed."""
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["latency"] = self.latency.counts
+        d["latency"] = self.latency.to_dict()
         d["dead_letter_kinds"] = dict(self.dead_letter_kinds)
         d["status_counts"] = dict(self.status_counts)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> UnitStats:
-        d = dict(d)
-        d["latency"] = LatencyHistogram(list(d.get("latency") or LatencyHistogram().counts))
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}  # markers carry more (e.g. the lease generation)
+        d["latency"] = LatencySketch.from_dict(d.get("latency"))
         d["dead_letter_kinds"] = Counter(d.get("dead_letter_kinds") or {})
         d["status_counts"] = Counter(d.get("status_counts") or {})
         return cls(**d)
@@ -116,28 +173,47 @@ class RunReport:
     status_counts: dict[str, int] = field(default_factory=dict)
     """Per gRPC status, one count per call attempt (the reference build's table)."""
     retries: int = 0
+    canaries: int = 0
     breaker_openings: int = 0
     breaker_time_open_s: float = 0.0
     breaker_probes: int = 0
     limiter: dict[str, Any] = field(default_factory=dict)
     latency_ms: dict[str, float | None] = field(default_factory=dict)
+    """Call latency quantiles (p50, p95, p99, max) over every call attempt, in ms."""
+    latency_relative_error: float = LATENCY_RELATIVE_ERROR
+    """Each `latency_ms` quantile is within this fraction of the exact one (max is exact)."""
     throughput_rows_per_s: float = 0.0
     bad_shards: list[dict[str, str]] = field(default_factory=list)
     window: dict[str, str | None] | None = None
     replay_of: str | None = None
+    planning: dict[str, Any] | None = None
+    """What planning saw without reading rows: row groups pruned by a daily's window, rows with a
+    null updated_at (never in a window), the point a backfill read its input as of."""
     error: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunReport:
+        """A report read back from `runs/<run_id>.json` (derived and unknown keys dropped)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
     @property
     def rows_results(self) -> int:
         return self.rows_ok + self.rows_empty_text
 
-    def merge_units(self, units: list[UnitStats]) -> None:
-        """Totals over every committed unit, whichever attempt committed it."""
+    def merge_units(self, units: Iterable[UnitStats]) -> None:
+        """Totals over every committed unit, whichever attempt committed it.
+
+        One pass over any iterable, keeping O(actors) state, so 50k units' summaries can be
+        streamed from their markers without holding them.
+        """
+        count = 0
         kinds: Counter[str] = Counter()
         statuses: Counter[str] = Counter()
-        hist = LatencyHistogram()
+        latency = LatencySketch()
         actors: dict[tuple[str, str], dict[str, Any]] = {}
         for u in units:
+            count += 1
             self.rows_in += u.rows
             self.rows_ok += u.ok
             self.rows_empty_text += u.empty_text
@@ -146,18 +222,21 @@ class RunReport:
             statuses.update(u.status_counts)
             self.calls += u.calls
             self.retries += u.retries
-            hist.merge(u.latency)
+            self.canaries += u.canaries
+            latency.merge(u.latency)
             if u.actor_stats:
                 key = (u.attempt, u.actor)
                 if key not in actors or u.actor_stats.get("seq", 0) >= actors[key].get("seq", 0):
                     actors[key] = u.actor_stats
-        self.units_committed = len(units)
+        self.units_committed = count
         self.dead_letter_kinds = dict(kinds)
         self.status_counts = dict(statuses)
         self.latency_ms = {
-            name: None if (p := hist.percentile(q)) is None else round(p * 1000, 2)
+            name: None if (p := latency.quantile(q)) is None else round(p * 1000, 3)
             for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
         }
+        self.latency_ms["max"] = None if latency.max is None else round(latency.max * 1000, 3)
+        self.latency_relative_error = latency.relative_accuracy
         breakers = [a["breaker"] for a in actors.values() if "breaker" in a]
         self.breaker_openings = sum(b["openings"] for b in breakers)
         self.breaker_time_open_s = round(sum(b["time_open_s"] for b in breakers), 3)
@@ -190,7 +269,8 @@ class RunReport:
             f"  throughput    {self.throughput_rows_per_s:,.1f} rows/s over {self.wall_s:,.1f} s"
             f" ({self.rows_this_attempt:,} rows this attempt)",
             f"  calls         {self.calls:,} (retries {self.retries:,}) | latency ms p50 {self.latency_ms.get('p50')}"
-            f" p95 {self.latency_ms.get('p95')} p99 {self.latency_ms.get('p99')}",
+            f" p95 {self.latency_ms.get('p95')} p99 {self.latency_ms.get('p99')} max {self.latency_ms.get('max')}"
+            f" (quantiles ±{self.latency_relative_error:.0%})",
             f"  breaker       openings {self.breaker_openings} | open {self.breaker_time_open_s:.1f} s"
             f" | probes {self.breaker_probes}",
         ]

@@ -8,9 +8,9 @@ Between attempts it sleeps with exponential backoff and full jitter (AWS's "Full
 attempt n waits uniformly in [0, min(max_backoff_s, initial_backoff_s × 2^(n-1))]), so
 many actors retrying after the same outage do not come back in lockstep.
 
-Where it sits: limiter → **retry** → breaker (per attempt) → client. Each attempt goes
-through the breaker, which therefore counts attempts' outcomes; gRPC's channel-level
-retry policy must stay off, so that no failure is retried by two layers.
+Where it sits: breaker (one permit per call) → **retry** → limiter (a slot per attempt) →
+client. The breaker sees the call's outcome after its retries; gRPC's channel-level retry
+policy stays off, so that no failure is retried by two layers.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import json
 import posixpath
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, date, datetime
 from typing import Any, Literal
 
 import fsspec
@@ -38,10 +38,12 @@ from raypipe.errors import InputError, NoShardsError, SchemaError
 __all__ = [
     "ColumnNames",
     "DeltaWindow",
+    "PlanObservations",
     "ShardFormat",
     "WorkUnit",
     "list_shards",
     "plan_units",
+    "prune_partitions",
     "read_unit",
     "unit_block_schema",
 ]
@@ -65,10 +67,46 @@ class ColumnNames:
 
 @dataclass(frozen=True)
 class DeltaWindow:
-    """Selects rows with `after < updated_at <= until` (daily runs)."""
+    """Selects rows with `after < updated_at <= until` (daily runs).
+
+    Rows whose `updated_at` is null are never in a window: a backfill infers them, dailies
+    skip them (the plan counts them from the Parquet statistics, `PlanObservations`).
+    """
 
     after: datetime | None
     until: datetime
+
+    def may_hold(self, lo: datetime | None, hi: datetime | None) -> bool:
+        """Can a row group whose updated_at spans [lo, hi] hold rows of the window?"""
+        if lo is None or hi is None:
+            return True  # no statistics: read it
+        if lo > self.until:
+            return False
+        return self.after is None or hi > self.after
+
+
+@dataclass
+class PlanObservations:
+    """What planning learnt from footers and paths, without reading any row."""
+
+    max_updated_at: datetime | None = None
+    """Latest updated_at in the input (from row-group statistics), the point a backfill read it as of."""
+    null_updated_at_rows: int = 0
+    """Rows with a null updated_at in the shards planned (statistics); dailies skip them."""
+    row_groups_total: int = 0
+    row_groups_pruned: int = 0
+    """Row groups a daily skipped because their updated_at statistics lie outside its window."""
+    shards_pruned: int = 0
+    """Shards a daily skipped by their Hive partition value (`input.updated_at_partition`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_updated_at": None if self.max_updated_at is None else self.max_updated_at.isoformat(),
+            "null_updated_at_rows": self.null_updated_at_rows,
+            "row_groups_total": self.row_groups_total,
+            "row_groups_pruned": self.row_groups_pruned,
+            "shards_pruned": self.shards_pruned,
+        }
 
 
 @dataclass(frozen=True, order=True)
@@ -191,18 +229,23 @@ def plan_units(
     columns: ColumnNames,
     need_updated_at: bool = False,
     on_bad_shard: Literal["fail", "record"] = "fail",
+    window: DeltaWindow | None = None,
+    observations: PlanObservations | None = None,
 ) -> tuple[list[WorkUnit], list[dict[str, str]]]:
     """Cuts shards into work units; returns (units, bad shards as {shard, error}).
 
     With on_bad_shard="fail" a shard that cannot be opened or lacks a column raises here,
-    before any inference; with "record" it is returned in the second list instead.
+    before any inference; with "record" it is returned in the second list instead. With a
+    `window`, Parquet row groups whose updated_at statistics lie outside it get no unit, so
+    a daily's cost follows its delta. `observations`, if given, collects what the footers say.
     """
     units: list[WorkUnit] = []
     bad: list[dict[str, str]] = []
+    seen = observations if observations is not None else PlanObservations()
     for shard, fmt in shards:
         try:
             if fmt == "parquet":
-                units += _plan_parquet(shard, unit_rows, columns, need_updated_at)
+                units += _plan_parquet(shard, unit_rows, columns, need_updated_at, window, seen)
             else:
                 _check_jsonl_head(shard, columns, need_updated_at)
                 units.append(WorkUnit(shard, "jsonl", 0, None))
@@ -217,29 +260,71 @@ def plan_units(
     return units, bad
 
 
-def _plan_parquet(shard: str, unit_rows: int, columns: ColumnNames, need_updated_at: bool) -> list[WorkUnit]:
+def _updated_at_stats(rg: Any, index: int | None) -> tuple[datetime | None, datetime | None, int]:
+    """(min, max, null count) of a row group's updated_at, where the footer has them as timestamps."""
+    if index is None:
+        return None, None, 0
+    stats = rg.column(index).statistics
+    if stats is None:
+        return None, None, 0
+    nulls = int(stats.null_count or 0) if stats.has_null_count else 0
+    if not stats.has_min_max or not isinstance(stats.min, datetime):
+        return None, None, nulls
+    lo, hi = stats.min, stats.max
+    if lo.tzinfo is None:  # Parquet timestamps without a zone are UTC instants here
+        lo, hi = lo.replace(tzinfo=UTC), hi.replace(tzinfo=UTC)
+    return lo, hi, nulls
+
+
+def _plan_parquet(
+    shard: str,
+    unit_rows: int,
+    columns: ColumnNames,
+    need_updated_at: bool,
+    window: DeltaWindow | None,
+    seen: PlanObservations,
+) -> list[WorkUnit]:
     fs, path = _filesystem(shard)
     with fs.open(path, "rb") as f:
         meta = pq.ParquetFile(f).metadata
     schema = meta.schema.to_arrow_schema()
     _check_columns(schema.names, shard, columns, need_updated_at)
     _check_types(schema, shard, columns)
+    names = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    ts_index = names.index(columns.updated_at) if columns.updated_at in names else None
     units: list[WorkUnit] = []
-    start = 0
-    pending = 0
+    start = 0  # first row of the pending unit
+    pending = 0  # rows in the pending unit
+    offset = 0  # first row of the current row group
     for i in range(meta.num_row_groups):
-        n = meta.row_group(i).num_rows
-        if pending and pending + n > unit_rows:
+        rg = meta.row_group(i)
+        n = rg.num_rows
+        lo, hi, nulls = _updated_at_stats(rg, ts_index)
+        seen.row_groups_total += 1
+        seen.null_updated_at_rows += nulls
+        if hi is not None and (seen.max_updated_at is None or hi > seen.max_updated_at):
+            seen.max_updated_at = hi
+        skip = window is not None and (not window.may_hold(lo, hi) or (n > 0 and nulls == n))
+        if skip:
+            seen.row_groups_pruned += 1
+        if pending and (skip or pending + n > unit_rows):
             units.append(WorkUnit(shard, "parquet", start, start + pending))
-            start, pending = start + pending, 0
+            pending = 0
+        if skip:
+            offset += n
+            start = offset
+            continue
+        if not pending:
+            start = offset
         if n > 2 * unit_rows:  # a huge row group: cut it by rows (each unit re-reads the group)
-            for lo in range(0, n, unit_rows):
-                hi = min(n, lo + unit_rows)
-                units.append(WorkUnit(shard, "parquet", start + lo, start + hi))
-            start += n
+            for lo_row in range(0, n, unit_rows):
+                hi_row = min(n, lo_row + unit_rows)
+                units.append(WorkUnit(shard, "parquet", offset + lo_row, offset + hi_row))
+            start = offset + n
         else:
             pending += n
-    if pending or not units:
+        offset += n
+    if pending or (not units and window is None):
         units.append(WorkUnit(shard, "parquet", start, start + pending))
     return units
 
@@ -275,7 +360,7 @@ def unit_block_schema(with_updated_at: bool) -> pa.Schema:
     return pa.schema(fields)
 
 
-def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str]) -> pa.Table:
+def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: DeltaWindow | None = None) -> pa.Table:
     fs, path = _filesystem(unit.shard)
     if unit.format == "jsonl":
         with fs.open(path, "rb") as f:
@@ -297,9 +382,17 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str]) -> pa.Tab
                         first_row = offset
                     groups.append(i)
                 offset += n
+            if window is not None and groups:
+                # Two steps: the small updated_at column first, the text only where the window has rows.
+                stamps = pf.read_row_groups(groups, columns=[columns.updated_at]).column(0)
+                stamps = stamps.slice(unit.row_start - first_row, _unit_len(unit, first_row, len(stamps)))
+                if not pc.any(_in_window(_as_utc_timestamps(stamps, unit.shard, columns.updated_at), window)).as_py():
+                    groups = []
             table = (
                 pf.read_row_groups(groups, columns=wanted) if groups else pf.schema_arrow.empty_table().select(wanted)
             )
+            if not groups:
+                return table
         stop = unit.row_stop if unit.row_stop is not None else first_row + table.num_rows
         table = table.slice(unit.row_start - first_row, stop - unit.row_start)
     _check_types(table.schema, unit.shard, columns)
@@ -318,6 +411,42 @@ def _as_utc_timestamps(column: pa.ChunkedArray, shard: str, name: str) -> pa.Chu
                 f"column {name!r} holds strings that are not ISO timestamps: {e}", shard=shard, column=name
             ) from e
     raise SchemaError(f"column {name!r} has type {t}; expected a timestamp", shard=shard, column=name)
+
+
+def _unit_len(unit: WorkUnit, first_row: int, available: int) -> int:
+    stop = unit.row_stop if unit.row_stop is not None else first_row + available
+    return stop - unit.row_start
+
+
+def _in_window(updated: pa.ChunkedArray | pa.Array, window: DeltaWindow) -> Any:
+    """Boolean mask of `after < updated <= until`; null timestamps are outside every window."""
+    keep = pc.less_equal(updated, pa.scalar(window.until, pa.timestamp("us", tz="UTC")))
+    if window.after is not None:
+        keep = pc.and_(keep, pc.greater(updated, pa.scalar(window.after, pa.timestamp("us", tz="UTC"))))
+    return pc.fill_null(keep, False)
+
+
+def prune_partitions(
+    shards: Sequence[tuple[str, ShardFormat]], key: str, window: DeltaWindow, seen: PlanObservations
+) -> list[tuple[str, ShardFormat]]:
+    """Drops shards whose Hive partition `key=YYYY-MM-DD` (the date of their rows' updated_at)
+    lies outside the window's days, without opening them. Shards without the key are kept."""
+    lo = None if window.after is None else window.after.astimezone(UTC).date()
+    hi = window.until.astimezone(UTC).date()
+    kept = []
+    for shard, fmt in shards:
+        day = None
+        for part in shard.split("/"):
+            if part.startswith(f"{key}="):
+                try:
+                    day = date.fromisoformat(part.split("=", 1)[1][:10])
+                except ValueError:
+                    day = None
+        if day is not None and (day > hi or (lo is not None and day < lo)):
+            seen.shards_pruned += 1
+            continue
+        kept.append((shard, fmt))
+    return kept
 
 
 def _read_dead_letters(unit: WorkUnit) -> pa.Table:
@@ -346,7 +475,7 @@ def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None =
     if unit.format == "dead_letters":
         return _read_dead_letters(unit)
     wanted = [columns.id, columns.text] + ([columns.updated_at] if window is not None else [])
-    raw = _read_raw(unit, columns, wanted)
+    raw = _read_raw(unit, columns, wanted, window)
     ids = raw.column(columns.id)
     if not (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
         ids = pc.cast(ids, pa.string())  # integer ids become their decimal strings
@@ -357,10 +486,7 @@ def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None =
     rows = pa.array(range(unit.row_start, unit.row_start + raw.num_rows), pa.int64())
     if window is not None:
         updated = _as_utc_timestamps(raw.column(columns.updated_at), unit.shard, columns.updated_at)
-        keep = pc.less_equal(updated, pa.scalar(window.until, pa.timestamp("us", tz="UTC")))
-        if window.after is not None:
-            keep = pc.and_(keep, pc.greater(updated, pa.scalar(window.after, pa.timestamp("us", tz="UTC"))))
-        keep = pc.fill_null(keep, False)
+        keep = _in_window(updated, window)
         out = {k: pc.filter(v, keep) for k, v in out.items()}
         out["updated_at"] = pc.filter(updated, keep)
         rows = pc.filter(rows, keep)

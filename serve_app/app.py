@@ -3,9 +3,17 @@
 One replica owns a tokenizer and a TensorFlow model (`serve_app.model.EmotionModel`), loaded
 and warmed in the constructor, so the replica only reports healthy once it can answer fast.
 `Classify` validates the request (malformed ones get INVALID_ARGUMENT and the replica stays
-up), applies server-side fault injection if the deployer switched it on, then hands the texts
-to `_infer`, which `@serve.batch` merges across concurrent callers into one length-bucketed
-forward pass run on a single worker thread (the model itself uses the replica's cores).
+up), applies server-side fault injection if the deployer switched it on, tokenizes the texts
+on a tokenizer thread, then hands them to `_infer`, which `@serve.batch` merges across
+concurrent callers up to a token budget, and which runs the forward passes on the one model
+thread. Tokenizing the next calls overlaps the current forward pass, so a busy replica's
+model thread runs forward passes back to back.
+
+Every answer carries the replica's view of the call in its trailing metadata (`TIMING_KEYS`):
+how long it waited in the replica, how long its batch computed, and how many batches started
+between its arrival and its own. A client throttles on these (a call that waited behind
+more than the next batch means the replica holds more work than it can use), not on raw
+latency, which is mostly batching wait on a busy, healthy replica.
 
 Method names equal the RPC names of `raypipe.v1.EmotionClassifier`: Serve routes by them.
 """
@@ -16,8 +24,10 @@ import asyncio
 import logging
 import math
 import random
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -26,11 +36,20 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from raypipe.v1 import emotion_pb2
+from serve_app.model import Tokenized
 from serve_app.settings import ServerSettings
 
-__all__ = ["EmotionClassifier", "validate_request"]
+__all__ = ["TIMING_KEYS", "EmotionClassifier", "batch_weight", "validate_request"]
 
 logger = logging.getLogger(__name__)
+
+#: Trailing-metadata keys of a successful Classify answer (values are decimal strings).
+TIMING_KEYS = {
+    "queue_s": "raypipe-queue-ms",  # arrival in the replica -> its batch started
+    "compute_s": "raypipe-compute-ms",  # the forward passes of its batch
+    "replica_s": "raypipe-replica-ms",  # arrival in the replica -> answer
+    "batches_ahead": "raypipe-batches-ahead",  # batches started after its arrival, before its own
+}
 
 
 def validate_request(request: emotion_pb2.ClassifyRequest, *, max_batch_size: int) -> str | None:
@@ -50,13 +69,45 @@ def validate_request(request: emotion_pb2.ClassifyRequest, *, max_batch_size: in
     return None
 
 
-@serve.deployment(name="EmotionClassifier", max_ongoing_requests=16, health_check_period_s=5)
+@dataclass(frozen=True)
+class _Job:
+    """One call waiting for a batch."""
+
+    tokenized: Tokenized
+    weight: float
+    """Its share of a batch, in calls: max(1 call, its tokens in units of budget / max calls)."""
+    batches_at_arrival: int
+
+
+@dataclass(frozen=True)
+class _Done:
+    probabilities: np.ndarray
+    truncated: np.ndarray
+    started: float
+    compute_s: float
+    batch_index: int
+
+
+def batch_weight(jobs: list[_Job]) -> int:
+    """`@serve.batch`'s size of a batch, in calls: both a call count and a token budget.
+
+    Serve's batch queue takes one number per batch and compares it with max_batch_size
+    (here `batch_max_calls`, which must stay <= max_ongoing_requests). Each job weighs
+    its tokens as a fraction of `batch_max_tokens`, scaled to calls, but at least 1, so a
+    batch stops at whichever of the two limits it reaches first.
+    """
+    return max(len(jobs), math.ceil(sum(j.weight for j in jobs) - 1e-9))
+
+
+@serve.deployment(name="EmotionClassifier", max_ongoing_requests=64, health_check_period_s=5)
 class EmotionClassifier:
     def __init__(self, model_dir: str, settings: dict[str, Any] | None = None) -> None:
-        from serve_app.model import EmotionModel, configure_tf_threads
+        from serve_app.model import EmotionModel, configure_precision, configure_tf_threads
 
         self._settings = ServerSettings.from_dict(settings)
         configure_tf_threads(self._intra_op_threads(), self._settings.inter_op_threads)
+        # Before the model's graph first runs (warmup): Grappler rewrites it then.
+        self._precision = configure_precision(self._settings.precision)  # type: ignore[arg-type]
         self._model = EmotionModel.load(
             model_dir,
             max_sequence_length=self._settings.max_sequence_length,
@@ -64,16 +115,23 @@ class EmotionClassifier:
         )
         self._model.warmup()
         self._labels = list(self._model.card.labels)
-        self._version = self._model.card.version
-        # One thread: forward passes run one at a time, each using all the replica's cores.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # Answers computed in bf16 may differ from fp32 ones: the version says which they are.
+        self._version = self._model.card.version + ("" if self._precision == "fp32" else f"+{self._precision}")
+        logger.info("EmotionClassifier %s ready, precision %s", self._version, self._precision)
+        # One model thread: forward passes run one at a time, each using all the replica's
+        # cores. Tokenizing has its own thread, so it overlaps the forward pass.
+        self._model_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # @serve.batch's wrapper carries these setters; its type stubs do not say so.
         self._infer.set_max_batch_size(self._settings.batch_max_calls)  # type: ignore[attr-defined]
         self._infer.set_batch_wait_timeout_s(self._settings.batch_wait_timeout_s)  # type: ignore[attr-defined]
+        self._tokens_per_call = self._settings.batch_max_tokens / self._settings.batch_max_calls
+        self._batches_started = 0
         self._fault = self._settings.fault
         self._rng = random.Random(self._fault.seed)
         self._calls: Counter[str] = Counter()
         self._paragraphs: Counter[str] = Counter()
+        self._model_counts: Counter[str] = Counter()
         if self._fault.enabled:
             logger.warning("fault injection is ON for this replica: %s", self._fault)
 
@@ -88,6 +146,7 @@ class EmotionClassifier:
     async def Classify(
         self, request: emotion_pb2.ClassifyRequest, grpc_context: RayServegRPCContext
     ) -> emotion_pb2.ClassifyResponse:
+        arrived = time.monotonic()
         problem = validate_request(request, max_batch_size=self._settings.max_batch_size)
         if problem is not None:
             return self._fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, problem, len(request.paragraphs))
@@ -97,26 +156,49 @@ class EmotionClassifier:
             code = grpc.StatusCode[self._fault.status]
             return self._fail(grpc_context, code, "injected fault", len(request.paragraphs))
         texts = [p.text for p in request.paragraphs]
-        probabilities, truncated = await self._infer(texts)
+        loop = asyncio.get_running_loop()
+        tokenized = await loop.run_in_executor(self._tokenize_executor, self._model.tokenize, texts)
+        tokens = min(tokenized.tokens, self._settings.batch_max_tokens)
+        job = _Job(tokenized, max(1.0, tokens / self._tokens_per_call), self._batches_started)
+        done: _Done = await self._infer(job)
         self._count("OK", len(texts))
+        timing = {
+            "queue_s": done.started - arrived,
+            "compute_s": done.compute_s,
+            "replica_s": time.monotonic() - arrived,
+        }
+        metadata = [(TIMING_KEYS[k], f"{v * 1000:.1f}") for k, v in timing.items()]
+        metadata.append((TIMING_KEYS["batches_ahead"], str(done.batch_index - job.batches_at_arrival - 1)))
+        grpc_context.set_trailing_metadata(metadata)
         return emotion_pb2.ClassifyResponse(
             predictions=[
                 emotion_pb2.Prediction(id=p.id, probabilities=row.tolist(), truncated=bool(cut))
-                for p, row, cut in zip(request.paragraphs, probabilities, truncated, strict=True)
+                for p, row, cut in zip(request.paragraphs, done.probabilities, done.truncated, strict=True)
             ],
             labels=self._labels,
             model_version=self._version,
         )
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
-    async def _infer(self, calls: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        flat = [text for texts in calls for text in texts]
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, batch_size_fn=batch_weight)
+    async def _infer(self, jobs: list[_Job]) -> list[_Done]:
+        self._batches_started += 1
+        index = self._batches_started
+        merged = Tokenized.concat([j.tokenized for j in jobs])
+        started = time.monotonic()
         loop = asyncio.get_running_loop()
-        predictions = await loop.run_in_executor(self._executor, self._model.predict, flat)
+        predictions = await loop.run_in_executor(self._model_executor, self._model.infer, merged)
+        compute_s = time.monotonic() - started
+        self._model_counts["batches"] += 1
+        self._model_counts["tokens"] += merged.tokens
+        self._model_counts["busy_ms"] += round(compute_s * 1000)
         out, start = [], 0
-        for texts in calls:
-            stop = start + len(texts)
-            out.append((predictions.probabilities[start:stop], predictions.truncated[start:stop]))
+        for job in jobs:
+            stop = start + len(job.tokenized)
+            out.append(
+                _Done(
+                    predictions.probabilities[start:stop], predictions.truncated[start:stop], started, compute_s, index
+                )
+            )
             start = stop
         return out
 
@@ -129,8 +211,9 @@ class EmotionClassifier:
         )
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """This replica's own counts of answered calls and paragraphs per status code."""
-        return {"calls": dict(self._calls), "paragraphs": dict(self._paragraphs)}
+        """This replica's own counts of answered calls and paragraphs per status code, and
+        of its forward passes (`model`: batches, tokens, busy_ms)."""
+        return {"calls": dict(self._calls), "paragraphs": dict(self._paragraphs), "model": dict(self._model_counts)}
 
     def _count(self, status: str, paragraphs: int) -> None:
         self._calls[status] += 1

@@ -307,6 +307,7 @@ def _build(out: Path, *, seed: int, fingerprint: str) -> dict[str, Any]:
     import numpy as np
 
     from serve_app._tf import tensorflow
+    from serve_app.export import save_hf_classifier
 
     tf = tensorflow()
     import tf_keras
@@ -362,27 +363,8 @@ def _build(out: Path, *, seed: int, fingerprint: str) -> dict[str, Any]:
         losses = [float(train_step(x, m, y)) for x, m, y in batches]
         _progress(f"epoch {epoch + 1}/{len(epoch_batches)}: mean loss {np.mean(losses):.4f}")
 
-    class Serving(tf.Module):  # type: ignore[misc, name-defined, unused-ignore]
-        def __init__(self, classifier: Any) -> None:
-            super().__init__()
-            self.classifier = classifier
-
-        @tf.function(  # type: ignore[untyped-decorator, unused-ignore]
-            input_signature=[
-                tf.TensorSpec([None, None], tf.int32, name="input_ids"),
-                tf.TensorSpec([None, None], tf.int32, name="attention_mask"),
-            ]
-        )
-        def serve(self, input_ids: Any, attention_mask: Any) -> dict[str, Any]:
-            logits = self.classifier(input_ids=input_ids, attention_mask=attention_mask, training=False).logits
-            return {"probabilities": tf.nn.softmax(logits, axis=-1)}
-
-    serving = Serving(model)
-    tf.saved_model.save(
-        serving,
-        str(out / "saved_model"),
-        signatures={"serving_default": serving.serve.get_concrete_function()},
-    )
+    # The same signature every exported model has (serve_app.export).
+    save_hf_classifier(model, out / "saved_model")
 
     _progress("exported the SavedModel")
     card = {

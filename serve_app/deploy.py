@@ -29,10 +29,13 @@ class DeploymentOptions:
     """Fixed replica count (autoscaling is configured in the RayService manifest)."""
     num_cpus: float = 1.0
     """CPUs reserved per replica; TensorFlow's intra-op threads default to this, rounded up."""
-    max_ongoing_requests: int = 16
-    """Calls one replica holds at once; beyond it Serve queues them at the proxy."""
-    max_queued_requests: int = -1
-    """Calls queued per caller before RESOURCE_EXHAUSTED (-1: unbounded)."""
+    max_ongoing_requests: int = 64
+    """Calls one replica holds at once (its batch queue); beyond it Serve queues them at the
+    proxy, where the replica cannot see them. At least `ServerSettings.batch_max_calls`."""
+    max_queued_requests: int = 256
+    """Calls queued at the proxy before it answers RESOURCE_EXHAUSTED (-1: unbounded). A
+    safety net: clients' limiters keep far fewer in flight; a bounded queue turns a client
+    that ignores them into fast overload answers instead of deadlines expiring in a queue."""
 
 
 def build_app(

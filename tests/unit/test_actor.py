@@ -11,7 +11,13 @@ import pytest
 
 from raypipe.actor import ActorSettings, InferenceActor
 from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
-from raypipe.errors import ServiceOverloaded, ServiceUnavailable
+from raypipe.errors import (
+    CircuitOpenError,
+    RequestRejected,
+    ServiceInternal,
+    ServiceOverloaded,
+    ServiceUnavailable,
+)
 from raypipe.sinks import committed_units
 from raypipe.sources import ColumnNames, list_shards, plan_units, read_unit
 from raypipe.store import OutputStore
@@ -25,12 +31,12 @@ def make_unit(tmp_path, texts):
 
 
 def settings(tmp_path, **client):
-    cfg = ClientConfig(
-        micro_batch_size=4,
-        retry=RetryConfig(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002),
-        breaker=BreakerConfig(failure_threshold=50),
-        **client,
-    )
+    defaults = {
+        "micro_batch_size": 4,
+        "retry": RetryConfig(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002),
+        "breaker": BreakerConfig(failure_threshold=50),
+    }
+    cfg = ClientConfig(**{**defaults, **client})
     return ActorSettings(
         output_uri=str(tmp_path / "out"), run_id="r1", attempt="a1", service=ServiceConfig(), client=cfg, labels=LABELS
     )
@@ -70,19 +76,45 @@ def test_unit_is_inferred_and_committed_with_every_row_accounted(tmp_path):
     assert unit.key in committed_units(store, "r1")
 
 
-def test_transient_failures_are_retried_then_dead_lettered_with_attempts(tmp_path):
-    errors = [ServiceUnavailable("down", status_code="UNAVAILABLE")] * 3  # exhausts one batch's 3 attempts
+def test_transient_failures_send_the_rows_again_instead_of_dead_lettering_them(tmp_path):
+    """A call that exhausts its attempts on a service fault is not the rows' fault: they go back."""
+    errors = [ServiceUnavailable("down", status_code="UNAVAILABLE")] * 3  # exhausts one call's 3 attempts
     client = ScriptedClient(errors=errors)
     texts = ["alpha", "beta", "gamma"]  # one micro-batch
     _, summary, results, dead, _ = run_actor(tmp_path, texts, client)
-    assert results is None
-    assert dead.column("id").to_pylist() == ["id0", "id1", "id2"]
-    assert set(dead.column("grpc_status").to_pylist()) == {"UNAVAILABLE"}
-    assert set(dead.column("error_kind").to_pylist()) == {"unavailable"}
-    assert set(dead.column("attempts").to_pylist()) == {3}
-    assert dead.column("text").to_pylist() == ["alpha", "beta", "gamma"]
+    assert dead is None
+    assert sorted(results.column("id").to_pylist()) == ["id0", "id1", "id2"]
     stats = json.loads(summary.column("summary")[0].as_py())
-    assert stats["status_counts"] == {"UNAVAILABLE": 3} and stats["retries"] == 2
+    assert stats["status_counts"] == {"UNAVAILABLE": 3, "OK": 1} and stats["retries"] == 2
+    assert stats["dead_letters"] == 0 and stats["canaries"] == 0
+
+
+def test_internal_from_a_dying_replica_is_retried_not_dead_lettered(tmp_path):
+    client = ScriptedClient(errors=[ServiceInternal("replica died", status_code="INTERNAL")])
+    _, summary, results, dead, _ = run_actor(tmp_path, ["one"], client, micro_batch_size=1)
+    assert dead is None and results.column("id").to_pylist() == ["id0"]
+    stats = json.loads(summary.column("summary")[0].as_py())
+    assert stats["status_counts"] == {"INTERNAL": 1, "OK": 1}
+
+
+def test_a_row_that_crashes_the_replica_is_isolated_while_others_succeed(tmp_path):
+    """INTERNAL on every call holding the poison row, OK elsewhere: only that row is dead-lettered."""
+
+    class CrashingClient(ScriptedClient):
+        async def classify(self, ids, texts):
+            if "CRASH" in texts:
+                self.calls += 1
+                raise ServiceInternal("replica died", status_code="INTERNAL")
+            return await super().classify(ids, texts)
+
+    texts = ["a1", "b22", "CRASH", "d4444"]
+    _, summary, results, dead, _ = run_actor(tmp_path, texts, CrashingClient())
+    assert sorted(results.column("id").to_pylist()) == ["id0", "id1", "id3"]
+    assert dead.column("id").to_pylist() == ["id2"]
+    assert dead.column("error_kind").to_pylist() == ["internal"]
+    assert dead.column("attempts").to_pylist() == [3]  # sent alone, it failed a whole call while the canary passed
+    stats = json.loads(summary.column("summary")[0].as_py())
+    assert stats["canaries"] >= 2
 
 
 def test_retry_success_counts_every_attempt(tmp_path):
@@ -104,8 +136,7 @@ def test_poison_row_is_isolated_by_bisection(tmp_path):
 
 def test_redo_overwrites_and_removes_stale_files(tmp_path):
     """A unit redone after a crash replaces its files; a stale dead-letter file is removed."""
-    client = ScriptedClient(errors=[ServiceUnavailable("down", status_code="UNAVAILABLE")] * 3)
-    unit, _, _, dead, store = run_actor(tmp_path, ["x", "y"], client)
+    unit, _, _, dead, store = run_actor(tmp_path, ["x", "y"], ScriptedClient(poison="x"))
     assert dead is not None
     unit2, _, results, dead2, _ = run_actor(tmp_path, ["x", "y"], ScriptedClient())
     assert unit2.key == unit.key
@@ -123,35 +154,42 @@ def test_successes_close_the_breaker_count(tmp_path):
     assert stats.consecutive_failures == 0 and stats.openings == 0
 
 
-def test_rows_still_waiting_on_an_open_breaker_past_max_wait_become_dead_letters(tmp_path):
-    """The service never comes back: batches waiting on the open breaker give up after max_wait_s.
-
-    The batch holding the probe spends its retry budget (its calls reach the service); the
-    others wait, and past `breaker.max_wait_s` their rows are dead-lettered as `circuit_open`.
-    """
-    down = [ServiceUnavailable("down", status_code="UNAVAILABLE")] * 1000
-    unit, block = make_unit(tmp_path, [f"row {i}" for i in range(40)])  # 10 micro-batches of 4
+def _down_actor(tmp_path, error, rows=40):
+    unit, block = make_unit(tmp_path, [f"row {i}" for i in range(rows)])  # 10 micro-batches of 4
     cfg = settings(tmp_path)
     client_cfg = cfg.client.model_copy(
         update={
             "retry": RetryConfig(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.002),
             "breaker": BreakerConfig(
-                failure_threshold=1, reset_timeout_s=0.05, max_reset_timeout_s=0.05, max_wait_s=0.3
+                failure_threshold=3, reset_timeout_s=0.05, max_reset_timeout_s=0.05, max_wait_s=0.3
             ),
         }
     )
-    actor = InferenceActor(
-        ActorSettings(**{**cfg.__dict__, "client": client_cfg}), client_factory=lambda: ScriptedClient(errors=down)
-    )
-    summary = asyncio.run(actor(block))
+    client = ScriptedClient(errors=[error] * 100_000)
+    actor = InferenceActor(ActorSettings(**{**cfg.__dict__, "client": client_cfg}), client_factory=lambda: client)
+    return unit, block, actor, client
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ServiceUnavailable("down", status_code="UNAVAILABLE"),
+        ServiceInternal("crash-looping model", status_code="INTERNAL"),
+        RequestRejected("bad deploy", status_code="UNIMPLEMENTED"),
+    ],
+    ids=["unavailable", "internal", "unimplemented"],
+)
+def test_a_broken_service_stops_the_unit_without_dead_letters(tmp_path, error):
+    """Every call fails alike: it is the service. The unit raises, commits nothing, in few calls."""
+    unit, block, actor, client = _down_actor(tmp_path, error)
+    with pytest.raises(CircuitOpenError):
+        asyncio.run(actor(block))
     store = OutputStore(str(tmp_path / "out"))
-    dead = pq.read_table(store.dead_letter_file("r1", unit.key))
-    kinds = dead.column("error_kind").to_pylist()
-    assert len(kinds) == 40 and set(kinds) <= {"circuit_open", "unavailable"}
-    assert kinds.count("circuit_open") >= 20
-    stats = json.loads(summary.column("summary")[0].as_py())
+    assert not store.exists(store.dead_letter_file("r1", unit.key))
+    assert not store.exists(store.results_file("r1", unit.key))
+    assert committed_units(store, "r1") == {}
     breaker = actor._breaker.stats()
-    # What reached the service: the calls in flight when it went down (the initial limit, 4),
-    # then only probes, one per reset period.
-    assert stats["calls"] <= 4 + breaker.probes
-    assert breaker.calls_rejected >= 5
+    assert breaker.openings >= 1
+    # What reached the service: the attempts in flight when it failed (the initial limit, 4),
+    # the calls (and canaries) that opened the breaker, then only probes: 4 attempts each.
+    assert client.calls <= 4 * (4 + 3 + 3 + breaker.probes)

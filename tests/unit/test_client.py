@@ -8,14 +8,16 @@ import grpc
 import numpy as np
 import pytest
 
-from raypipe.client import GrpcModelClient, check_service
+from raypipe.client import Deadlines, GrpcModelClient, ServerTiming, check_service
 from raypipe.errors import (
     RequestRejected,
     ServiceCancelled,
+    ServiceInternal,
     ServiceOverloaded,
     ServiceTimeout,
     ServiceUnavailable,
 )
+from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 from tests.fakes import LABELS, fake_probs, start_fake_server
 
 
@@ -51,7 +53,8 @@ def test_classify_round_trip_keeps_order_labels_and_metadata():
         (grpc.StatusCode.RESOURCE_EXHAUSTED, ServiceOverloaded, True),
         (grpc.StatusCode.CANCELLED, ServiceCancelled, True),
         (grpc.StatusCode.INVALID_ARGUMENT, RequestRejected, False),
-        (grpc.StatusCode.INTERNAL, RequestRejected, False),
+        (grpc.StatusCode.INTERNAL, ServiceInternal, True),
+        (grpc.StatusCode.UNKNOWN, ServiceInternal, True),
     ],
 )
 def test_status_codes_map_to_typed_errors(code, error, transient):
@@ -130,3 +133,128 @@ def test_channel_is_created_lazily_and_reused():
             await server.stop(None)
 
     run(scenario())
+
+
+# --- server timing and deadlines ------------------------------------------------------------
+
+
+def test_timing_keys_match_the_server() -> None:
+    from raypipe.client import _TIMING_KEYS
+    from serve_app.app import TIMING_KEYS
+
+    assert _TIMING_KEYS == TIMING_KEYS
+
+
+def test_server_timing_parses_trailing_metadata_and_tolerates_its_absence() -> None:
+    from raypipe.client import ServerTiming
+
+    metadata = [
+        ("request_id", "x"),
+        ("raypipe-queue-ms", "1500.0"),
+        ("raypipe-compute-ms", "800.5"),
+        ("raypipe-replica-ms", "2301.0"),
+        ("raypipe-batches-ahead", "1"),
+    ]
+    assert ServerTiming.from_metadata(metadata) == ServerTiming(1.5, 0.8005, 2.301, 1)
+    assert ServerTiming.from_metadata([]) is None
+    assert ServerTiming.from_metadata(None) is None
+    assert ServerTiming.from_metadata([*metadata[:-1], ("raypipe-batches-ahead", "many")]) is None
+
+
+class _TimedServicer(emotion_pb2_grpc.EmotionClassifierServicer):
+    async def Classify(self, request, context):
+        context.set_trailing_metadata(
+            (
+                ("raypipe-queue-ms", "10.0"),
+                ("raypipe-compute-ms", "20.0"),
+                ("raypipe-replica-ms", "31.0"),
+                ("raypipe-batches-ahead", "0"),
+            )
+        )
+        return emotion_pb2.ClassifyResponse(
+            predictions=[emotion_pb2.Prediction(id=p.id, probabilities=fake_probs(p.text)) for p in request.paragraphs],
+            labels=LABELS,
+            model_version="timed-1",
+        )
+
+
+def test_classify_returns_the_servers_timing() -> None:
+    async def scenario():
+        server = grpc.aio.server()
+        emotion_pb2_grpc.add_EmotionClassifierServicer_to_server(_TimedServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = GrpcModelClient(f"127.0.0.1:{port}", timeout_s=5)
+        try:
+            return await client.classify(["a"], ["text"])
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    result = run(scenario())
+    assert result.server == ServerTiming(0.01, 0.02, 0.031, 0)
+    assert result.model_version == "timed-1"
+
+
+def test_fake_server_without_timing_gives_none() -> None:
+    async def scenario():
+        server, _, address = await start_fake_server()
+        client = GrpcModelClient(address, timeout_s=5)
+        try:
+            return await client.classify(["a"], ["text"])
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    assert run(scenario()).server is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_deadline_is_the_floor_until_the_rate_is_known() -> None:
+    d = Deadlines(floor_s=30, max_s=600, clock=_Clock())
+    assert d.rate is None
+    assert d.start(1_000_000) == 30
+
+
+def test_deadline_follows_work_in_flight_over_the_measured_rate() -> None:
+    clock = _Clock()
+    d = Deadlines(floor_s=5, max_s=600, safety=4, clock=clock)
+    for _ in range(11):  # 1,000 characters answered per second
+        d.start(1000)
+        clock.now += 1
+        d.finish(1000, answered=True)
+    assert d.rate == pytest.approx(1000)
+    # A busy service: 40 calls of 1,000 characters ahead of this one should take ~41 s.
+    for _ in range(40):
+        d.start(1000)
+    assert d.start(1000) == pytest.approx(4 * 41)  # 40 calls ahead of this one, and itself
+    assert d.start(10**9) == 600  # capped
+    d.finish(10**9, answered=False)
+    for _ in range(41):
+        d.finish(1000, answered=False)  # failures free their work, add no rate sample
+    assert d.rate == pytest.approx(1000)
+    assert d.start(1000) == 5  # little in flight: the floor
+
+
+def test_answers_in_one_burst_do_not_make_a_rate() -> None:
+    clock = _Clock()
+    d = Deadlines(floor_s=5, max_s=600, clock=clock)
+    for _ in range(10):  # one batch answers ten calls at once
+        d.start(1000)
+    for _ in range(10):
+        d.finish(1000, answered=True)
+    assert d.rate is None
+
+
+def test_bad_deadline_arguments() -> None:
+    with pytest.raises(ValueError):
+        Deadlines(floor_s=10, max_s=5)
+    with pytest.raises(ValueError):
+        Deadlines(floor_s=1, max_s=5, safety=0.5)

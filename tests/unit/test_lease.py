@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+
 import pytest
 
-from raypipe.errors import OutputLockedError
+from raypipe.errors import LeaseLostError, OutputLockedError
 from raypipe.lease import Lease
 from raypipe.store import OutputStore
 
@@ -44,13 +47,85 @@ def test_expired_lease_is_taken_over(tmp_path):
     taker.release()
 
 
-def test_same_run_id_may_take_over_a_live_lease(tmp_path):
+def test_same_run_id_waits_for_a_live_lease_then_fences_the_earlier_attempt(tmp_path):
+    """A retried job (same run id) waits out the live lease, then takes it: the first is fenced off."""
     store = OutputStore(str(tmp_path))
-    crashed = Lease(store, "run-a", duration_s=600)
-    crashed.acquire()
-    crashed._stop.set()
-    resumed = Lease(store, "run-a", duration_s=600)
-    resumed.acquire()
-    assert resumed.held() and not crashed.held()
-    resumed.release()
+    clock = Clock()
+    first = Lease(store, "run-a", duration_s=60, clock=clock)
+    first.acquire()
+    first._stop.set()  # it hangs: no heartbeat, but it may still try to write
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.now += s
+
+    second = Lease(store, "run-a", duration_s=60, clock=clock, sleep=sleep)
+    second.acquire()
+    assert sum(slept) >= 60  # it waited for the expiry
+    assert second.generation == first.generation + 1
+    with pytest.raises(LeaseLostError):
+        first.check()
+    with pytest.raises(LeaseLostError):
+        first.fence.check(store)
+    second.check()  # the holder passes
+    second.release()
     assert not store.exists(store.state("lease.json"))
+
+
+def test_force_takes_a_live_lease_of_the_same_run_at_once(tmp_path):
+    store = OutputStore(str(tmp_path))
+    first = Lease(store, "run-a", duration_s=600)
+    first.acquire()
+    first._stop.set()
+
+    def no_sleep(s: float) -> None:
+        raise AssertionError("force must not wait")
+
+    second = Lease(store, "run-a", duration_s=600, sleep=no_sleep)
+    second.acquire(force=True)
+    assert second.held() and not first.held()
+    with pytest.raises(LeaseLostError):
+        first.check()
+    second.release()
+
+
+def test_force_does_not_take_another_runs_live_lease(tmp_path):
+    store = OutputStore(str(tmp_path))
+    with Lease(store, "run-a", duration_s=600), pytest.raises(OutputLockedError, match="run-a"):
+        Lease(store, "run-b", duration_s=600).acquire(force=True)
+
+
+def _take_over(path: str, barrier, results) -> None:
+    lease = Lease(OutputStore(path), "run-x", duration_s=600)
+    barrier.wait()
+    try:
+        lease.acquire(force=True)
+        results.put((lease._token, lease.generation))
+    except OutputLockedError as e:  # pragma: no cover - force on the same run never refuses
+        results.put(("refused", str(e)))
+    lease._stop.set()
+
+
+def test_two_processes_racing_to_take_over_get_distinct_generations(tmp_path):
+    """Two attempts racing for the lease at the same instant: each takeover is a compare-and-swap,
+    so every winner gets its own generation and only the last one still holds the lease."""
+    ctx = multiprocessing.get_context("spawn")
+    store = OutputStore(str(tmp_path))
+    stale = Lease(store, "run-x", duration_s=600)
+    stale.acquire()
+    stale._stop.set()
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_take_over, args=(str(tmp_path), barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    got = [results.get(timeout=5) for _ in procs]
+    generations = sorted(g for _, g in got)
+    assert generations == [2, 3]
+    holder = json.loads((tmp_path / "_raypipe" / "lease.json").read_text())
+    winner = max(got, key=lambda tg: tg[1])
+    assert holder["token"] == winner[0] and holder["generation"] == 3
+    with pytest.raises(LeaseLostError):
+        stale.check()

@@ -1,5 +1,5 @@
-"""Unit tests for the served model: model-directory validation, bucketed prediction,
-truncation, and the offline demo model's quality on hand-written sentences."""
+"""Unit tests for the served model: model-directory validation, length-sorted chunked
+prediction, truncation, precision choice, and the offline demo model's quality."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from serve_app.model import (
     EmotionModel,
     ModelCard,
     ModelDirError,
-    bucket_lengths,
+    Tokenized,
+    configure_precision,
     configure_tf_threads,
+    padded_length,
     read_model_card,
 )
 
@@ -292,10 +294,62 @@ def test_max_sequence_length_cannot_be_raised(demo_model_dir: Path) -> None:
         EmotionModel.load(demo_model_dir, max_sequence_length=513)
 
 
-def test_warmup_runs_every_bucket(model: EmotionModel) -> None:
+def test_warmup_runs(model: EmotionModel) -> None:
     model.warmup()
-    assert bucket_lengths(512) == (16, 32, 64, 128, 256, 512)
-    assert bucket_lengths(100) == (16, 32, 64, 100)
+
+
+def test_padded_length_rounds_up_to_a_multiple_of_8_within_the_maximum() -> None:
+    assert [padded_length(n, 512) for n in (1, 8, 9, 42, 64, 65, 509, 512)] == [8, 8, 16, 48, 64, 72, 512, 512]
+    assert padded_length(99, 100) == 100
+
+
+def test_chunks_pad_to_their_longest_row_and_keep_the_budget(demo_model_dir: Path) -> None:
+    small = EmotionModel.load(demo_model_dir, token_budget=512)
+    lengths = [5, 300, 17, 60, 61, 9, 512, 40, 33, 120] * 7
+    chunks = small._chunks(lengths)
+    assert sorted(i for rows, _ in chunks for i in rows) == list(range(len(lengths)))
+    for rows, length in chunks:
+        longest = max(lengths[i] for i in rows)
+        assert length == padded_length(longest, 512)
+        assert len(rows) * length <= 512
+    # Sorted by length: a chunk never mixes a short row with a much longer one when the
+    # budget would have let the short row go with rows like it.
+    padded = sum(len(rows) * length for rows, length in chunks)
+    assert padded <= 1.35 * sum(lengths)
+
+
+def test_tokenize_then_infer_is_predict(model: EmotionModel) -> None:
+    tokenized = model.tokenize(MIXED_LENGTHS)
+    assert len(tokenized) == len(MIXED_LENGTHS)
+    assert tokenized.tokens == sum(len(x) for x in tokenized.ids)
+    halves = Tokenized.concat([model.tokenize(MIXED_LENGTHS[:3]), model.tokenize(MIXED_LENGTHS[3:])])
+    np.testing.assert_allclose(model.infer(halves).probabilities, model.predict(MIXED_LENGTHS).probabilities, atol=1e-5)
+    assert model.infer(halves).truncated.tolist() == model.predict(MIXED_LENGTHS).truncated.tolist()
+
+
+@pytest.mark.parametrize(
+    ("flags", "asked", "chosen"),
+    [
+        ({"avx512f", "avx512_bf16"}, "auto", "bf16"),
+        ({"amx_bf16", "amx_tile"}, "auto", "bf16"),
+        ({"avx512f", "avx512_vnni"}, "auto", "fp32"),
+        (set(), "fp32", "fp32"),
+    ],
+)
+def test_precision_follows_the_cpu(flags: set[str], asked: str, chosen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tensorflow as tf
+
+    seen: list[dict[str, bool]] = []
+    monkeypatch.setattr(tf.config.optimizer, "set_experimental_options", seen.append)
+    assert configure_precision(asked, frozenset(flags)) == chosen  # type: ignore[arg-type]
+    assert seen == ([{"auto_mixed_precision_onednn_bfloat16": True}] if chosen == "bf16" else [])
+
+
+def test_bf16_without_native_support_is_refused() -> None:
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        configure_precision("bf16", frozenset({"avx512f", "avx512_vnni"}))
+    with pytest.raises(ValueError, match="precision"):
+        configure_precision("fp16", frozenset())  # type: ignore[arg-type]
 
 
 def test_configure_tf_threads_after_start_warns(model: EmotionModel, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,31 +1,99 @@
-"""Report arithmetic: histograms merge exactly, units fold into run totals."""
+"""Report arithmetic: latency sketches merge and stay within their stated error, units fold into run totals."""
 
 from __future__ import annotations
 
+import json
+import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from raypipe.report import LatencyHistogram, RunReport, UnitStats
+from raypipe.report import LATENCY_RELATIVE_ERROR, LatencySketch, RunReport, UnitStats
+
+QUANTILES = (0.5, 0.95, 0.99)
 
 
-def test_histogram_percentiles_are_bucket_bounds_within_20_percent():
-    h = LatencyHistogram()
-    for ms in range(1, 1001):
-        h.add(ms / 1000)
-    for q, exact in ((0.5, 0.5), (0.95, 0.95), (0.99, 0.99)):
-        got = h.percentile(q)
-        assert exact <= got <= exact * 1.2
-    assert LatencyHistogram().percentile(0.5) is None
+def _latencies(n, seed=0):
+    """Heavy-tailed call latencies in seconds (lognormal around 20 ms, a slow tail to seconds)."""
+    rng = np.random.default_rng(seed)
+    return rng.lognormal(mean=np.log(0.02), sigma=1.0, size=n)
 
 
-def test_histograms_merge_like_one():
-    a, b, both = LatencyHistogram(), LatencyHistogram(), LatencyHistogram()
-    for i, s in enumerate([0.001 * k for k in range(1, 200)]):
-        (a if i % 2 else b).add(s)
-        both.add(s)
-    a.merge(b)
-    assert a.counts == both.counts
+def _within(got, exact, rel):
+    return abs(got - exact) <= rel * exact + 1e-12
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 50_000])
+def test_sketch_quantiles_are_within_the_stated_relative_error_of_exact_ones(n):
+    values = _latencies(n, seed=n)
+    s = LatencySketch()
+    for v in values:
+        s.add(float(v))
+    assert s.count == n
+    for q in QUANTILES:
+        # DDSketch's guarantee is on the order statistic at rank q*(n-1) rounded down.
+        exact = float(np.quantile(values, q, method="lower"))
+        assert _within(s.quantile(q), exact, LATENCY_RELATIVE_ERROR), (q, s.quantile(q), exact)
+    assert s.max == pytest.approx(values.max())
+
+
+def test_sketch_tracks_numpys_interpolated_percentiles_on_dense_data():
+    values = _latencies(20_000, seed=3)
+    s = LatencySketch()
+    for v in values:
+        s.add(float(v))
+    for q in QUANTILES:
+        # Neighbouring order statistics of 20,000 samples differ by far less than 1%.
+        assert _within(s.quantile(q), float(np.percentile(values, q * 100)), 2 * LATENCY_RELATIVE_ERROR)
+
+
+def test_empty_sketch_has_no_quantiles_and_rejects_bad_q():
+    s = LatencySketch()
+    assert s.quantile(0.5) is None and s.max is None and s.count == 0
+    with pytest.raises(ValueError):
+        s.quantile(1.5)
+
+
+def test_sketches_merge_like_one_and_survive_json():
+    values = _latencies(3000, seed=1)
+    parts = [LatencySketch() for _ in range(3)]
+    both = LatencySketch()
+    for i, v in enumerate(values):
+        parts[i % 3].add(float(v))
+        both.add(float(v))
+    merged = LatencySketch()
+    for part in parts:
+        merged.merge(LatencySketch.from_dict(json.loads(json.dumps(part.to_dict()))))
+    assert merged.count == both.count
+    for q in QUANTILES:
+        assert merged.quantile(q) == pytest.approx(both.quantile(q))
+    assert merged.max == pytest.approx(both.max)
+
+
+def test_sketch_memory_is_bounded_by_the_latency_range_not_the_count():
+    s = LatencySketch()
+    rng = random.Random(0)
+    for _ in range(100_000):
+        s.add(rng.uniform(0.001, 10.0))  # four decades
+    # ~230 bins per decade at 1%: the stored form does not grow with the 100,000 calls.
+    assert len(s.to_dict()["keys"]) < 4 * 240
+
+
+def test_zero_and_negative_latencies_count_as_zero():
+    s = LatencySketch()
+    for v in (0.0, -0.001, 0.010):
+        s.add(v)
+    assert s.quantile(0.0) == 0 and s.count == 3
+    assert LatencySketch.from_dict(s.to_dict()) == s
+
+
+def test_legacy_histogram_markers_still_merge():
+    counts = [0] * 74
+    counts[20] = 5  # five calls in the bucket ending at 0.5 ms x 2**5 = 16 ms
+    s = LatencySketch.from_dict(counts)
+    assert s.count == 5
+    assert _within(s.quantile(0.5), 0.016, LATENCY_RELATIVE_ERROR)
 
 
 def unit(name, attempt, actor, seq, **kw):
@@ -55,6 +123,9 @@ def test_merge_sums_rows_and_keeps_each_actors_latest_snapshot():
         unit("u3", "a2", "y", 1, rows=7, ok=7, status_counts=Counter({"OK": 2})),
     ]
     r = RunReport(run_id="r", mode="backfill")
+    units[0].latency.add(0.010)
+    units[1].latency.add(0.020)
+    units[2].latency.add(0.030)
     r.merge_units([UnitStats.from_dict(u.to_dict()) for u in units])
     assert (r.rows_in, r.rows_ok, r.rows_empty_text, r.rows_dead_letters) == (22, 19, 1, 2)
     assert r.rows_results + r.rows_dead_letters == r.rows_in
@@ -62,6 +133,14 @@ def test_merge_sums_rows_and_keeps_each_actors_latest_snapshot():
     assert r.breaker_openings == 2 + 1  # actor x's latest (seq 2) + actor y's
     assert r.limiter["max"] == 6 and r.limiter["actors"] == 2
     assert "UNAVAILABLE 4" in r.render()
+    assert _within(r.latency_ms["p50"], 20.0, LATENCY_RELATIVE_ERROR)
+    assert r.latency_ms["max"] == pytest.approx(30.0)
+    assert r.latency_relative_error == LATENCY_RELATIVE_ERROR
+    assert "±1%" in r.render()
+    # The report's JSON form reads back (as `raypipe report` does).
+    d = json.loads(json.dumps(r.to_dict()))
+    d.pop("rows_results")
+    assert RunReport(**d).latency_ms == r.latency_ms
 
 
 def test_unit_stats_round_trip():

@@ -1,0 +1,268 @@
+"""A local Ray cluster started as a user would, and CPU/RSS sampling of every process it runs.
+
+`Cluster` runs ``ray start --head --num-cpus N`` with its own temp dir and ports, so its
+processes (GCS, raylet, dashboard, Serve's controller/proxy/replicas, Ray Data workers) are
+recognised by that dir in their command lines; `ProcessSampler` adds them to the processes
+the benchmark itself started (clients, the `raypipe` driver) and integrates CPU time and the
+summed RSS over a measured interval. ``ray stop --force`` always runs at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+__all__ = ["Cluster", "ProcessSampler", "TreeUsage", "bench_env"]
+
+RAY_PORT = 6391
+DASHBOARD_PORT = 8271
+GRPC_PORT = 9191
+HTTP_PORT = 8191
+TEMP_DIR = "/tmp/rpbench"
+
+
+def bench_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every process of the benchmark runs with."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_ADDRESS": f"127.0.0.1:{RAY_PORT}",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), env.get("PYTHONPATH", "")])),
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class TreeUsage:
+    """CPU seconds and peak summed RSS of a set of processes over an interval."""
+
+    cpu_s: float = 0.0
+    peak_rss_bytes: int = 0
+    """Peak of the summed RSS of every sampled process (shared pages count once per process)."""
+    peak_rss_started_bytes: int = 0
+    """The same, over only the processes the benchmark started (client or driver) and their children."""
+    processes: int = 0
+
+
+@dataclass
+class ProcessSampler:
+    """Samples processes matching ``marker`` in their command line, plus ``roots`` and their children.
+
+    CPU of a process is its last sampled time minus its time at the start (0 if it appeared
+    later); a process that ends between two samples loses at most one interval of CPU.
+    """
+
+    marker: str | None = None
+    interval_s: float = 0.25
+    _roots: set[int] = field(default_factory=set)
+    _base: dict[int, float] = field(default_factory=dict)
+    _last: dict[int, float] = field(default_factory=dict)
+    _peak: int = 0
+    _peak_roots: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def add_root(self, pid: int) -> None:
+        self._roots.add(pid)
+
+    def _members(self) -> tuple[list[psutil.Process], set[int]]:
+        found: dict[int, psutil.Process] = {}
+        for pid in list(self._roots):
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(pid)
+                found[pid] = root
+                for child in root.children(recursive=True):
+                    found[child.pid] = child
+        from_roots = set(found)
+        if self.marker:
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = p.info.get("cmdline") or []
+                if any(self.marker in arg for arg in cmd):
+                    found[p.pid] = p
+                    # Workers (Serve replicas, Ray Data tasks) are the raylet's children and
+                    # rename themselves ("ray::ServeReplica..."), dropping the marker.
+                    with contextlib.suppress(psutil.Error):
+                        for child in p.children(recursive=True):
+                            found[child.pid] = child
+        found.pop(os.getpid(), None)
+        return list(found.values()), from_roots
+
+    def _sample(self, *, first: bool = False) -> None:
+        rss = rss_roots = 0
+        members, from_roots = self._members()
+        for p in members:
+            try:
+                t = p.cpu_times()
+                cpu = t.user + t.system
+                mem = p.memory_info().rss
+            except psutil.Error:
+                continue
+            if p.pid not in self._base:
+                self._base[p.pid] = cpu if first else 0.0
+            self._last[p.pid] = cpu
+            rss += mem
+            if p.pid in from_roots:
+                rss_roots += mem
+        self._peak = max(self._peak, rss)
+        self._peak_roots = max(self._peak_roots, rss_roots)
+
+    def __enter__(self) -> ProcessSampler:
+        self._sample(first=True)
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+    def usage(self) -> TreeUsage:
+        cpu = sum(self._last[pid] - self._base.get(pid, 0.0) for pid in self._last)
+        return TreeUsage(cpu, self._peak, self._peak_roots, len(self._last))
+
+
+def run_measured(
+    cmd: list[str], *, env: dict[str, str], marker: str | None, timeout_s: float, log: Path
+) -> tuple[float, TreeUsage, int]:
+    """Runs ``cmd`` to its end while sampling it and the cluster; (wall s, usage, exit code)."""
+    sampler = ProcessSampler(marker=marker)
+    with log.open("w") as out:
+        started = time.perf_counter()
+        with sampler:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            sampler.add_root(proc.pid)
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+        wall = time.perf_counter() - started
+    return wall, sampler.usage(), code
+
+
+class Cluster:
+    """``ray start --head --num-cpus N`` on private ports, stopped (``--force``) on exit."""
+
+    def __init__(self, *, num_cpus: int = 2, env: dict[str, str] | None = None, logs: Path) -> None:
+        self.num_cpus = num_cpus
+        self.env = bench_env(env)
+        self.logs = logs
+        self.marker = TEMP_DIR
+
+    @staticmethod
+    def marker_of() -> str:
+        """What every process of a bench cluster has in its command line."""
+        return TEMP_DIR
+
+    def _ray(self, *args: str, check: bool = True) -> None:
+        ray = str(Path(sys.executable).with_name("ray"))
+        with (self.logs / "ray-cli.log").open("a") as out:
+            subprocess.run([ray, *args], env=self.env, check=check, stdout=out, stderr=subprocess.STDOUT, timeout=180)
+
+    def __enter__(self) -> Cluster:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._ray("stop", "--force", check=False)
+        self._ray(
+            "start",
+            "--head",
+            f"--num-cpus={self.num_cpus}",
+            f"--port={RAY_PORT}",
+            f"--dashboard-port={DASHBOARD_PORT}",
+            f"--temp-dir={TEMP_DIR}",
+            "--disable-usage-stats",
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ray("stop", "--force", check=False)
+
+    def serve(
+        self,
+        model_dir: Path,
+        *,
+        app: str = "raypipe",
+        settings: dict[str, Any] | None = None,
+        num_cpus: float | None = None,
+    ) -> str:
+        """``raypipe serve --model DIR --detach`` (CLI defaults unless given); returns host:port."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "raypipe",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--grpc-port",
+            str(GRPC_PORT),
+            "--http-port",
+            str(HTTP_PORT),
+            "--app-name",
+            app,
+            "--detach",
+        ]
+        if num_cpus is not None:
+            cmd += ["--num-cpus", str(num_cpus)]
+        if settings:
+            path = self.logs / f"settings-{app}.json"  # JSON is YAML
+            path.write_text(json.dumps(settings))
+            cmd += ["--settings", str(path)]
+        with (self.logs / f"serve-{app}.log").open("w") as out:
+            subprocess.run(cmd, env=self.env, check=True, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+        return f"127.0.0.1:{GRPC_PORT}"
+
+    def delete_app(self, app: str) -> None:
+        code = f"import ray; from ray import serve; ray.init(address='auto'); serve.delete({app!r})"
+        subprocess.run([sys.executable, "-c", code], env=self.env, check=True, capture_output=True, timeout=120)
+
+    def replica_stats(self, app: str) -> dict[str, Any] | None:
+        """The replica's own `stats()` (calls, paragraphs, and token counts if it keeps them)."""
+        code = (
+            "import json, ray; from ray import serve; ray.init(address='auto', logging_level='ERROR');"
+            f"print('STATS' + json.dumps(serve.get_app_handle({app!r}).stats.remote().result(timeout_s=30)))"
+        )
+        done = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=120)
+        for line in done.stdout.splitlines():
+            if line.startswith("STATS"):
+                return dict(json.loads(line[5:]))
+        return None
+
+
+@contextlib.contextmanager
+def heavy_lock(path: str | None) -> Iterator[None]:
+    """Holds an exclusive flock on ``path`` (shared machines), or nothing when None."""
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,219 @@
+"""The daily-delta line: on N input rows with a 1% delta, what a daily run reads and how long it takes.
+
+The input lives in moto's S3 server behind a counting TCP proxy; every S3 call of the run
+(planning, footers, row groups, its own output) goes through the proxy, so bytes answered by
+the server are bytes the run read. Layouts: ``appended`` is an append-only table (shards in
+time order, rows sorted by ``updated_at`` within them, the delta in the newest shard);
+``scattered`` puts the delta's rows at random places in every shard (pruning cannot help).
+The daily run is compared with a backfill of the delta rows alone, on the tiny demo model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bench import corpus as corpus_mod
+from bench.cluster import Cluster, heavy_lock, run_measured
+
+if TYPE_CHECKING:
+    from bench.run import Bench
+
+__all__ = ["CountingProxy", "run_daily"]
+
+WATERMARK = datetime(2026, 6, 1, tzinfo=UTC)
+_SHARDS = 20
+_ROW_GROUP = 10_000
+_BUCKET = "bench"
+
+
+class CountingProxy:
+    """A loopback TCP forwarder counting bytes each way (``down``: server to client)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.up = 0
+        self.down = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = 0
+        threading.Thread(target=self._run, daemon=True).start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, down: bool) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    if down:
+                        self.down += len(data)
+                    else:
+                        self.up += len(data)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+    def reset(self) -> None:
+        self.up = self.down = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_table(rows: int, *, seed: int, layout: str) -> tuple[list[Any], Any, int]:
+    """(shard tables, the delta table, delta rows). 1% of rows are newer than `WATERMARK`."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    delta = max(1, rows // 100)
+    old = rows - delta
+    texts = corpus_mod.paragraphs(rows, seed=seed)
+    year = 365 * 24 * 3600
+    old_ts = np.sort(rng.uniform(-year, 0, old))
+    new_ts = np.sort(rng.uniform(1, 24 * 3600, delta))
+    old_ids = np.array([f"r{i:08d}" for i in range(old)], dtype=object)
+    # Half of the delta is new rows, half updates of existing ids.
+    updated = rng.choice(old, size=delta // 2, replace=False)
+    new_ids = np.concatenate([old_ids[updated], [f"r{old + i:08d}" for i in range(delta - delta // 2)]])
+
+    def table(ids: Any, ts: Any, txt: list[str]) -> Any:
+        stamps = [WATERMARK + timedelta(seconds=float(s)) for s in ts]
+        return pa.table(
+            {
+                "id": pa.array(list(ids), pa.string()),
+                "text": pa.array(txt, pa.string()),
+                "updated_at": pa.array(stamps, pa.timestamp("us", tz="UTC")),
+            }
+        )
+
+    delta_table = table(new_ids, new_ts, texts[old:])
+    if layout == "appended":
+        bounds = [round(k * old / _SHARDS) for k in range(_SHARDS + 1)]
+        shards = [table(old_ids[lo:hi], old_ts[lo:hi], texts[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        shards.append(delta_table)
+    else:
+        everything = pa.concat_tables([table(old_ids, old_ts, texts[:old]), delta_table])
+        order = rng.permutation(rows)
+        everything = everything.take(pa.array(order))
+        bounds = [round(k * rows / _SHARDS) for k in range(_SHARDS + 1)]
+        shards = [everything.slice(lo, hi - lo) for lo, hi in itertools.pairwise(bounds)]
+    return shards, delta_table, delta
+
+
+def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    args = bench.args
+    moto_port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)
+    server.start()
+    proxy = CountingProxy(moto_port)
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    direct = s3fs.S3FileSystem(
+        key="testing", secret="testing", client_kwargs={"endpoint_url": f"http://127.0.0.1:{moto_port}"}
+    )
+    try:
+        direct.mkdir(_BUCKET)
+        shards, delta_table, delta_rows = make_table(args.daily_rows, seed=args.seed, layout=args.daily_layout)
+        input_bytes = 0
+        for k, t in enumerate(shards):
+            buf = io.BytesIO()
+            pq.write_table(t, buf, row_group_size=_ROW_GROUP)
+            direct.pipe(f"{_BUCKET}/input/part-{k:03d}.parquet", buf.getvalue())
+            input_bytes += buf.tell()
+        buf = io.BytesIO()
+        pq.write_table(delta_table, buf, row_group_size=_ROW_GROUP)
+        direct.pipe(f"{_BUCKET}/delta-only/part-000.parquet", buf.getvalue())
+
+        env = {**creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
+        # The daily run starts from a watermark as if a backfill had covered everything older.
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            from raypipe.modes import WATERMARK as WATERMARK_FILE
+            from raypipe.store import OutputStore
+
+            store = OutputStore(f"s3://{_BUCKET}/out-daily")
+            store.write_json(store.state(WATERMARK_FILE), {"updated_at": WATERMARK.isoformat(), "run_id": "seed"})
+        finally:
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+
+        until = (WATERMARK + timedelta(days=2)).isoformat()
+        runs: dict[str, dict[str, Any]] = {}
+        with heavy_lock(bench.lock), Cluster(num_cpus=args.cluster_cpus, env=env, logs=bench.logs) as cluster:
+            address = cluster.serve(demo)
+            for name, cmd in (
+                ("delta_backfill", ["backfill", "--input", f"s3://{_BUCKET}/delta-only/", "--run-id", "delta"]),
+                ("daily", ["daily", "--input", f"s3://{_BUCKET}/input/", "--until", until, "--run-id", "daily"]),
+            ):
+                out = f"s3://{_BUCKET}/out-{'daily' if name == 'daily' else 'delta'}"
+                full = [sys.executable, "-m", "raypipe", *cmd, "--output", out, "--service", address]
+                proxy.reset()
+                wall, usage, code = run_measured(
+                    full, env=cluster.env, marker=cluster.marker, timeout_s=1800, log=bench.logs / f"daily-{name}.log"
+                )
+                report = direct.cat(f"{_BUCKET}/{out.split('/', 3)[3]}/runs/{cmd[-1]}.json")
+                rep = json.loads(report)
+                runs[name] = {
+                    "exit_code": code,
+                    "wall_s": wall,
+                    "rows": rep["rows_in"],
+                    "status": rep["status"],
+                    "bytes_read": proxy.down,
+                    "bytes_sent": proxy.up,
+                    "cpu_s": usage.cpu_s,
+                }
+    finally:
+        server.stop()
+    share = runs["daily"]["bytes_read"] / input_bytes
+    ratio = runs["daily"]["wall_s"] / runs["delta_backfill"]["wall_s"]
+    return {
+        "input_rows": args.daily_rows,
+        "input_objects": len(shards),
+        "input_bytes": input_bytes,
+        "layout": args.daily_layout,
+        "delta_rows": delta_rows,
+        "watermark": WATERMARK.isoformat(),
+        "delta_backfill": runs["delta_backfill"],
+        "daily": runs["daily"],
+        "bytes_share": share,
+        "wall_ratio": ratio,
+        "met": share <= 0.05 and ratio <= 3.0 and runs["daily"]["rows"] == delta_rows,
+    }

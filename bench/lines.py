@@ -1,0 +1,199 @@
+"""The measured lines that run in a child process each: python -m bench.lines KIND ARGS_JSON.
+
+- ``inproc``: the compute ceiling, `serve_app.model.EmotionModel` called in this process on the
+  whole sample at once (it sorts by length, pads per bucket, keeps each pass under the token
+  budget: the best batching the model offers), TensorFlow on all the cores; no Ray, no network.
+- ``async``: the reference build's final client, one Classify RPC per paragraph under an
+  asyncio semaphore of 50 (grpc.aio), against an unbatched server.
+- ``sync``: the reference build's start, blocking calls one paragraph at a time.
+
+Each prints one ``BENCH_RESULT {json}`` line; the parent adds CPU and memory of the whole tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RESULT_PREFIX", "parse_result"]
+
+RESULT_PREFIX = "BENCH_RESULT "
+_TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED"}
+
+
+def parse_result(output: str) -> dict[str, Any] | None:
+    for line in output.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return dict(json.loads(line[len(RESULT_PREFIX) :]))
+    return None
+
+
+def _read_corpus(path: str, n: int) -> tuple[list[str], list[str]]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["id", "text"]).slice(0, n)
+    return table.column("id").to_pylist(), table.column("text").to_pylist()
+
+
+def _percentiles_ms(latencies: list[float]) -> dict[str, float | None]:
+    if not latencies:
+        return {"p50": None, "p95": None, "p99": None}
+    a = np.asarray(latencies) * 1000
+    return {name: round(float(np.quantile(a, q)), 2) for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
+
+
+def inproc(args: dict[str, Any]) -> dict[str, Any]:
+    from serve_app import model as model_mod
+
+    model_mod.configure_tf_threads(args["threads"], 1)
+    precision = "fp32"
+    if args.get("precision") is not None:
+        # The server's own switch, process-wide, set before any graph runs (as a replica does).
+        precision = model_mod.configure_precision(args["precision"])  # type: ignore[attr-defined, unused-ignore]
+    model = model_mod.EmotionModel.load(args["model_dir"])
+    _, texts = _read_corpus(args["corpus"], args["n"])
+    counts = {"padded": 0, "real": 0, "passes": 0}
+    run = model._run
+
+    def counting(input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        counts["padded"] += int(input_ids.size)
+        counts["real"] += int(attention_mask.sum())
+        counts["passes"] += 1
+        return run(input_ids, attention_mask)
+
+    model._run = counting
+    model.predict(texts[: args.get("warmup", 32)])  # first-run costs of TF, not of the model
+    counts.update(padded=0, real=0, passes=0)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    predictions = model.predict(texts)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    out: dict[str, Any] = {
+        "paragraphs": len(texts),
+        "ok": len(texts),
+        "wall_s": wall,
+        "cpu_s_self": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "padded_tokens": counts["padded"],
+        "real_tokens": counts["real"],
+        "forward_passes": counts["passes"],
+        "token_budget": model.token_budget,
+        "max_sequence_length": model.card.max_sequence_length,
+        "retries": 0,
+        "precision": precision,
+    }
+    if args.get("return_top"):
+        out["top"] = predictions.probabilities.argmax(axis=1).tolist()
+    return out
+
+
+async def _async_client(args: dict[str, Any]) -> dict[str, Any]:
+    import grpc
+
+    from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
+
+    ids, texts = _read_corpus(args["corpus"], args["n"])
+    metadata = (("application", args["app"]),)
+    statuses: Counter[str] = Counter()
+    latencies: list[float] = []
+    retries = failed = 0
+    async with grpc.aio.insecure_channel(args["address"]) as channel:
+        stub = emotion_pb2_grpc.EmotionClassifierStub(channel)
+        semaphore = asyncio.Semaphore(args["concurrency"])
+
+        async def one(pid: str, text: str) -> None:
+            nonlocal retries, failed
+            request = emotion_pb2.ClassifyRequest(paragraphs=[emotion_pb2.Paragraph(id=pid, text=text)])
+            async with semaphore:
+                for attempt in range(args["attempts"]):
+                    started = time.perf_counter()
+                    try:
+                        await stub.Classify(request, timeout=args["timeout_s"], metadata=metadata)
+                    except grpc.aio.AioRpcError as e:
+                        statuses[e.code().name] += 1
+                        if e.code().name in _TRANSIENT and attempt + 1 < args["attempts"]:
+                            retries += 1
+                            continue
+                        failed += 1
+                        return
+                    latencies.append(time.perf_counter() - started)
+                    statuses["OK"] += 1
+                    return
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i, t) for i, t in zip(ids, texts, strict=True)))
+        wall = time.perf_counter() - started
+    return _client_result(len(ids), wall, statuses, latencies, retries, failed)
+
+
+def _sync_client(args: dict[str, Any]) -> dict[str, Any]:
+    import grpc
+
+    from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
+
+    ids, texts = _read_corpus(args["corpus"], args["n"])
+    metadata = (("application", args["app"]),)
+    statuses: Counter[str] = Counter()
+    latencies: list[float] = []
+    retries = failed = 0
+    with grpc.insecure_channel(args["address"]) as channel:
+        stub = emotion_pb2_grpc.EmotionClassifierStub(channel)
+        begun = time.perf_counter()
+        for pid, text in zip(ids, texts, strict=True):
+            request = emotion_pb2.ClassifyRequest(paragraphs=[emotion_pb2.Paragraph(id=pid, text=text)])
+            for attempt in range(args["attempts"]):
+                started = time.perf_counter()
+                try:
+                    stub.Classify(request, timeout=args["timeout_s"], metadata=metadata)
+                except grpc.RpcError as e:
+                    statuses[e.code().name] += 1
+                    if e.code().name in _TRANSIENT and attempt + 1 < args["attempts"]:
+                        retries += 1
+                        continue
+                    failed += 1
+                    break
+                latencies.append(time.perf_counter() - started)
+                statuses["OK"] += 1
+                break
+        wall = time.perf_counter() - begun
+    return _client_result(len(ids), wall, statuses, latencies, retries, failed)
+
+
+def _client_result(
+    n: int, wall: float, statuses: Counter[str], latencies: list[float], retries: int, failed: int
+) -> dict[str, Any]:
+    return {
+        "paragraphs": n,
+        "ok": n - failed,
+        "failed": failed,
+        "wall_s": wall,
+        "retries": retries,
+        "status_counts": dict(statuses),
+        "latency_ms": _percentiles_ms(latencies),
+    }
+
+
+def main(argv: list[str]) -> None:
+    kind, args = argv[0], json.loads(argv[1])
+    if kind == "inproc":
+        result = inproc(args)
+    elif kind == "async":
+        result = asyncio.run(_async_client(args))
+    elif kind == "sync":
+        result = _sync_client(args)
+    else:
+        raise SystemExit(f"unknown line kind {kind!r}")
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["peak_rss_self_bytes"] = usage.ru_maxrss * 1024
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

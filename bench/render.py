@@ -1,0 +1,166 @@
+"""Benchmark results as Markdown: one table per model, then the memory, daily and precision lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LINE_TITLES", "derive", "render_markdown"]
+
+LINE_TITLES = {
+    "a": "(a) ceiling: in-process, best batching",
+    "b": "(b) reference final: 1 RPC/para, semaphore 50, unbatched server",
+    "c": "(c) reference start: sync, 1 para at a time",
+    "d": "(d) raypipe end to end, default settings",
+}
+
+
+def derive(lines: dict[str, dict[str, Any]], *, gemm_flops_per_s: float | None) -> None:
+    """Adds para/s, ratios to (a) and (b), CPU-s/para and GEMM share to each line, in place."""
+    for line in lines.values():
+        ok, wall = line.get("ok") or 0, line.get("wall_s") or 0.0
+        line["para_per_s"] = ok / wall if wall > 0 else None
+        cpu = line.get("cpu_s")
+        line["cpu_s_per_para"] = cpu / ok if cpu is not None and ok else None
+        flops = line.get("useful_flops_per_para")
+        rate = line["para_per_s"]
+        line["useful_flops_per_s"] = flops * rate if flops and rate else None
+        line["gemm_share"] = (
+            line["useful_flops_per_s"] / gemm_flops_per_s if line["useful_flops_per_s"] and gemm_flops_per_s else None
+        )
+        padded, real = line.get("padded_tokens"), line.get("real_tokens")
+        line["padded_per_real"] = padded / real if padded and real else None
+    for ref in ("a", "b"):
+        base = (lines.get(ref) or {}).get("para_per_s")
+        for line in lines.values():
+            line[f"vs_{ref}"] = line["para_per_s"] / base if base and line["para_per_s"] else None
+
+
+def _f(value: Any, fmt: str = "{:.2f}", none: str = "–") -> str:
+    return none if value is None else fmt.format(value)
+
+
+def _model_table(name: str, model: dict[str, Any]) -> list[str]:
+    shape = model["shape"]
+    gemm = model.get("gemm") or {}
+    stats = model.get("corpus_tokens") or {}
+    out = [
+        f"### {name}: {shape['layers']}×{shape['hidden']}, {shape['heads']} heads, "
+        f"{shape['intermediate']} intermediate, max length {shape['max_length']}",
+        "",
+        f"GEMM fp32 at this model's shapes: {_f(gemm.get('flops_per_s'), '{:.3g}')} FLOP/s "
+        f"(numpy {_f(gemm.get('numpy_flops_per_s'), '{:.3g}')}, TF {_f(gemm.get('tf_flops_per_s'), '{:.3g}')}, "
+        f"{gemm.get('threads', '?')} threads). Corpus tokens: median {_f(stats.get('median'), '{:.0f}')}, "
+        f"p99 {_f(stats.get('p99'), '{:.0f}')}, {_f(stats.get('truncated_share'), '{:.1%}')} truncated.",
+        "",
+        "| line | paragraphs | para/s | ×(a) | ×(b) | CPU-s/para | padded/real tok | retries "
+        "| p50/p99 ms | peak RSS MB | useful GFLOP/s | % of GEMM |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, line in model["lines"].items():
+        if line.get("skipped"):
+            out.append(f"| {LINE_TITLES.get(key, key)} | skipped: {line['skipped']} |||||||||||")
+            continue
+        lat = line.get("latency_ms") or {}
+        rss = line.get("peak_rss_bytes")
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    LINE_TITLES.get(key, key),
+                    f"{line.get('ok', 0):,}",
+                    _f(line.get("para_per_s"), "{:.1f}"),
+                    _f(line.get("vs_a")),
+                    _f(line.get("vs_b")),
+                    _f(line.get("cpu_s_per_para"), "{:.3f}"),
+                    _f(line.get("padded_per_real")),
+                    str(line.get("retries", "–")),
+                    f"{_f(lat.get('p50'), '{:.0f}')}/{_f(lat.get('p99'), '{:.0f}')}",
+                    _f(None if rss is None else rss / 2**20, "{:,.0f}"),
+                    _f(None if line.get("useful_flops_per_s") is None else line["useful_flops_per_s"] / 1e9, "{:.1f}"),
+                    _f(line.get("gemm_share"), "{:.0%}"),
+                ]
+            )
+            + " |"
+        )
+    return out
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    env = results["env"]
+    cpu = env["cpu"]
+    out = [
+        f"# raypipe benchmark ({results['started_at']})",
+        "",
+        f"- commit `{env['git_commit']}`{' (dirty tree)' if env.get('git_dirty') else ''}; command `{env['command']}`",
+        f"- CPU: {cpu['model']}, {cpu['usable_cpus']} usable of {cpu['logical_cpus']} logical; "
+        f"flags: {', '.join(cpu['flags']) or 'none of interest'}",
+        f"- Ray cluster `ray start --head --num-cpus {env['cluster_cpus']}`; server defaults "
+        f"`{env['server_defaults']}`; unbatched server for (b)/(c): `{env['unbatched_settings']}`",
+        "- Ratios are from this one run on the same cores. CPU-s/para sums every process of the run "
+        "(client or driver, Ray, Serve); peak RSS sums their RSS. Useful FLOPs count real tokens only.",
+        "",
+    ]
+    for name, model in results.get("models", {}).items():
+        out += _model_table(name, model)
+        out.append("")
+    memory = results.get("memory")
+    if memory:
+        out += ["### Memory: 10× the input", ""]
+        if memory.get("skipped"):
+            out.append(f"skipped: {memory['skipped']}")
+        else:
+            out += [
+                "| input rows | wall s | peak RSS MB (all) | peak RSS MB (driver tree) |",
+                "|---:|---:|---:|---:|",
+            ]
+            for run in memory["runs"]:
+                out.append(
+                    f"| {run['rows']:,} | {run['wall_s']:.1f} | {run['peak_rss_bytes'] / 2**20:,.0f} "
+                    f"| {run['peak_rss_started_bytes'] / 2**20:,.0f} |"
+                )
+            out += [
+                "",
+                f"10×/1× peak RSS: {_f(memory.get('ratio_all'))} (all processes), "
+                f"{_f(memory.get('ratio_driver'))} (driver tree); target ≤ 1.15: "
+                f"**{'met' if memory.get('met') else 'NOT met'}**.",
+            ]
+        out.append("")
+    daily = results.get("daily")
+    if daily:
+        out += ["### Daily delta", ""]
+        if daily.get("skipped") or daily.get("error"):
+            out.append(f"{'skipped' if daily.get('skipped') else 'failed'}: {daily.get('skipped') or daily['error']}")
+        else:
+            out += [
+                f"{daily['input_rows']:,} input rows ({daily['input_bytes'] / 2**20:,.1f} MB in "
+                f"{daily['input_objects']} objects, layout `{daily['layout']}`), delta {daily['delta_rows']:,} rows.",
+                "",
+                "| run | rows out | wall s | bytes read (S3 → client) | share of input bytes |",
+                "|---|---:|---:|---:|---:|",
+                f"| backfill of the delta alone | {daily['delta_backfill']['rows']:,} "
+                f"| {daily['delta_backfill']['wall_s']:.1f} | {daily['delta_backfill']['bytes_read']:,} "
+                f"| {_f(daily['delta_backfill']['bytes_read'] / daily['input_bytes'], '{:.1%}')} |",
+                f"| daily over the full input | {daily['daily']['rows']:,} | {daily['daily']['wall_s']:.1f} "
+                f"| {daily['daily']['bytes_read']:,} | {_f(daily['bytes_share'], '{:.1%}')} |",
+                "",
+                f"Bytes share {_f(daily['bytes_share'], '{:.1%}')} (target ≤ 5%), wall ratio "
+                f"{_f(daily['wall_ratio'])}× (target ≤ 3×): **{'met' if daily.get('met') else 'NOT met'}**.",
+            ]
+        out.append("")
+    precision = results.get("precision")
+    if precision:
+        out += ["### Faster precision", ""]
+        if precision.get("skipped"):
+            out.append(f"skipped: {precision['skipped']}")
+        else:
+            out += [
+                "| precision | in-process speed-up | e2e speed-up | top-label agreement vs fp32 (demo model) |",
+                "|---|---:|---:|---:|",
+            ]
+            for name, p in precision["modes"].items():
+                out.append(
+                    f"| {name} | {_f(p.get('inproc_speedup'))} | {_f(p.get('e2e_speedup'))} "
+                    f"| {_f(p.get('agreement'), '{:.2%}')} |"
+                )
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,412 @@
+"""`make bench` / `python -m bench.run`: throughput and memory against the ceilings, in one run.
+
+    python -m bench.run                      # both models, lines (a)-(e), memory, precision
+    python -m bench.run --quick              # MiniLM only, small counts: a smoke run
+    python -m bench.run --models minilm-l6 --sections lines
+    python -m bench.run --sections daily     # the 1M-row daily-delta line (slow to set up)
+
+Writes ``bench/results/bench-<UTC time>.json`` and ``.md`` (and ``latest.*``). Counts per
+line follow the measured ceiling so each line runs about ``--line-seconds``. Every step that
+starts Ray or loads a model can hold ``--lock`` (an flock file), so shared machines interleave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import corpus as corpus_mod
+from bench.cluster import Cluster, bench_env, heavy_lock, run_measured
+from bench.flops import Shape, cpu_info, useful_flops
+from bench.lines import parse_result
+from bench.models import SHAPES, ensure_model
+from bench.render import derive, render_markdown
+
+__all__ = ["main"]
+
+#: Settings of the server for lines (b) and (c): no merging of calls into one forward pass.
+UNBATCHED = {"batch_max_calls": 1}
+_CORPUS_ROWS = 30_000
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.workdir).resolve()
+        self.logs = self.work / "logs"
+        self.env = bench_env()
+        self.lock = args.lock
+
+    # -- plumbing -------------------------------------------------------------------------
+    def child(self, kind: str, payload: dict[str, Any], *, name: str, timeout_s: float = 900) -> dict[str, Any]:
+        """Runs a bench.lines child, sampled with the cluster's processes; its result plus usage."""
+        log = self.logs / f"{name}.log"
+        cmd = [sys.executable, "-m", "bench.lines", kind, json.dumps(payload)]
+        wall, usage, code = run_measured(cmd, env=self.env, marker=Cluster.marker_of(), timeout_s=timeout_s, log=log)
+        result = parse_result(log.read_text(errors="replace"))
+        if code != 0 or result is None:
+            raise RuntimeError(f"{name} failed (exit {code}); see {log}")
+        result.update(process_wall_s=wall, cpu_s=usage.cpu_s, peak_rss_bytes=usage.peak_rss_bytes)
+        return result
+
+    def write_corpus(self, n: int) -> Path:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = self.work / f"corpus-{n}-s{self.args.seed}.parquet"
+        if not path.exists():
+            texts = corpus_mod.paragraphs(n, seed=self.args.seed)
+            ids = [f"b{i:08d}" for i in range(n)]
+            pq.write_table(pa.table({"id": ids, "text": texts}), path)
+        return path
+
+    def write_shards(self, corpus: Path, n: int, out: Path, *, shards: int = 4) -> Path:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(corpus).slice(0, n)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        bounds = [round(k * n / shards) for k in range(shards + 1)]
+        for k in range(shards):
+            pq.write_table(table.slice(bounds[k], bounds[k + 1] - bounds[k]), out / f"part-{k:03d}.parquet")
+        return out
+
+    def token_lengths(self, corpus: Path, model_dir: Path) -> np.ndarray:
+        import pyarrow.parquet as pq
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir / "tokenizer"), local_files_only=True)
+        texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
+        return np.array([len(x) for x in tokenizer(texts, add_special_tokens=True)["input_ids"]])
+
+    def gemm(self, shape: Shape) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "bench.flops", json.dumps(shape.to_dict()), str(self.args.threads)]
+        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=True, timeout=600)
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    def e2e(self, cluster: Cluster, address: str, shards: Path, name: str) -> dict[str, Any]:
+        """`raypipe backfill` as a user runs it; wall time of the whole command."""
+        output = self.work / f"out-{name}"
+        shutil.rmtree(output, ignore_errors=True)
+        cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", str(shards), "--output", str(output)]
+        cmd += ["--service", address, "--run-id", name]
+        wall, usage, code = run_measured(
+            cmd, env=cluster.env, marker=cluster.marker, timeout_s=1800, log=self.logs / f"{name}.log"
+        )
+        report_path = output / "runs" / f"{name}.json"
+        if code != 0 or not report_path.exists():
+            raise RuntimeError(f"raypipe backfill {name} failed (exit {code}); see {self.logs / name}.log")
+        report = json.loads(report_path.read_text())
+        return {
+            "paragraphs": report["rows_in"],
+            "ok": report["rows_ok"],
+            "dead_letters": report["rows_dead_letters"],
+            "wall_s": wall,
+            "report_rows_per_s": report["throughput_rows_per_s"],
+            "report_wall_s": report["wall_s"],
+            "retries": report["retries"],
+            "calls": report["calls"],
+            "status_counts": report["status_counts"],
+            "latency_ms": report["latency_ms"],
+            "latency_relative_error": report.get("latency_relative_error"),
+            "limiter": report.get("limiter"),
+            "cpu_s": usage.cpu_s,
+            "peak_rss_bytes": usage.peak_rss_bytes,
+            "peak_rss_started_bytes": usage.peak_rss_started_bytes,
+        }
+
+    # -- sections -------------------------------------------------------------------------
+    def model_lines(self, shape: Shape, corpus: Path, model_dir: Path) -> dict[str, Any]:
+        a = self.args
+        lengths = np.minimum(self.token_lengths(corpus, model_dir), shape.max_length)
+        flops = [useful_flops(shape, int(t)) for t in lengths]
+        stats = corpus_mod.length_stats(self.token_lengths(corpus, model_dir), max_length=shape.max_length)
+        with heavy_lock(self.lock):
+            gemm = self.gemm(shape)
+        lines: dict[str, dict[str, Any]] = {}
+        n_a = a.ceiling_rows or (300 if a.quick else {"bert-base": 600}.get(shape.name, 2500))
+        with heavy_lock(self.lock):
+            lines["a"] = self.child(
+                "inproc",
+                {"model_dir": str(model_dir), "corpus": str(corpus), "n": n_a, "threads": a.threads},
+                name=f"{shape.name}-a",
+            )
+        rate = lines["a"]["ok"] / lines["a"]["wall_s"]
+        seconds = a.line_seconds
+
+        def count(share: float, floor: int) -> int:
+            return int(min(len(lengths), max(floor, rate * share * seconds)))
+
+        client = {"corpus": str(corpus), "app": "unbatched", "attempts": 4, "timeout_s": 300.0}
+        with heavy_lock(self.lock), Cluster(num_cpus=a.cluster_cpus, logs=self.logs) as cluster:
+            address = cluster.serve(model_dir, app="unbatched", settings=UNBATCHED)
+            s0 = cluster.replica_stats("unbatched")
+            lines["b"] = self.child(
+                "async", {**client, "address": address, "n": count(0.5, 50), "concurrency": 50}, name=f"{shape.name}-b"
+            )
+            s1 = cluster.replica_stats("unbatched")
+            lines["c"] = self.child("sync", {**client, "address": address, "n": count(0.3, 30)}, name=f"{shape.name}-c")
+            s2 = cluster.replica_stats("unbatched")
+        _add_server_tokens(lines["b"], s0, s1)
+        _add_server_tokens(lines["c"], s1, s2)
+        with heavy_lock(self.lock), Cluster(num_cpus=a.cluster_cpus, logs=self.logs) as cluster:
+            address = cluster.serve(model_dir)
+            n_d = count(0.5, 200)
+            shards = self.write_shards(corpus, n_d, self.work / f"input-{shape.name}")
+            s0 = cluster.replica_stats("raypipe")
+            lines["d"] = self.e2e(cluster, address, shards, f"{shape.name}-d")
+            s1 = cluster.replica_stats("raypipe")
+        _add_server_tokens(lines["d"], s0, s1)
+        for line in lines.values():
+            n = line["paragraphs"]
+            line["useful_flops_per_para"] = float(np.mean(flops[:n]))
+            line.setdefault("corpus_real_tokens", int(lengths[:n].sum()))
+        derive(lines, gemm_flops_per_s=gemm["flops_per_s"])
+        return {
+            "shape": shape.to_dict(),
+            "model_dir": str(model_dir),
+            "gemm": gemm,
+            "corpus_tokens": stats,
+            "lines": lines,
+        }
+
+    def memory(self, corpus: Path, demo: Path) -> dict[str, Any]:
+        base = self.args.memory_rows or (500 if self.args.quick else 2000)
+        runs = []
+        with heavy_lock(self.lock), Cluster(num_cpus=self.args.cluster_cpus, logs=self.logs) as cluster:
+            address = cluster.serve(demo)
+            for factor in (1, 10):
+                n = base * factor
+                shards = self.write_shards(corpus, n, self.work / f"input-memory-{factor}x", shards=4 * factor)
+                run = self.e2e(cluster, address, shards, f"memory-{factor}x")
+                runs.append({"rows": n, **run})
+        ratio_all = runs[1]["peak_rss_bytes"] / runs[0]["peak_rss_bytes"]
+        ratio_driver = runs[1]["peak_rss_started_bytes"] / runs[0]["peak_rss_started_bytes"]
+        return {
+            "model": "demo",
+            "runs": runs,
+            "ratio_all": ratio_all,
+            "ratio_driver": ratio_driver,
+            "met": ratio_all <= 1.15,
+        }
+
+    def precision(self, shape: Shape, corpus: Path, model_dir: Path, demo: Path) -> dict[str, Any]:
+        from serve_app.settings import ServerSettings
+
+        field = next((f for f in dataclasses.fields(ServerSettings) if "precision" in f.name), None)
+        if field is None:
+            return {"skipped": "serve_app.settings.ServerSettings has no precision setting yet"}
+        modes = [m for m in self.args.precisions.split(",") if m]
+        out: dict[str, Any] = {"setting": field.name, "model": shape.name, "modes": {}}
+        n = 300 if self.args.quick else 1000
+        with heavy_lock(self.lock):
+            base = self.child("inproc", _inproc(model_dir, corpus, n, self.args.threads), name="precision-fp32")
+            eval_corpus = self._demo_eval_corpus()
+            top32 = self.child(
+                "inproc", {**_inproc(demo, eval_corpus, 2000, self.args.threads), "return_top": True}, name="agree-fp32"
+            )
+        shards = self.write_shards(corpus, n, self.work / "input-precision")
+        with heavy_lock(self.lock), Cluster(num_cpus=self.args.cluster_cpus, logs=self.logs) as cluster:
+            e2e32 = self.e2e(cluster, cluster.serve(model_dir), shards, "precision-e2e-fp32")
+        for mode in modes:
+            entry: dict[str, Any] = {}
+            try:
+                with heavy_lock(self.lock):
+                    fast = self.child(
+                        "inproc",
+                        {**_inproc(model_dir, corpus, n, self.args.threads), "precision": mode},
+                        name=f"p-{mode}",
+                    )
+                    top = self.child(
+                        "inproc",
+                        {**_inproc(demo, eval_corpus, 2000, self.args.threads), "return_top": True, "precision": mode},
+                        name=f"agree-{mode}",
+                    )
+                entry["inproc_speedup"] = base["wall_s"] / fast["wall_s"]
+                entry["agreement"] = float(np.mean(np.array(top["top"]) == np.array(top32["top"])))
+                with heavy_lock(self.lock), Cluster(num_cpus=self.args.cluster_cpus, logs=self.logs) as cluster:
+                    address = cluster.serve(model_dir, settings={field.name: mode})
+                    e2e = self.e2e(cluster, address, shards, f"precision-e2e-{mode}")
+                entry["e2e_speedup"] = e2e32["wall_s"] / e2e["wall_s"]
+            except (RuntimeError, subprocess.CalledProcessError) as e:
+                entry["error"] = str(e)
+            out["modes"][mode] = entry
+        return out
+
+    def _demo_eval_corpus(self) -> Path:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from serve_app.demo_data import paragraphs, sentences
+
+        path = self.work / "demo-eval.parquet"
+        pairs = sentences(1000, seed=901) + paragraphs(1000, seed=902)
+        pq.write_table(pa.table({"id": [f"e{i}" for i in range(len(pairs))], "text": [t for t, _ in pairs]}), path)
+        return path
+
+
+def _inproc(model_dir: Path, corpus: Path, n: int, threads: int) -> dict[str, Any]:
+    return {"model_dir": str(model_dir), "corpus": str(corpus), "n": n, "threads": threads}
+
+
+def _add_server_tokens(line: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+    """Padded and real token counts from the replica's stats, when the server keeps them."""
+    line["server_stats"] = after
+    if not before or not after:
+        return
+    # The replica's forward-pass counters: `model.tokens` (real), `model.padded_tokens` if kept.
+    names = {"tokens": "real_tokens", "padded_tokens": "padded_tokens", "busy_ms": "server_busy_ms"}
+    b, a = before.get("model") or {}, after.get("model") or {}
+    for key, name in names.items():
+        if isinstance(a.get(key), int | float) and isinstance(b.get(key), int | float):
+            line[name] = a[key] - b[key]
+
+
+def _git() -> tuple[str, bool]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+    return commit, dirty
+
+
+def _environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    from raypipe.config import ClientConfig
+    from serve_app.deploy import DeploymentOptions
+    from serve_app.settings import ServerSettings
+
+    commit, dirty = _git()
+    versions: dict[str, str | None] = {}
+    for pkg in ("ray", "tensorflow", "transformers", "grpcio", "numpy", "ddsketch"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "command": "python -m bench.run " + shlex.join(argv),
+        "cpu": cpu_info(),
+        "threads": args.threads,
+        "cluster_cpus": args.cluster_cpus,
+        "versions": versions,
+        "server_defaults": ServerSettings().to_dict(),
+        "deployment_defaults": dataclasses.asdict(DeploymentOptions()),
+        "client_defaults": ClientConfig().model_dump(),
+        "unbatched_settings": UNBATCHED,
+        "corpus": {"median_tokens": corpus_mod.MEDIAN_TOKENS, "sigma": corpus_mod.SIGMA, "seed": args.seed},
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="MiniLM only, small counts (smoke run)")
+    p.add_argument("--models", help=f"comma-separated, of {', '.join(SHAPES)} (default: all; --quick: minilm-l6)")
+    p.add_argument(
+        "--sections",
+        default="lines,memory,precision",
+        help="comma-separated of lines, memory, precision, daily (default: lines,memory,precision)",
+    )
+    p.add_argument("--line-seconds", type=float, default=60.0, help="target duration of lines (b)-(d)")
+    p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
+    p.add_argument("--memory-rows", type=int, help="rows of the 1x memory run (10x is ten times it)")
+    p.add_argument("--precisions", default="bf16", help="values of the server's precision setting to try")
+    p.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
+    p.add_argument("--cluster-cpus", type=int, default=2)
+    p.add_argument("--daily-rows", type=int, default=1_000_000)
+    p.add_argument("--daily-layout", choices=("appended", "scattered"), default="appended")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--workdir", default=".cache/bench-work")
+    p.add_argument("--models-cache", default=".cache/bench-models")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--lock", help="flock file held by each step that starts Ray or loads a model")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    names = (args.models or ("minilm-l6" if args.quick else ",".join(SHAPES))).split(",")
+    sections = set(args.sections.split(","))
+    if args.quick and "daily" in sections and args.daily_rows == 1_000_000:
+        args.daily_rows = 100_000
+    bench = Bench(args)
+    bench.work.mkdir(parents=True, exist_ok=True)
+    bench.logs.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(UTC)
+    results: dict[str, Any] = {
+        "started_at": started.isoformat(timespec="seconds"),
+        "env": _environment(args, argv),
+        "models": {},
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"bench-{started.strftime('%Y%m%dT%H%M%SZ')}"
+    t0 = time.monotonic()
+
+    def save() -> None:
+        results["elapsed_s"] = round(time.monotonic() - t0, 1)
+        for path, text in (
+            (stem.with_suffix(".json"), json.dumps(results, indent=1, default=str)),
+            (stem.with_suffix(".md"), render_markdown(results)),
+        ):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+            shutil.copyfile(path, out_dir / f"latest{path.suffix}")
+
+    from serve_app.demo_model import build_demo_model, default_demo_model_dir
+
+    try:
+        with heavy_lock(args.lock):
+            demo = build_demo_model(default_demo_model_dir())
+        corpus = bench.write_corpus(_CORPUS_ROWS)
+        model_dirs = {}
+        for name in names:
+            with heavy_lock(args.lock):
+                model_dirs[name] = ensure_model(
+                    SHAPES[name], demo_model_dir=demo, cache=Path(args.models_cache), env=bench.env
+                )
+        if "lines" in sections:
+            for name in names:
+                print(f"bench: {name} lines", flush=True)
+                results["models"][name] = bench.model_lines(SHAPES[name], corpus, model_dirs[name])
+                save()
+        if "memory" in sections:
+            print("bench: memory", flush=True)
+            results["memory"] = bench.memory(corpus, demo)
+            save()
+        if "precision" in sections:
+            print("bench: precision", flush=True)
+            first = names[-1]
+            results["precision"] = bench.precision(SHAPES[first], corpus, model_dirs[first], demo)
+            save()
+        if "daily" in sections:
+            from bench.daily import run_daily
+
+            print("bench: daily", flush=True)
+            results["daily"] = run_daily(bench, demo)
+            save()
+    finally:
+        save()
+    print(render_markdown(results))
+    print(f"\nbench: wrote {stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

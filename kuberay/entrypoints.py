@@ -1,0 +1,203 @@
+"""Checks that every RayJob entrypoint is a raypipe command the real CLI accepts.
+
+KubeRay's submitter runs `/bin/bash -c "... ray job submit ... -- <entrypoint> ; ..."`, so the
+entrypoint is expanded by the submitter's shell with the submitter container's environment
+(`$JOB_INPUT_URI` from the raypipe-params ConfigMap, `$JOB_RUN_ID` from the pod's Job name).
+This module does the same expansion from the rendered manifests, then:
+
+- parses the command with `raypipe.cli._parser()` (so an unknown or misspelt flag fails here,
+  not 20 minutes into a cluster start) and validates its settings with raypipe's config;
+- checks it calls a RayService of the same rendering at `<name>-serve-svc:<grpc port>`;
+- checks its run id: every run names one (a retry must resume the same run), and a scheduled
+  run takes it from its Job's name, so each tick is a new run and each retry of a tick is not;
+- refuses shell syntax beyond `$VAR` (a `;` would end KubeRay's `if ...; then ...; fi`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from typing import Any
+
+import yaml
+
+from kuberay.validate import Job, Resource, get, jobs
+
+JOB_NAME_FIELDS = ("metadata.labels['batch.kubernetes.io/job-name']", "metadata.labels['job-name']")
+"""Pod fields that hold the submitter's Job name, which KubeRay sets to the RayJob's name."""
+
+_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+_SHELL = re.compile(r"[;&|<>`\n]|\$\(")
+
+
+def submitter_env(job: Job, resources: list[Resource]) -> dict[str, str | None]:
+    """The submitter container's environment as the entrypoint sees it (None: not resolvable here)."""
+    config_maps = {
+        get(r, "metadata", "name"): r.get("data") or {}
+        for r in resources
+        if r.get("kind") == "ConfigMap" and get(r, "metadata", "namespace") == job.namespace
+    }
+    container = get(job.spec, "submitterPodTemplate", "spec", "containers", 0, default={})
+    env: dict[str, str | None] = {}
+    for source in container.get("envFrom") or []:
+        if "configMapRef" in source:
+            for key, value in config_maps.get(source["configMapRef"].get("name"), {}).items():
+                env[source.get("prefix", "") + key] = value
+    for var in container.get("env") or []:
+        name, value_from = var.get("name"), var.get("valueFrom") or {}
+        if "value" in var:
+            env[name] = str(var["value"])
+        elif "configMapKeyRef" in value_from:
+            key_ref = value_from["configMapKeyRef"]
+            env[name] = config_maps.get(key_ref.get("name"), {}).get(key_ref.get("key"))
+        elif get(value_from, "fieldRef", "fieldPath") in JOB_NAME_FIELDS:
+            env[name] = job.name
+        else:
+            env[name] = None
+    return env
+
+
+def _expand(entrypoint: str, env: dict[str, str | None]) -> tuple[str, list[str]]:
+    missing: list[str] = []
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if env.get(name) is None:
+            missing.append(name)
+            return ""
+        return str(env[name])
+
+    return _VAR.sub(value, entrypoint), missing
+
+
+def parse_raypipe(argv: list[str]) -> tuple[Any, str | None]:
+    """Parses `argv` (after `python -m raypipe`) with the real CLI parser: (namespace, error)."""
+    from raypipe.cli import _parser
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return _parser().parse_args(argv), None
+    except SystemExit:
+        return None, stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else "usage error"
+
+
+def settings_problem(args: Any) -> str | None:
+    """Why raypipe's config rejects the run's flags and `--set` pairs (as `raypipe.cli` builds them)."""
+    from raypipe.cli import _set_pairs
+    from raypipe.config import load_config
+    from raypipe.errors import ConfigError
+
+    try:
+        overrides: dict[str, Any] = _set_pairs(args.set)
+    except SystemExit as e:
+        return str(e)
+    for flag, section, key in (
+        ("input", "input", "uri"),
+        ("output", "output", "uri"),
+        ("service", "service", "address"),
+    ):
+        if getattr(args, flag, None) is not None:
+            overrides[section] = {**overrides.get(section, {}), key: getattr(args, flag)}
+    if args.run_id is not None:
+        overrides["run_id"] = args.run_id
+    try:
+        load_config(None, overrides, environ={})
+    except ConfigError as e:
+        return str(e).replace("\n", " ")
+    return None
+
+
+def _services(resources: list[Resource]) -> dict[str, tuple[str | None, int | None]]:
+    """`<name>-serve-svc` of each RayService, with its namespace and gRPC port."""
+    found = {}
+    for r in resources:
+        if r.get("kind") != "RayService":
+            continue
+        port = None
+        with contextlib.suppress(yaml.YAMLError):
+            port = get(yaml.safe_load(get(r, "spec", "serveConfigV2", default="")), "grpc_options", "port")
+        found[f"{get(r, 'metadata', 'name')}-serve-svc"] = (get(r, "metadata", "namespace"), port)
+    return found
+
+
+def _service_problem(address: str | None, job: Job, services: dict[str, tuple[str | None, int | None]]) -> str | None:
+    if not address:
+        return "--service is missing: it would call 127.0.0.1:9000"
+    host, _, port = address.rpartition(":")
+    name, _, domain = host.partition(".")
+    if name not in services:
+        return (
+            f"--service {address}: no RayService renders a Service named {name!r} (expected one of {sorted(services)})"
+        )
+    namespace, grpc_port = services[name]
+    if domain:
+        if domain.split(".")[0] != namespace or not re.fullmatch(r"[^.]+\.svc(\.cluster\.local)?", domain):
+            return f"--service {address}: not the Service {name} in namespace {namespace}"
+    elif namespace != job.namespace:
+        return f"--service {address}: {name} is in namespace {namespace}; name it {name}.{namespace}.svc"
+    if port != str(grpc_port):
+        return f"--service {address}: the RayService's gRPC port is {grpc_port}"
+    return None
+
+
+def _run_id_problem(job: Job, raw_argv: list[str], args: Any) -> str | None:
+    if not args.run_id:
+        return "--run-id is missing: a retried attempt would start a new run instead of resuming"
+    if not job.scheduled:
+        return None
+    token = raw_argv[raw_argv.index("--run-id") + 1] if "--run-id" in raw_argv else ""
+    match = _VAR.fullmatch(token)
+    container = get(job.spec, "submitterPodTemplate", "spec", "containers", 0, default={})
+    sources = {v.get("name"): get(v, "valueFrom", "fieldRef", "fieldPath") for v in container.get("env") or []}
+    if not match or sources.get(match.group(1) or match.group(2)) not in JOB_NAME_FIELDS:
+        return (
+            f"--run-id {token}: a scheduled run must take its id from its Job's name "
+            f"(env fieldRef {JOB_NAME_FIELDS[0]}), or every tick resumes the same run"
+        )
+    return None
+
+
+def job_problems(job: Job, resources: list[Resource]) -> list[str]:
+    where = f"{job.where}.entrypoint"
+    entrypoint = str(job.spec.get("entrypoint") or "")
+    if not entrypoint.strip():
+        return [f"{where}: empty"]
+    if _SHELL.search(entrypoint):
+        return [f"{where}: shell syntax other than $VAR (it is pasted into KubeRay's submit command)"]
+    expanded, missing = _expand(entrypoint, submitter_env(job, resources))
+    if missing:
+        return [f"{where}: ${', $'.join(missing)} not set in the submitter container's env"]
+    try:
+        argv, raw_argv = shlex.split(expanded), shlex.split(entrypoint)
+    except ValueError as e:
+        return [f"{where}: {e}"]
+    if argv[:3] != ["python", "-m", "raypipe"]:
+        return [f"{where}: must start with `python -m raypipe`, not {' '.join(argv[:3])!r}"]
+    args, error = parse_raypipe(argv[3:])
+    if error is not None:
+        return [f"{where}: raypipe's CLI rejects it: {error}"]
+    expected = {"daily"} if job.scheduled else {"backfill", "daily", "replay"}
+    problems = []
+    if args.command not in expected:
+        problems.append(f"{where}: runs `raypipe {args.command}`; expected {' or '.join(sorted(expected))}")
+        return problems
+    if args.command == "daily" and args.until is not None:
+        problems.append(f"{where}: --until fixes every run's window; a daily run must default to now")
+    for why in (
+        _service_problem(args.service, job, _services(resources)),
+        _run_id_problem(job, raw_argv, args),
+        settings_problem(args),
+    ):
+        if why:
+            problems.append(f"{where}: {why}")
+    return problems
+
+
+def entrypoint_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    for job in jobs(resources):
+        problems += job_problems(job, resources)
+    return problems

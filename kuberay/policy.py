@@ -1,0 +1,312 @@
+"""raypipe's own deployment rules, checked on rendered manifests (`project_problems`).
+
+- Placement: every pod (Ray heads and workers, submitters, the legacy scheduler) selects the
+  CPU pool (`raypipe.io/pool: cpu`) and tolerates its taint.
+- Resources: every container, init container and autoscaler sidecar requests what it limits
+  (cpu and memory), so pods get the Guaranteed QoS class and TensorFlow sees whole cores.
+- Security: non-root pods, no privilege escalation, no privileged containers; no Secret
+  objects and no credential-like variable with a literal value; no LoadBalancer or NodePort
+  Service, no Ingress, Ray head Services ClusterIP; token auth on every Ray cluster from a
+  Secret; the gRPC port admitted by a NetworkPolicy only from the job pods.
+- The model service: a head that runs no replicas (num-cpus 0) and declares KubeRay's default
+  ports plus serve-grpc (declaring any port drops the defaults), in-tree autoscaling, and the
+  NewCluster upgrade strategy that keeps the old cluster serving while a new one starts.
+- The jobs: their own clusters (no clusterSelector onto the serving cluster), pods labelled
+  as model clients, a bounded life (activeDeadlineSeconds), retries, and clean-up (a TTL
+  after shutdown, or deletionRules); exactly one daily schedule.
+- One image per rendering, tagged, and no CHANGE-ME placeholder left.
+- The apply steps of docs/kuberay.md: the label raypipe.io/job splits a rendering into the
+  model service (no label), the backfill (`backfill`: the RayJob) and the daily schedule
+  (`daily`), so each step applies what it says and nothing of the next.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+from kuberay.validate import Resource, cluster_pod_templates, containers, get, jobs, pod_templates, ref
+
+POOL_LABEL, POOL_VALUE = "raypipe.io/pool", "cpu"
+MODEL_CLIENT_LABEL = "raypipe.io/model-client"
+JOB_LABEL = "raypipe.io/job"
+DEFAULT_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "metrics": 8080}
+_SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|ACCESS_KEY|SESSION|CREDENTIAL", re.IGNORECASE)
+_AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")
+
+
+def _placement(where: str, pod: dict[str, Any]) -> list[str]:
+    spec = pod.get("spec") or {}
+    problems = []
+    if (spec.get("nodeSelector") or {}).get(POOL_LABEL) != POOL_VALUE:
+        problems.append(f"{where}: nodeSelector must pick the pool {POOL_LABEL}={POOL_VALUE}")
+    tolerated = any(
+        t.get("key") == POOL_LABEL
+        and t.get("effect") in (None, "NoSchedule")
+        and (t.get("operator") == "Exists" or t.get("value") == POOL_VALUE)
+        for t in spec.get("tolerations") or []
+    )
+    if not tolerated:
+        problems.append(f"{where}: tolerations must admit the pool's taint {POOL_LABEL}={POOL_VALUE}:NoSchedule")
+    return problems
+
+
+def _guaranteed(where: str, resources: dict[str, Any] | None) -> list[str]:
+    requests, limits = (resources or {}).get("requests") or {}, (resources or {}).get("limits") or {}
+    if not {"cpu", "memory"} <= set(limits):
+        return [f"{where}: resources.limits needs cpu and memory"]
+    if any(str(requests.get(k, limits[k])) != str(limits[k]) for k in limits):
+        return [f"{where}: resources.requests must equal resources.limits"]
+    return []
+
+
+def _security(where: str, pod: dict[str, Any]) -> list[str]:
+    spec = pod.get("spec") or {}
+    problems = []
+    context = spec.get("securityContext") or {}
+    if not context.get("runAsNonRoot") or context.get("runAsUser") == 0:
+        problems.append(f"{where}: securityContext.runAsNonRoot must be true (and runAsUser not 0)")
+    for c in containers(pod):
+        sc = c.get("securityContext") or {}
+        at = f"{where}.containers[{c.get('name')}]"
+        if sc.get("privileged") or sc.get("allowPrivilegeEscalation", True) or sc.get("runAsUser") == 0:
+            problems.append(f"{at}: needs allowPrivilegeEscalation: false, not privileged, not root")
+        for var in c.get("env") or []:
+            if "value" in var and _SECRETISH.search(str(var.get("name"))):
+                problems.append(f"{at}: env {var.get('name')} has a literal value; take it from a Secret")
+    return problems
+
+
+def _pod_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    for where, pod in pod_templates(resources):
+        problems += _placement(where, pod)
+        problems += _security(where, pod)
+        for c in containers(pod):
+            problems += _guaranteed(f"{where}.containers[{c.get('name')}]", c.get("resources"))
+    clusters = [(ref(r), get(r, "spec", "rayClusterConfig")) for r in resources if r.get("kind") == "RayService"]
+    clusters += [(j.where, j.spec["rayClusterSpec"]) for j in jobs(resources) if "rayClusterSpec" in j.spec]
+    for where, cluster in clusters:
+        if cluster.get("enableInTreeAutoscaling"):
+            problems += _guaranteed(f"{where}.autoscalerOptions", get(cluster, "autoscalerOptions", "resources"))
+        head = cluster.get("headGroupSpec") or {}
+        if head.get("serviceType", "ClusterIP") != "ClusterIP" or head.get("enableIngress"):
+            problems.append(f"{where}.headGroupSpec: the head Service (dashboard) must stay ClusterIP, no ingress")
+        auth = cluster.get("authOptions") or {}
+        if auth.get("mode") != "token" or not auth.get("secretName"):
+            problems.append(f"{where}: authOptions must be mode token with the token from a Secret (secretName)")
+    return problems
+
+
+def _exposure_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    for r in resources:
+        kind = r.get("kind")
+        if kind == "Secret":
+            problems.append(f"{ref(r)}: Secrets are created out of band, never rendered from the repository")
+        elif kind in ("Ingress", "Route", "Gateway", "HTTPRoute", "GRPCRoute"):
+            problems.append(f"{ref(r)}: nothing of raypipe is exposed outside the cluster")
+        elif kind == "Service" and get(r, "spec", "type", default="ClusterIP") != "ClusterIP":
+            problems.append(f"{ref(r)}: Service type must be ClusterIP")
+        elif (
+            kind == "RayService" and get(r, "spec", "serveService", "spec", "type", default="ClusterIP") != "ClusterIP"
+        ):
+            problems.append(f"{ref(r)}: spec.serveService must stay ClusterIP")
+        elif kind == "ConfigMap":
+            for key, value in (r.get("data") or {}).items():
+                if _SECRETISH.search(key) or _AWS_KEY_ID.search(str(value)):
+                    problems.append(f"{ref(r)}: data[{key}] looks like a credential; put it in a Secret")
+    return problems
+
+
+def _grpc_port(rayservice: Resource) -> int | None:
+    try:
+        config = yaml.safe_load(get(rayservice, "spec", "serveConfigV2", default="") or "")
+    except yaml.YAMLError:
+        return None
+    port = get(config, "grpc_options", "port")
+    return port if isinstance(port, int) else None
+
+
+def _selects(selector: dict[str, Any] | None, labels: dict[str, Any]) -> bool:
+    wanted = (selector or {}).get("matchLabels") or {}
+    return all(labels.get(k) == v for k, v in wanted.items()) and not (selector or {}).get("matchExpressions")
+
+
+def _covers(rule_ports: list[dict[str, Any]] | None, port: int) -> bool:
+    if not rule_ports:
+        return True  # no ports: every port
+    for p in rule_ports:
+        low = p.get("port")
+        if low is None or (isinstance(low, int) and low <= port <= p.get("endPort", low)):
+            return True
+    return False
+
+
+def _model_service_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    services = [r for r in resources if r.get("kind") == "RayService"]
+    if len(services) != 1:
+        return [f"expected one RayService (the model service), found {len(services)}"]
+    rs = services[0]
+    where, spec = ref(rs), rs.get("spec") or {}
+    cluster = spec.get("rayClusterConfig") or {}
+    head = cluster.get("headGroupSpec") or {}
+    if get(head, "rayStartParams", "num-cpus") != "0":
+        problems.append(f'{where}: the head must run no replicas: rayStartParams num-cpus "0"')
+    if not cluster.get("enableInTreeAutoscaling"):
+        problems.append(f"{where}: enableInTreeAutoscaling must be true")
+    for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
+        if not 0 < group.get("minReplicas", 0) < group.get("maxReplicas", 0):
+            problems.append(f"{where}: workerGroupSpecs[{i}] needs 0 < minReplicas < maxReplicas to autoscale")
+    if get(spec, "upgradeStrategy", "type") != "NewCluster":
+        problems.append(
+            f"{where}: upgradeStrategy.type must be NewCluster (the old cluster serves until the new is up)"
+        )
+    port = _grpc_port(rs)
+    ports = {
+        p.get("name"): p.get("containerPort")
+        for p in get(head, "template", "spec", "containers", 0, "ports", default=[])
+    }
+    for name, number in {**DEFAULT_HEAD_PORTS, "serve-grpc": port}.items():
+        if ports.get(name) != number:
+            problems.append(f"{where}: the head container must declare port {name}={number} (declared: {ports})")
+
+    # The NetworkPolicy: pods of the model service admit the gRPC port from job pods only.
+    pods = [
+        labels
+        for _, pod in cluster_pod_templates("", cluster)
+        if (labels := get(pod, "metadata", "labels", default={}))
+    ]
+    client_labels = [
+        get(pod, "metadata", "labels", default={})
+        for j in jobs(resources)
+        for _, pod in cluster_pod_templates("", j.spec.get("rayClusterSpec") or {})
+    ]
+    policies = [
+        p
+        for p in resources
+        if p.get("kind") == "NetworkPolicy"
+        and pods
+        and all(_selects(get(p, "spec", "podSelector"), lab) for lab in pods)
+    ]
+    if not policies or port is None:
+        return [*problems, f"{where}: no NetworkPolicy selects all the model service's pods"]
+    admitted_from_jobs = False
+    for policy in policies:
+        for rule in get(policy, "spec", "ingress", default=[]):
+            if not _covers(rule.get("ports"), port):
+                continue
+            sources = rule.get("from") or []
+            if not sources or any("ipBlock" in s or "namespaceSelector" in s for s in sources):
+                problems.append(f"{ref(policy)}: admits port {port} from beyond the job pods")
+            pod_selectors = [s.get("podSelector") for s in sources if "podSelector" in s]
+            if any(_selects(sel, lab) for sel in pod_selectors for lab in pods):
+                problems.append(f"{ref(policy)}: admits port {port} from the model service's own pods")
+            if client_labels and all(any(_selects(sel, lab) for sel in pod_selectors) for lab in client_labels):
+                admitted_from_jobs = True
+    if client_labels and not admitted_from_jobs:
+        problems.append(f"{where}: no NetworkPolicy rule admits the job pods to port {port}")
+    return problems
+
+
+def _job_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    for job in jobs(resources):
+        spec, where = job.spec, job.where
+        if "clusterSelector" in spec:
+            problems.append(f"{where}: runs in its own cluster, not on the serving cluster (clusterSelector)")
+        for _, pod in cluster_pod_templates("", spec.get("rayClusterSpec") or {}):
+            if get(pod, "metadata", "labels", MODEL_CLIENT_LABEL) != "true":
+                problems.append(
+                    f'{where}: every Ray pod needs the label {MODEL_CLIENT_LABEL}="true" to reach the model'
+                )
+                break
+        if not spec.get("activeDeadlineSeconds"):
+            problems.append(f"{where}: needs activeDeadlineSeconds")
+        if spec.get("backoffLimit", 0) < 1:
+            problems.append(f"{where}: needs backoffLimit >= 1: a retry resumes the run")
+        rules = get(spec, "deletionStrategy", "deletionRules", default=[])
+        if rules:
+            policies = {(get(r, "condition", "jobStatus"), r.get("policy")) for r in rules}
+            for status in ("SUCCEEDED", "FAILED"):
+                for policy in ("DeleteCluster", "DeleteSelf"):
+                    if (status, policy) not in policies:
+                        problems.append(f"{where}: deletionRules need {policy} on {status}")
+        elif not (spec.get("shutdownAfterJobFinishes") and spec.get("ttlSecondsAfterFinished", 0) > 0):
+            problems.append(
+                f"{where}: clean up: shutdownAfterJobFinishes with ttlSecondsAfterFinished, or deletionRules"
+            )
+        if not get(spec, "submitterPodTemplate", "spec", "containers"):
+            problems.append(f"{where}: needs a submitterPodTemplate (to place the submitter on the pool)")
+    schedules = [r for r in resources if r.get("kind") == "RayCronJob"]
+    schedules += [
+        r for r in resources if r.get("kind") == "CronJob" and "daily" in get(r, "metadata", "name", default="")
+    ]
+    if len(schedules) != 1:
+        problems.append(
+            f"expected exactly one daily schedule (RayCronJob or legacy CronJob), found {[ref(r) for r in schedules]}"
+        )
+    for r in schedules:
+        if r.get("kind") == "RayCronJob" and not get(r, "spec", "timeZone"):
+            problems.append(f"{ref(r)}: set timeZone; the operator's clock is not a schedule")
+        if r.get("kind") == "CronJob" and get(r, "spec", "concurrencyPolicy") != "Forbid":
+            problems.append(f"{ref(r)}: concurrencyPolicy must be Forbid")
+    return problems
+
+
+def _image_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    images = {}
+    for where, pod in pod_templates(resources):
+        if any(where.startswith(j.where) for j in jobs(resources) if j.manifest is not None):
+            continue  # an embedded template: create_rayjob.py sets its images
+        for c in containers(pod):
+            images[f"{where}.containers[{c.get('name')}]"] = c.get("image")
+            for var in c.get("env") or []:
+                if var.get("name") == "RAYPIPE_IMAGE" and var.get("value") != c.get("image"):
+                    problems.append(
+                        f"{where}: env RAYPIPE_IMAGE {var.get('value')} is not the container's image {c.get('image')}"
+                    )
+    distinct = set(images.values())
+    if len(distinct) > 1:
+        problems.append(f"more than one image: {sorted(map(str, distinct))}")
+    for image in distinct:
+        if not image or ":" not in str(image).rsplit("/", 1)[-1] or str(image).endswith(":latest"):
+            problems.append(f"image {image!r} needs an explicit tag (not latest)")
+    text = yaml.safe_dump_all(resources)
+    if "CHANGE-ME" in text:
+        problems.append("a CHANGE-ME placeholder is left: set it in the overlay")
+    return problems
+
+
+def _step_problems(resources: list[Resource]) -> list[str]:
+    steps: dict[str | None, list[str]] = {None: [], "backfill": [], "daily": []}
+    problems = []
+    for r in resources:
+        step = get(r, "metadata", "labels", JOB_LABEL)
+        if step not in steps:
+            problems.append(f"{ref(r)}: label {JOB_LABEL}={step} is not a step (backfill or daily)")
+            continue
+        steps[step].append(str(r.get("kind")))
+    jobs_kinds = {"RayJob", "RayCronJob", "CronJob"}
+    if jobs_kinds & set(steps[None]) or not {"RayService", "NetworkPolicy"} <= set(steps[None]):
+        problems.append(f"the model-service step (no {JOB_LABEL} label) holds {sorted(steps[None])}")
+    if steps["backfill"] != ["RayJob"]:
+        problems.append(f"the backfill step ({JOB_LABEL}=backfill) holds {steps['backfill']}, not one RayJob")
+    if len(jobs_kinds & set(steps["daily"])) != 1 or "RayJob" in steps["daily"]:
+        problems.append(f"the daily step ({JOB_LABEL}=daily) holds {steps['daily']}, not one schedule")
+    return problems
+
+
+def project_problems(resources: list[Resource]) -> list[str]:
+    return (
+        _pod_problems(resources)
+        + _exposure_problems(resources)
+        + _model_service_problems(resources)
+        + _job_problems(resources)
+        + _image_problems(resources)
+        + _step_problems(resources)
+    )

@@ -1,0 +1,56 @@
+"""The Serve application builder that a RayService's `serveConfigV2` names.
+
+A RayService deploys applications by import path: Serve imports
+`serve_app.builder:app_builder` on the cluster and calls it with the application's `args`
+mapping from the config. The builder reads the model directory and the server settings from
+those `args` and returns the same bound application that `raypipe serve` runs, by way of
+`serve_app.deploy.build_app`, so a cluster and a laptop run the same code.
+
+    applications:
+      - name: raypipe
+        route_prefix: /raypipe            # the gRPC proxy needs a non-None prefix
+        import_path: serve_app.builder:app_builder
+        args:
+          model_dir: /opt/raypipe/model   # a local directory on every node; never downloaded here
+          settings: {max_batch_size: 256} # serve_app.settings.ServerSettings
+        deployments:
+          - name: EmotionClassifier
+            num_replicas: auto            # the code pins 1 replica; "auto" lets autoscaling_config rule
+            autoscaling_config: {min_replicas: 1, max_replicas: 8}
+
+Replica counts, CPUs and autoscaling belong in the config's `deployments` entry, where Serve
+applies them over the code's defaults; `args` carries only what the code cannot default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from ray.serve import Application
+
+from serve_app.deploy import build_app
+from serve_app.settings import ServerSettings
+
+__all__ = ["ARGS", "app_builder"]
+
+ARGS = ("model_dir", "settings")
+"""The keys `app_builder` accepts in the application's `args`."""
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Builds the EmotionClassifier application from serveConfigV2 `args`.
+
+    Raises ValueError on an unknown key, a missing `model_dir` or bad settings, and
+    `serve_app.model.ModelDirError` when the model directory is unusable, so a typo in the
+    config fails the deploy with its name rather than in every replica.
+    """
+    unknown = sorted(set(args) - set(ARGS))
+    if unknown:
+        raise ValueError(f"unknown application args: {', '.join(unknown)} (accepted: {', '.join(ARGS)})")
+    model_dir = args.get("model_dir")
+    if not isinstance(model_dir, str) or not model_dir.strip():
+        raise ValueError("application args need model_dir: the model directory's path on the cluster's nodes")
+    settings = args.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"application args: settings must be a mapping, not {type(settings).__name__}")
+    return cast(Application, build_app(model_dir, ServerSettings.from_dict(settings)))
