@@ -140,7 +140,7 @@ def _covers(rule_ports: list[dict[str, Any]] | None, port: int) -> bool:
         return True  # no ports: every port
     for p in rule_ports:
         low = p.get("port")
-        if low is None or (isinstance(low, int) and low <= port <= p.get("endPort", low)):
+        if low is None or low == "serve-grpc" or (isinstance(low, int) and low <= port <= p.get("endPort", low)):
             return True
     return False
 
@@ -175,11 +175,7 @@ def _model_service_problems(resources: list[Resource]) -> list[str]:
             problems.append(f"{where}: the head container must declare port {name}={number} (declared: {ports})")
 
     # The NetworkPolicy: pods of the model service admit the gRPC port from job pods only.
-    pods = [
-        labels
-        for _, pod in cluster_pod_templates("", cluster)
-        if (labels := get(pod, "metadata", "labels", default={}))
-    ]
+    pods = [get(pod, "metadata", "labels", default={}) for _, pod in cluster_pod_templates("", cluster)]
     client_labels = [
         get(pod, "metadata", "labels", default={})
         for j in jobs(resources)
@@ -241,10 +237,7 @@ def _job_problems(resources: list[Resource]) -> list[str]:
             )
         if not get(spec, "submitterPodTemplate", "spec", "containers"):
             problems.append(f"{where}: needs a submitterPodTemplate (to place the submitter on the pool)")
-    schedules = [r for r in resources if r.get("kind") == "RayCronJob"]
-    schedules += [
-        r for r in resources if r.get("kind") == "CronJob" and "daily" in get(r, "metadata", "name", default="")
-    ]
+    schedules = [r for r in resources if r.get("kind") in ("RayCronJob", "CronJob")]
     if len(schedules) != 1:
         problems.append(
             f"expected exactly one daily schedule (RayCronJob or legacy CronJob), found {[ref(r) for r in schedules]}"

@@ -152,7 +152,10 @@ class EmotionClassifier:
             return self._fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, problem, len(request.paragraphs))
         if self._fault.extra_latency_s:
             await asyncio.sleep(self._fault.extra_latency_s)
-        if self._fault.fail_fraction and self._rng.random() < self._fault.fail_fraction:
+        poisoned = self._fault.poison_text is not None and any(
+            self._fault.poison_text in p.text for p in request.paragraphs
+        )
+        if poisoned or (self._fault.fail_fraction and self._rng.random() < self._fault.fail_fraction):
             code = grpc.StatusCode[self._fault.status]
             return self._fail(grpc_context, code, "injected fault", len(request.paragraphs))
         texts = [p.text for p in request.paragraphs]

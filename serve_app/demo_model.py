@@ -307,7 +307,7 @@ def _build(out: Path, *, seed: int, fingerprint: str) -> dict[str, Any]:
     import numpy as np
 
     from serve_app._tf import tensorflow
-    from serve_app.export import save_hf_classifier
+    from serve_app.export.signature import save_hf_classifier
 
     tf = tensorflow()
     import tf_keras
@@ -363,7 +363,7 @@ def _build(out: Path, *, seed: int, fingerprint: str) -> dict[str, Any]:
         losses = [float(train_step(x, m, y)) for x, m, y in batches]
         _progress(f"epoch {epoch + 1}/{len(epoch_batches)}: mean loss {np.mean(losses):.4f}")
 
-    # The same signature every exported model has (serve_app.export).
+    # The same signature every exported model has (serve_app.export.signature).
     save_hf_classifier(model, out / "saved_model")
 
     _progress("exported the SavedModel")

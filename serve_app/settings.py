@@ -25,6 +25,9 @@ class FaultInjection:
     """gRPC status code name of the injected failures."""
     extra_latency_s: float = 0.0
     """Delay added to every call before it is answered."""
+    poison_text: str | None = None
+    """Every call holding a paragraph that contains this text fails with `status` (a poison
+    paragraph that crashes the model), whatever `fail_fraction` says."""
     seed: int | None = None
     """Seeds the choice of failing calls, for repeatable drills."""
 
@@ -38,7 +41,7 @@ class FaultInjection:
 
     @property
     def enabled(self) -> bool:
-        return self.fail_fraction > 0 or self.extra_latency_s > 0
+        return self.fail_fraction > 0 or self.extra_latency_s > 0 or bool(self.poison_text)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import ssl
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -105,9 +106,8 @@ class Api:
         return self._call("GET", f"{self._base}/{name}")
 
     def list(self, scheduled_by: str) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self._call("GET", f"{self._base}?labelSelector={SCHEDULED_BY}%3D{scheduled_by}")[
-            "items"
-        ]
+        query = urllib.parse.urlencode({"labelSelector": f"{SCHEDULED_BY}={scheduled_by}"})
+        items: list[dict[str, Any]] = self._call("GET", f"{self._base}?{query}")["items"]
         return items
 
     def delete(self, name: str) -> None:
@@ -123,7 +123,14 @@ def run(api: Api, job: dict[str, Any], *, keep: int, poll_s: float, sleep: Calla
     name = api.create(job)["metadata"]["name"]
     print(f"created RayJob {name} (run id {name})", flush=True)
     while True:
-        current = api.get(name)
+        try:
+            current = api.get(name)
+        except urllib.error.URLError as e:  # the API server blinked; the RayJob runs on regardless
+            if isinstance(e, urllib.error.HTTPError) and e.code < 500:
+                raise
+            print(f"polling {name}: {e}; retrying", flush=True)
+            sleep(poll_s)
+            continue
         if is_finished(current):
             break
         sleep(poll_s)

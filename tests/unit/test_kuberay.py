@@ -221,6 +221,11 @@ CORE_BREAKS: dict[str, tuple[str, Mutation, str]] = {
         lambda rs: find(rs, "CronJob")["spec"].update(concurencyPolicy="Forbid"),
         "'concurencyPolicy' was unexpected",
     ),
+    "role-typo": (
+        "prod-kuberay-1.5",
+        lambda rs: find(rs, "Role")["rules"][0].update(verb=["create"]),
+        "'verb' was unexpected",
+    ),
     "serviceaccount-typo": (
         "prod",
         lambda rs: find(rs, "ServiceAccount", "raypipe").update(automountServiceAccountTokens=False),
@@ -381,6 +386,16 @@ PROJECT_BREAKS: dict[str, tuple[str, Mutation, str]] = {
         "prod",
         lambda rs: find(rs, "NetworkPolicy")["spec"]["ingress"][1]["ports"][0].update(endPort=9000),
         "admits port 9000 from beyond the job pods",
+    ),
+    "grpc-by-port-name": (
+        "prod",
+        lambda rs: find(rs, "NetworkPolicy")["spec"]["ingress"].append({"ports": [{"port": "serve-grpc"}]}),
+        "admits port 9000 from beyond the job pods",
+    ),
+    "model-pods-unselected": (
+        "prod",
+        lambda rs: _worker_group(_rayservice(rs)["rayClusterConfig"])["template"].pop("metadata"),
+        "no NetworkPolicy selects all the model service's pods",
     ),
     "job-pods-unlabelled": (
         "prod",

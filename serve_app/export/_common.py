@@ -1,0 +1,173 @@
+"""Steps both exports share: resolve local sources, check labels and lengths, build the
+directory beside its destination, write the card, and prove it serves what the source computes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serve_app.export.check import SAMPLE_TEXTS, check_model_dir
+from serve_app.export.signature import weights_digest
+from serve_app.model import MODEL_FORMAT, ModelCard, ModelDirError
+
+logger = logging.getLogger("serve_app.export")
+
+# Served probabilities must equal the source model's on the same tokens to this much.
+_AGREEMENT = 1e-4
+
+# A tokenizer's model_max_length above this is transformers' "no limit" sentinel.
+NO_LIMIT = 1_000_000
+
+# A version prefix.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A Hub model id ("bert-base-uncased", "org/name"), as opposed to a filesystem path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+class ExportError(ModelDirError):
+    """A source checkpoint cannot be exported; ``path`` is the file or directory at fault."""
+
+
+def local_dir(path: Path | str, what: str) -> Path:
+    text = str(path)
+    p = Path(text).expanduser()
+    if p.is_dir():
+        return p.absolute()
+    if text.startswith(("hf://", "http://", "https://")) or (not p.exists() and _HUB_ID.fullmatch(text)):
+        raise ExportError(
+            text,
+            f"no local {what} directory of that name, and raypipe never downloads models: if this is a "
+            f"Hugging Face Hub model id, download it first (e.g. `huggingface-cli download {text} "
+            "--local-dir DIR`) and pass DIR",
+        )
+    raise ExportError(text, f"{what} directory does not exist or is not a directory")
+
+
+def load_source_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)  # type: ignore[no-untyped-call, unused-ignore]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ExportError(path, f"cannot load a tokenizer from here: {e}") from e
+    if not getattr(tokenizer, "is_fast", False):
+        raise ExportError(path, "the tokenizer must be a fast (Rust) tokenizer: add tokenizer.json")
+    return tokenizer
+
+
+def vocabulary_size(tokenizer: Any) -> int:
+    """Size of the id space the tokenizer uses: its largest id + 1 (ids may have holes)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+def any_token_id(tokenizer: Any) -> int:
+    unk = tokenizer.unk_token_id
+    return int(unk) if unk is not None and unk != tokenizer.pad_token_id else 0
+
+
+def resolve_max_length(
+    requested: int | None, capacity: int, tokenizer: Any, where: Path, *, need_limit: bool = False
+) -> int:
+    tokenizer_limit = int(tokenizer.model_max_length) if tokenizer.model_max_length < NO_LIMIT else None
+    if requested is None:
+        if need_limit and tokenizer_limit is None:
+            raise ExportError(where, "cannot tell the model's maximum length: pass max_sequence_length")
+        return min(capacity, tokenizer_limit or capacity)
+    if requested > capacity:
+        raise ExportError(where, f"max length {requested} is beyond the model's {capacity} positions")
+    if requested < 3:
+        raise ExportError(where, f"max length must be at least 3, got {requested}")
+    return requested
+
+
+def check_labels(labels: tuple[str, ...], where: Path) -> tuple[str, ...]:
+    try:
+        ModelCard(labels=labels, version="x", max_sequence_length=3)
+    except ValueError as e:
+        raise ExportError(where, str(e)) from e
+    return labels
+
+
+def check_name(name: str | None) -> str | None:
+    if name is not None and not _NAME.fullmatch(name):
+        raise ValueError(f"name must be letters, digits, '.', '_' or '-', got {name!r}")
+    return name
+
+
+@contextmanager
+def building(out_dir: Path, *, overwrite: bool, source: Path) -> Iterator[Path]:
+    """A fresh directory beside ``out_dir``, renamed into place only if the block succeeds."""
+    out = out_dir.absolute()
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise ExportError(out, "already exists; pass overwrite=True (--force) to replace it")
+    if out == source or source in out.parents:
+        raise ExportError(out, f"the output must not be inside the source {source}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            os.rename(out, old)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def finish(
+    tmp: Path,
+    tokenizer: Any,
+    labels: tuple[str, ...],
+    max_len: int,
+    prefix: str,
+    source: dict[str, Any],
+    reference: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    *,
+    softmax: bool,
+) -> None:
+    """Tokenizer + card beside the saved signature, then prove the directory serves what the source computes."""
+    tokenizer.model_max_length = max_len
+    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    digest, parameters = weights_digest(tmp / "saved_model")
+    card = {
+        "format": MODEL_FORMAT,
+        "labels": list(labels),
+        "version": f"{prefix}-{digest[:12]}",
+        "max_sequence_length": max_len,
+        "vocab_size": vocabulary_size(tokenizer),
+        "parameters": parameters,
+        "weights_sha256": digest,
+        "source": source,
+    }
+    (tmp / "model.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
+
+    served = check_model_dir(tmp, SAMPLE_TEXTS).probabilities
+    expected = np.empty_like(served)
+    for i, text in enumerate(SAMPLE_TEXTS):
+        ids = np.asarray([tokenizer(text, truncation=True, max_length=max_len)["input_ids"]], dtype=np.int32)
+        out = reference(ids, np.ones_like(ids))
+        expected[i] = softmax_rows(out)[0] if softmax else out[0]
+    worst = float(np.abs(served - expected).max())
+    if worst > _AGREEMENT:
+        raise ExportError(
+            tmp, f"the exported model differs from the source by up to {worst:.2e} (allowed {_AGREEMENT:g})"
+        )
+    logger.info("exported %s: %s, served = source within %.1e", card["version"], source["path"], worst)
+
+
+def softmax_rows(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, dtype=np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)

@@ -1,0 +1,74 @@
+"""An HTTP proxy on 127.0.0.1 in front of moto's S3 server, to imitate S3-compatible stores that
+misbehave: one that ignores conditional writes (`If-None-Match` / `If-Match` headers are dropped
+before they reach moto), and one that refuses our credentials on writes (403 AccessDenied)."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Literal
+from urllib.parse import urlparse
+
+Mode = Literal["strip_conditions", "deny_writes"]
+
+_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+)
+
+
+class S3Proxy:
+    def __init__(self, upstream: str, mode: Mode) -> None:
+        target = urlparse(upstream)
+        host, port = target.hostname or "127.0.0.1", target.port or 80
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:  # quiet
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.mode == "deny_writes" and self.command in ("PUT", "POST", "DELETE"):
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(_DENIED)))
+                    self.end_headers()
+                    self.wfile.write(_DENIED)
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host",)}
+                if proxy.mode == "strip_conditions":
+                    headers = {k: v for k, v in headers.items() if k.lower() not in ("if-none-match", "if-match")}
+                conn = http.client.HTTPConnection(host, port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.mode = mode
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> S3Proxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,283 @@
+"""Run modes under a broken service, a retried job and partial input (issue: run-mode hardening).
+
+Each test reproduces one way work used to be lost or redone, on real parts: the Ray cluster,
+the Serve gRPC app with its fault setting, real Parquet files, and moto's S3 where S3 matters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from ray import serve
+
+import raypipe
+from raypipe.errors import OutputPermissionError, UnsafeOutputError
+from raypipe.lease import Lease
+from raypipe.samples import write_sample_corpus
+from raypipe.store import OutputStore
+from serve_app.settings import FaultInjection, ServerSettings
+from tests.integration.conftest import wait_for
+from tests.integration.helpers import assert_nothing_lost, dead_letters, results
+from tests.integration.s3_proxy import S3Proxy
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+FAST = {"retry": {"initial_backoff_s": 0.05, "max_backoff_s": 0.3}}
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "raypipe", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
+
+
+def served(app: str) -> dict[str, dict[str, int]]:
+    return serve.get_app_handle(app).stats.remote().result()
+
+
+@pytest.mark.timeout(300)
+def test_a_broken_service_stops_the_run_and_the_same_run_id_completes_once_fixed(
+    tmp_path, ray_cluster, serve_address, deploy_app
+):
+    """Every call answers INTERNAL (a crash-looping model): the breaker opens, the run stops with
+    a clear error and a non-zero exit after few calls, nothing is dead-lettered; rerunning the same
+    run id against the fixed service puts every row in the results."""
+    app = deploy_app("broken", ServerSettings(fault=FaultInjection(fail_fraction=1.0, status="INTERNAL")))
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=6000, parquet_shards=3, jsonl_shards=0,
+                                 bad_fraction=0.0, seed=81)  # fmt: skip
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    args = ["backfill", "--input", corpus.uri, "--output", str(out), "--service", serve_address, "--run-id", "b1",
+            "--set", "input.unit_rows=1000", "--set", "client.breaker.max_wait_s=6",
+            "--set", "client.retry.initial_backoff_s=0.05", "--set", "client.retry.max_backoff_s=0.3"]  # fmt: skip
+    failed = cli(*args, "--set", f"service.application={app}", env=env)
+    print(failed.stdout[-1500:], failed.stderr[-1500:])
+    assert failed.returncode == 1
+    assert "CircuitOpenError" in failed.stderr and "model service" in failed.stderr
+    calls = served(app)["calls"]
+    assert calls.get("OK", 0) == 0
+    assert sum(calls.values()) <= 400, calls  # was 11,811 calls (bisection down to single rows)
+    assert dead_letters(out) is None and results(out) is None
+    report = json.loads((out / "runs" / "b1.json").read_text())
+    assert report["status"] == "failed" and "CircuitOpenError" in report["error"]
+    assert report["rows_dead_letters"] == 0
+
+    fixed = cli(*args, env=env)  # the same run id, the healthy app
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    results_ids, dead = assert_nothing_lost(out, corpus.ids)
+    assert dead == [] and len(results_ids) == len(corpus.ids)
+    print(f"broken service: {sum(calls.values())} calls before stopping; rerun: {fixed.stdout.splitlines()[0]}")
+
+
+def _daily_table(ids: list[str], texts: list[str], when: datetime) -> pa.Table:
+    return pa.table({"id": ids, "text": texts, "updated_at": pa.array([when] * len(ids), pa.timestamp("us", tz="UTC"))})
+
+
+@pytest.mark.timeout(300)
+def test_watermark_waits_for_every_shard_and_never_moves_backwards(tmp_path, serve_address):
+    day = datetime(2026, 3, 1, tzinfo=UTC)
+    in_dir = tmp_path / "in"
+    in_dir.mkdir()
+    pq.write_table(_daily_table([f"a{i}" for i in range(50)], ["a calm day"] * 50, day), in_dir / "a.parquet")
+    (in_dir / "b.parquet").write_bytes(b"PAR1 not parquet at all PAR1")  # corrupt: its rows are unknown
+    out = str(tmp_path / "out")
+    cfg = {"input": {"on_bad_shard": "record", "unit_rows": 100}}
+    store = OutputStore(out)
+
+    first = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", until=day + timedelta(days=1),
+                          settings=cfg)  # fmt: skip
+    assert first.status == "incomplete"
+    assert store.read_json_or_none(store.state("watermark.json")) is None  # not advanced past b's rows
+
+    # b is mended; a newer daily covers both days and advances the watermark.
+    pq.write_table(_daily_table([f"b{i}" for i in range(30)], ["a joyful day"] * 30, day), in_dir / "b.parquet")
+    second = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", until=day + timedelta(days=2),
+                           settings=cfg)  # fmt: skip
+    assert second.status == "completed" and second.rows_in == 80  # b's rows were not lost behind the bad shard
+    assert store.read_json(store.state("watermark.json"))["updated_at"] == (day + timedelta(days=2)).isoformat()
+
+    # The older run finishes late: it completes, and the watermark stays where the newer one put it.
+    again = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", settings=cfg)
+    assert again.status == "completed"
+    assert store.read_json(store.state("watermark.json"))["updated_at"] == (day + timedelta(days=2)).isoformat()
+
+
+@pytest.mark.timeout(300)
+def test_first_daily_after_a_backfill_infers_only_the_delta_and_skips_old_row_groups(
+    tmp_path, serve_address, deploy_app
+):
+    app = deploy_app("delta")
+    day = datetime(2026, 4, 1, tzinfo=UTC)
+    in_dir = tmp_path / "in"
+    in_dir.mkdir()
+    old = _daily_table([f"o{i}" for i in range(400)], [f"an ordinary paragraph {i}" for i in range(400)], day)
+    pq.write_table(old, in_dir / "old.parquet", row_group_size=50)
+    nulls = pa.table({"id": ["n1", "n2"], "text": ["no date", "none"],
+                      "updated_at": pa.nulls(2, pa.timestamp("us", tz="UTC"))})  # fmt: skip
+    pq.write_table(nulls, in_dir / "nulls.parquet")
+    out = str(tmp_path / "out")
+    cfg = {"service": {"application": app}, "input": {"unit_rows": 100}}
+
+    back = raypipe.backfill(str(in_dir), out, service=serve_address, run_id="bf", settings=cfg)
+    assert back.status == "completed" and back.rows_in == 402  # a backfill infers null-dated rows too
+    assert back.planning["read_as_of"] == day.isoformat()
+    after_backfill = served(app)["paragraphs"]["OK"]
+
+    # New and changed rows arrive in a new file; the old file's row groups are all older.
+    delta = _daily_table(
+        ["o1", "o2", "new1"], ["I am so angry", "I am so angry", "what a joy"], day + timedelta(hours=5)
+    )
+    pq.write_table(delta, in_dir / "delta.parquet")
+    first_daily = raypipe.daily(str(in_dir), out, service=serve_address, run_id="dd1",
+                                until=day + timedelta(days=1), settings=cfg)  # fmt: skip
+    assert first_daily.status == "completed"
+    assert served(app)["paragraphs"]["OK"] - after_backfill == 3 == first_daily.rows_in  # not 402 + 3
+    assert first_daily.window["after"] == day.isoformat()
+    assert first_daily.planning["row_groups_pruned"] >= 8  # old.parquet's 8 row groups: no unit, no read
+    assert first_daily.planning["null_updated_at_rows"] == 2  # documented: dailies skip them
+    assert first_daily.units_total == 1
+
+
+@pytest.mark.timeout(360)
+def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
+    tmp_path, ray_cluster, serve_address, deploy_app
+):
+    """A retried job takes over the run (here with --force, as an operator would; without it, it waits
+    for the lease to expire): the first attempt stops before its next write, and every id ends
+    exactly once in the results."""
+    app = deploy_app("slow", ServerSettings(fault=FaultInjection(extra_latency_s=0.3)))
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=1500, parquet_shards=3, jsonl_shards=0,
+                                 bad_fraction=0.0, row_group_size=50, seed=91)  # fmt: skip
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    common = ["--input", corpus.uri, "--output", str(out), "--service", serve_address, "--run-id", "twice",
+              "--set", f"service.application={app}", "--set", "input.unit_rows=50",
+              "--set", "actors.max_actors=1", "--set", "output.lease_s=30"]  # fmt: skip
+    first = subprocess.Popen([PYTHON, "-m", "raypipe", "backfill", *common], env=env, cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    markers = out / "_raypipe" / "runs" / "twice" / "units"
+    try:
+        wait_for(lambda: len(list(markers.glob("*.json"))) >= 3, 180, "the first attempt's first units")
+        # Without --force the second attempt would wait for the live lease; with it, it takes over now.
+        second = cli("backfill", *common, "--force", env=env, timeout=300)
+        _, err1 = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGKILL)
+    print("first:", err1[-800:], "\nsecond:", second.stdout[-600:])
+    assert first.returncode != 0
+    assert "lost the output lease" in err1
+    assert second.returncode == 0, second.stderr[-2000:]
+    results_ids, dead = assert_nothing_lost(out, corpus.ids)
+    assert len(results_ids) == len(corpus.ids) and dead == []
+    generations = {json.loads(p.read_text())["generation"] for p in markers.glob("*.json")}
+    assert generations <= {1, 2} and 2 in generations
+
+
+def test_a_live_lease_of_another_run_is_refused_and_of_the_same_run_waited_out(s3):
+    store = OutputStore(f"{s3.bucket('fence')}/out")
+    holder = Lease(store, "run-a", duration_s=2)
+    holder.acquire()
+    holder._stop.set()  # it hangs: no more heartbeats
+    from raypipe.errors import OutputLockedError
+
+    with pytest.raises(OutputLockedError, match="run-a"):
+        Lease(store, "run-b", duration_s=2).acquire()
+    started = time.monotonic()
+    retried = Lease(store, "run-a", duration_s=2)
+    retried.acquire()  # waits for the expiry, then takes over with a conditional (If-Match) replace
+    assert time.monotonic() - started >= 1.0
+    assert retried.generation == 2 and not holder.held()
+    retried.release()
+
+
+def _proxied_store(s3, bucket: str, proxy: S3Proxy) -> OutputStore:
+    import s3fs
+
+    store = OutputStore(f"{s3.bucket(bucket)}/out")
+    store._fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, key="testing", secret="testing",
+                                  skip_instance_cache=True)  # fmt: skip
+    return store
+
+
+def test_an_s3_endpoint_without_conditional_writes_is_refused(s3):
+    with S3Proxy(s3.endpoint, "strip_conditions") as proxy:
+        store = _proxied_store(s3, "nocond", proxy)
+        with pytest.raises(UnsafeOutputError, match="ignores conditional writes"):
+            Lease(store, "run-a").check_conditional_writes()
+    Lease(OutputStore(f"{s3.bucket('nocond')}/out"), "run-a").check_conditional_writes()  # moto itself is fine
+
+
+def test_a_permission_error_says_so(s3):
+    with S3Proxy(s3.endpoint, "deny_writes") as proxy:
+        store = _proxied_store(s3, "denied", proxy)
+        with pytest.raises(OutputPermissionError, match="permission"):
+            Lease(store, "run-a").acquire()
+
+
+LATEST_OUTCOME_SQL = """
+SELECT id, outcome FROM (
+  SELECT id, outcome, row_number() OVER (PARTITION BY id ORDER BY at DESC) AS rn FROM (
+    SELECT id, 'result' AS outcome, inferred_at AS at
+      FROM read_parquet('{out}/results/*/*.parquet', hive_partitioning = true)
+    UNION ALL
+    SELECT id, 'dead_letter' AS outcome, failed_at AS at
+      FROM read_parquet('{out}/dead_letters/*/*.parquet', hive_partitioning = true)
+  )
+) WHERE rn = 1
+"""
+
+
+@pytest.mark.timeout(360)
+def test_a_killed_replay_never_shows_an_id_twice_and_resumes_by_run_id(
+    tmp_path, ray_cluster, serve_address, deploy_app
+):
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=300, parquet_shards=1, jsonl_shards=0, bad_fraction=0.0,
+                                 seed=95)  # fmt: skip
+    in_dir = tmp_path / "in"
+    poison = [f"p{i}" for i in range(120)]
+    for k in range(6):  # six shards of poison rows: six dead-letter files, six replay units
+        chunk = poison[k * 20 : (k + 1) * 20]
+        pq.write_table(pa.table({"id": chunk, "text": [f"CRASHME {i}" for i in chunk]}), in_dir / f"poison{k}.parquet")
+    app = deploy_app("poison2", ServerSettings(fault=FaultInjection(poison_text="CRASHME", status="INTERNAL")))
+    out = tmp_path / "out"
+    all_ids = [*corpus.ids, *poison]
+    report = raypipe.backfill(str(in_dir), str(out), service=serve_address, run_id="rp",
+                              settings={"service": {"application": app}, "client": FAST})  # fmt: skip
+    assert report.rows_dead_letters == 120
+
+    slow = deploy_app("slowfix", ServerSettings(fault=FaultInjection(extra_latency_s=0.5)))
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    args = ["replay", "--output", str(out), "--run-id", "rp", "--service", serve_address]
+    slow_args = ["--set", f"service.application={slow}", "--set", "actors.max_actors=1", "--set", "output.lease_s=10",
+                 "--set", "actors.units_per_actor=1", "--set", "client.micro_batch_size=4"]  # fmt: skip
+    replay = subprocess.Popen([PYTHON, "-m", "raypipe", *args, *slow_args], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    markers = out / "_raypipe" / "runs" / "rp.replay-1" / "units"
+    try:
+        wait_for(lambda: len(list(markers.glob("*.json"))) >= 1, 200, "a first replayed unit")
+    finally:
+        replay.send_signal(signal.SIGKILL)
+        replay.wait(timeout=30)
+    assert len(list(markers.glob("*.json"))) < 6, "the replay finished before it could be killed"
+    latest = duckdb.sql(LATEST_OUTCOME_SQL.format(out=out)).fetchall()
+    ids = [i for i, _ in latest]
+    assert len(ids) == len(set(ids)) == len(all_ids)
+
+    time.sleep(2)
+    resumed = cli(*args, env=env)  # the same command, no replay id: it resumes the killed replay
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "rp.replay-1" in resumed.stdout
+    results_ids, dead = assert_nothing_lost(out, all_ids)
+    assert dead == [] and len(results_ids) == len(all_ids)
