@@ -216,9 +216,11 @@ class GrpcModelClient:
         max_timeout_s: float | None = None,
         deadline_safety: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
         """`timeout_s` is the floor of a Classify deadline (and ModelInfo's deadline);
-        `max_timeout_s` its ceiling (None: the floor, i.e. a fixed deadline)."""
+        `max_timeout_s` its ceiling (None: the floor, i.e. a fixed deadline). `interceptors`
+        go on the channel (e.g. `raypipe.metrics.MetricsInterceptor`)."""
         self.address = address
         self.timeout_s = timeout_s
         self.deadlines = Deadlines(
@@ -230,10 +232,13 @@ class GrpcModelClient:
         self._metadata = (("application", application),)
         self._channel: grpc.aio.Channel | None = None
         self._stub: emotion_pb2_grpc.EmotionClassifierStub | None = None
+        self._interceptors = list(interceptors)
 
     def _get_stub(self) -> emotion_pb2_grpc.EmotionClassifierStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors or None
+            )
             self._stub = emotion_pb2_grpc.EmotionClassifierStub(self._channel)
         return self._stub
 

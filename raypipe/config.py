@@ -28,6 +28,7 @@ __all__ = [
     "ClientConfig",
     "InputConfig",
     "LimiterConfig",
+    "MetricsConfig",
     "OutputConfig",
     "PipelineConfig",
     "RetryConfig",
@@ -200,6 +201,27 @@ class ActorPoolConfig(_Frozen):
         return self
 
 
+class MetricsConfig(_Frozen):
+    dogstatsd_host: str | None = None
+    """DogStatsD (Datadog agent) host; None or "" keeps Datadog metrics off. When the config is
+    built from the environment, `DD_AGENT_HOST` is the default."""
+    dogstatsd_port: int = Field(8125, gt=0, lt=65536)
+    """DogStatsD UDP port; `DD_DOGSTATSD_PORT` is the default when built from the environment."""
+    ray_metrics: bool = True
+    """Also record the metrics with `ray.util.metrics` (Ray dashboard, Prometheus)."""
+    namespace: str = "raypipe"
+    """Prefix of every metric name (`raypipe.client.calls`; `raypipe_client_calls` in Ray)."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Extra tags on every metric (e.g. `env: prod`), besides run_id, mode, model_version, app."""
+    gauge_interval_s: float = Field(5.0, gt=0)
+    """How often each actor samples its breaker and in-flight limit into gauges."""
+
+    @field_validator("dogstatsd_host")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        return v.strip() or None if v is not None else None
+
+
 class PipelineConfig(_Frozen):
     output: OutputConfig
     input: InputConfig | None = None
@@ -207,6 +229,7 @@ class PipelineConfig(_Frozen):
     service: ServiceConfig = ServiceConfig()
     client: ClientConfig = ClientConfig()
     actors: ActorPoolConfig = ActorPoolConfig()
+    metrics: MetricsConfig = MetricsConfig()
     run_id: str | None = None
     """Names the run; the same id resumes it. Default: `<mode>-<UTC timestamp>`."""
     progress_interval_s: float = Field(10.0, gt=0)
@@ -243,6 +266,16 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return tree
 
 
+def _datadog_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The Datadog agent's standard variables, as the lowest layer of `metrics`."""
+    metrics = {
+        key: environ[var]
+        for key, var in (("dogstatsd_host", "DD_AGENT_HOST"), ("dogstatsd_port", "DD_DOGSTATSD_PORT"))
+        if environ.get(var)
+    }
+    return {"metrics": metrics} if metrics else {}
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
@@ -275,10 +308,13 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> PipelineConfig:
-    """Builds the run's config from a file, the environment and overrides (in that order)."""
-    merged: dict[str, Any] = {}
+    """Builds the run's config from a file, the environment and overrides (in that order).
+
+    Below them all, `DD_AGENT_HOST` and `DD_DOGSTATSD_PORT` in `environ` default the DogStatsD
+    address (`metrics.dogstatsd_host`, `metrics.dogstatsd_port`)."""
+    merged: dict[str, Any] = _datadog_defaults(environ) if environ is not None else {}
     if file is not None:
-        merged = _read_file(Path(file))
+        merged = _deep_merge(merged, _read_file(Path(file)))
     if environ is not None:
         merged = _deep_merge(merged, _from_env(environ))
     if overrides:

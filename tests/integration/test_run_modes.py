@@ -81,7 +81,8 @@ def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cl
     out = tmp_path / "out"
     args = ["backfill", "--input", corpus.uri, "--output", str(out), "--service", serve_address,
             "--run-id", "resume-1", "--set", f"service.application={app}", "--set", "input.unit_rows=50",
-            "--set", "actors.max_actors=1", "--set", "actors.units_per_actor=2"]  # fmt: skip
+            "--set", "actors.max_actors=1", "--set", "actors.units_per_actor=2",
+            "--set", "output.lease_s=15"]  # fmt: skip
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
     driver = subprocess.Popen([PYTHON, "-m", "raypipe", *args], env=env, cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -96,6 +97,7 @@ def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cl
     assert committed_at_kill < units_total, "the run finished before it could be killed"
     time.sleep(2)  # let Ray reap the dead driver's actors
 
+    # The killed attempt's lease is live for up to 15 s: the resumed run waits it out.
     report = raypipe.backfill(corpus.uri, str(out), service=serve_address, run_id="resume-1",
                               settings={"service": {"application": app}, "input": {"unit_rows": 50}})  # fmt: skip
     assert report.status == "completed"
