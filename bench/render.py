@@ -147,6 +147,16 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{_f(daily['wall_ratio'])}× (target ≤ 3×): **{'met' if daily.get('met') else 'NOT met'}**.",
             ]
         out.append("")
+    driver = results.get("driver")
+    if driver:
+        out += [
+            "### Driver memory",
+            "",
+            f"{driver['units']:,} units: the plan peaks at {driver['plan_peak_mb']} MB of Python heap "
+            f"({driver['plan_json_mb']} MB as JSON); listing the commit markers and folding every unit's "
+            f"summary into the report peaks at {driver['fold_peak_mb']} MB ({driver['fold_s']} s, local disk).",
+            "",
+        ]
     precision = results.get("precision")
     if precision:
         out += ["### Faster precision", ""]

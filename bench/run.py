@@ -318,8 +318,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma-separated, of {', '.join(SHAPES)} (default: all; --quick: minilm-l6)")
     p.add_argument(
         "--sections",
-        default="lines,memory,precision",
-        help="comma-separated of lines, memory, precision, daily (default: lines,memory,precision)",
+        default="lines,memory,precision,driver",
+        help="comma-separated of lines, memory, precision, driver, daily (default: lines,memory,precision,driver)",
     )
     p.add_argument("--line-seconds", type=float, default=60.0, help="target duration of lines (b)-(d)")
     p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
@@ -394,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
             print("bench: precision", flush=True)
             first = names[-1]
             results["precision"] = bench.precision(SHAPES[first], corpus, model_dirs[first], demo)
+            save()
+        if "driver" in sections:
+            from bench.driver import run_driver_memory
+
+            print("bench: driver memory for 50k units", flush=True)
+            results["driver"] = run_driver_memory(50_000)
             save()
         if "daily" in sections:
             from bench.daily import run_daily

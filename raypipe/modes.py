@@ -413,8 +413,10 @@ def daily(config: PipelineConfig, *, until: datetime | None = None) -> RunReport
 
 def replay_run_id(store: OutputStore, of_run: str) -> str:
     """The replay to run for `of_run`: the latest unfinished one (to resume it), else a new one."""
+    runs = store.path(STATE_DIR, "runs")
     try:
-        names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.path(STATE_DIR, "runs"), detail=False)]
+        store.fs.invalidate_cache(runs)
+        names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)]
     except FileNotFoundError:
         names = []
     prefix = f"{of_run}.replay-"
@@ -467,6 +469,7 @@ def gc(output: str, *, older_than_days: float = 7.0, now: datetime | None = None
     limit = (now or datetime.now(UTC)).timestamp() - older_than_days * 86400
     removed = {"runs": 0, "files": 0}
     try:
+        store.fs.invalidate_cache(store.path(STATE_DIR, "runs"))
         run_dirs = store.fs.ls(store.path(STATE_DIR, "runs"), detail=False)
     except FileNotFoundError:
         return removed

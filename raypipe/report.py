@@ -9,6 +9,7 @@ error of the exact one), so summaries from many actors and attempts merge into o
 
 from __future__ import annotations
 
+import html
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
@@ -290,3 +291,17 @@ class RunReport:
         for bad in self.bad_shards:
             lines.append(f"  BAD SHARD     {bad['shard']}: {bad['error']}")
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The same summary as `render`, as an HTML table (Jupyter shows it for a bare `report`)."""
+        title, *rows = self.render().split("\n")
+        colour = {"completed": "#1a7f37", "incomplete": "#9a6700"}.get(self.status, "#cf222e")
+        cells = "".join(
+            f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(line[2:16].strip())}</th>"
+            f"<td style='text-align:left'>{html.escape(line[16:])}</td></tr>"
+            for line in rows
+        )
+        return (
+            f"<div><p style='font-weight:bold;color:{colour}'>{html.escape(title)}</p>"
+            f"<table>{cells}</table></div>"
+        )
