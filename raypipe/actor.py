@@ -81,6 +81,14 @@ class _StalePermit(Exception):
     """The breaker opened after this call's permit was issued: the attempt must not go out."""
 
 
+class _RowsSuspect(Exception):
+    """A call failed while a canary under its permit passed: its rows, not the service, are at fault."""
+
+    def __init__(self, error: ModelServiceError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 SUMMARY_SCHEMA = pa.schema(
     [pa.field("unit", pa.string()), pa.field("error", pa.string()), pa.field("summary", pa.string())]
 )
@@ -222,9 +230,13 @@ class InferenceActor:
         order = sendable[np.argsort([len(texts[i]) for i in sendable], kind="stable")]
         size = self._settings.client.micro_batch_size
         batches = [order[i : i + size] for i in range(0, len(order), size)]
-        outcomes: list[_Outcome] = []
-        for group in await asyncio.gather(*(self._classify(b, ids, texts, stats) for b in batches)):
-            outcomes.extend(group)
+        # A TaskGroup: when one batch raises (the service stayed down), the others are cancelled.
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._classify(b, ids, texts, stats)) for b in batches]
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        outcomes = [o for t in tasks for o in t.result()]
         return self._tables(rows, outcomes, empty, stats)
 
     async def _classify(
@@ -243,28 +255,44 @@ class InferenceActor:
             try:
                 result = await self._call(batch_ids, batch_texts, stats)
                 return [_Outcome(batch, result=result)]
+            except _RowsSuspect as suspect:
+                error: ModelServiceError = suspect.error  # the canary passed: these rows are at fault
+                attempts += error.attempts
             except ModelServiceError as e:
                 attempts += e.attempts
                 failed_calls += 1
-                if e.service_fault and failed_calls < max_calls:
-                    continue  # the service is down or slow: send the rows again (the breaker paces it)
+                if not e.service_fault or failed_calls < max_calls:
+                    continue  # the service is down, slow, or fails every call alike: send the rows again
+                # Service codes on this batch, call after call: does the service answer others?
                 if not await self._service_answers(stats):
-                    continue  # every call fails alike: it is the service, not these rows
-                if len(batch) > 1:
-                    mid = len(batch) // 2
-                    left, right = await asyncio.gather(
-                        self._classify(batch[:mid], ids, texts, stats),
-                        self._classify(batch[mid:], ids, texts, stats),
-                    )
-                    return left + right
-                return [_Outcome(batch, error=e, attempts=attempts)]
+                    continue
+                error = e
+            if len(batch) > 1:
+                mid = len(batch) // 2
+                left, right = await asyncio.gather(
+                    self._classify(batch[:mid], ids, texts, stats),
+                    self._classify(batch[mid:], ids, texts, stats),
+                )
+                return left + right
+            return [_Outcome(batch, error=error, attempts=attempts)]
 
     async def _service_answers(self, stats: UnitStats) -> bool:
-        """Sends the canary paragraph: does the service answer a call that cannot be at fault?"""
+        """A canary call of its own: does the service answer a call that cannot be at fault?"""
+        try:
+            await self._call([_CANARY_ID], [_CANARY_TEXT], stats, canary=True)
+        except (ModelServiceError, _RowsSuspect):
+            return False
+        return True
+
+    async def _canary(self, stats: UnitStats, permit: Permit) -> bool:
+        """The canary under a failed call's own permit (so a half-open probe can be attributed too)."""
         stats.canaries += 1
         try:
-            await self._call([_CANARY_ID], [_CANARY_TEXT], stats)
-        except ModelServiceError:
+            await call_with_retries(
+                functools.partial(self._attempt, [_CANARY_ID], [_CANARY_TEXT], stats, permit, []),
+                self._retry_policy(),
+            )
+        except (ModelServiceError, _StalePermit):
             return False
         return True
 
@@ -274,13 +302,14 @@ class InferenceActor:
             max_attempts=r.max_attempts, initial_backoff_s=r.initial_backoff_s, max_backoff_s=r.max_backoff_s
         )
 
-    async def _call(self, ids: list[str], texts: list[str], stats: UnitStats) -> BatchResult:
+    async def _call(self, ids: list[str], texts: list[str], stats: UnitStats, *, canary: bool = False) -> BatchResult:
         """One call: an in-flight slot, a breaker permit, then attempts until it succeeds or fails for good.
 
         The limiter's slot is held for the whole call, retries and backoff included, so an
         outage costs at most `limit` calls' attempts before the breaker opens. The breaker
-        records the call's final outcome once. Any failure counts against the service here;
-        whether the rows were at fault is decided by the caller's canary.
+        records the call's outcome once. A failure on a code that may be the rows' fault is
+        attributed first, by a canary under the same permit: if the canary passes, the service
+        is fine (a success for the breaker) and `_RowsSuspect` tells the caller to isolate rows.
         """
         _, breaker, limiter = self._components()
         last: list[_Sample] = []
@@ -303,6 +332,11 @@ class InferenceActor:
                     return result
                 except _StalePermit:
                     continue  # the breaker opened while this call waited: wait on it again
+                except ModelServiceError as e:
+                    if not e.service_fault and not canary and await self._canary(stats, permit):
+                        success = True
+                        raise _RowsSuspect(e) from e
+                    raise
                 finally:
                     breaker.record(permit, success=success)
         finally:

@@ -160,7 +160,7 @@ class _SlotLimiter(Limiter):
                 # The slot was handed to us just as we were cancelled: pass it on.
                 self._in_flight -= 1
                 self._wake()
-            else:
+            elif waiter in self._waiters:
                 self._waiters.remove(waiter)
             raise
 

@@ -190,6 +190,7 @@ def test_a_broken_service_stops_the_unit_without_dead_letters(tmp_path, error):
     assert committed_units(store, "r1") == {}
     breaker = actor._breaker.stats()
     assert breaker.openings >= 1
-    # What reached the service: the attempts in flight when it failed (the initial limit, 4),
-    # the calls (and canaries) that opened the breaker, then only probes: 4 attempts each.
-    assert client.calls <= 4 * (4 + 3 + 3 + breaker.probes)
+    # What reached the service: the calls in flight when it failed (the initial limit, 4), the
+    # calls that opened the breaker (threshold 3), then only probes; each call makes 4 attempts,
+    # and on a code that may be the rows' fault a canary of 4 attempts more.
+    assert client.calls <= 8 * (4 + 3 + breaker.probes)
