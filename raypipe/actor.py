@@ -52,6 +52,7 @@ from raypipe.config import ClientConfig, ServiceConfig
 from raypipe.errors import ModelServiceError, SinkError
 from raypipe.lease import Fence
 from raypipe.limiter import AdaptiveLimiter, FixedLimiter, Limiter
+from raypipe.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
 from raypipe.report import UnitStats
 from raypipe.retry import RetryPolicy, call_with_retries
 from raypipe.sinks import (
@@ -112,6 +113,8 @@ class ActorSettings:
     """The attempt's lease fence: every commit checks it first."""
     replaces: dict[str, str] | None = None
     """Replays: unit key -> the dead-letter file (stem) whose rows the unit re-infers."""
+    metrics: MetricsSpec | None = None
+    """Where the actor's metrics go (calls by status, latency, breaker, in-flight limit)."""
 
     @property
     def marker_run_id(self) -> str:
@@ -146,11 +149,15 @@ class InferenceActor:
         self._breaker: CircuitBreaker | None = None
         self._limiter: Limiter | None = None
         self._seq = 0
+        self._metrics: Metrics = NullMetrics()
+        self._gauges: ActorGauges | None = None
 
     def _components(self) -> tuple[ModelClient, CircuitBreaker, Limiter]:
         if self._client is None:
             c = self._settings.client
             s = self._settings.service
+            spec = self._settings.metrics
+            self._metrics = spec.build() if spec is not None and spec.enabled else NullMetrics()
             self._client = (
                 self._client_factory()
                 if self._client_factory
@@ -160,6 +167,7 @@ class InferenceActor:
                     timeout_s=s.timeout_s,
                     max_timeout_s=s.max_timeout_s,
                     deadline_safety=s.deadline_safety,
+                    interceptors=[MetricsInterceptor(self._metrics)] if spec is not None and spec.enabled else (),
                 )
             )
             b = c.breaker
@@ -182,6 +190,11 @@ class InferenceActor:
                     outside_slack_s=lim.outside_slack_s,
                 )
             )
+            if spec is not None and spec.enabled:
+                self._gauges = ActorGauges(
+                    self._metrics, self._breaker, self._limiter, actor=self._actor_id, interval_s=spec.gauge_interval_s
+                )
+                self._gauges.start()
         assert self._breaker is not None and self._limiter is not None
         return self._client, self._breaker, self._limiter
 
@@ -396,6 +409,9 @@ class InferenceActor:
         self._seq += 1
         b = breaker.stats()
         lim = limiter.stats()
+        if self._gauges is not None:
+            self._gauges.sample()
+        self._metrics.flush()  # a unit's calls are all counted by now; the actor may go away after it
         return {
             "seq": self._seq,
             "breaker": {"openings": b.openings, "time_open_s": b.time_open_s, "probes": b.probes},

@@ -217,7 +217,7 @@ class DogStatsdMetrics:
         family, _, _, _, address = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
         self._socket = _QuietUdpSocket(family, address, self._send_failed)
         self._statsd = DogStatsd(
-            host=address[0],
+            host=str(address[0]),
             port=port,
             namespace=namespace or None,
             constant_tags=_tag_list(tags) or [],
@@ -402,7 +402,9 @@ class MetricsSpec:
         tags = dict(self.tags)
         sinks: list[Metrics] = []
         if self.dogstatsd_host:
-            sinks.append(DogStatsdMetrics(self.dogstatsd_host, self.dogstatsd_port, namespace=self.namespace, tags=tags))
+            sinks.append(
+                DogStatsdMetrics(self.dogstatsd_host, self.dogstatsd_port, namespace=self.namespace, tags=tags)
+            )
         if self.ray_metrics:
             sinks.append(RayMetrics(namespace=self.namespace, tags=tags))
         if not sinks:
@@ -415,7 +417,7 @@ def _method(name: str | bytes) -> str:
     return text.rsplit("/", 1)[-1]
 
 
-class MetricsInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class MetricsInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
     """Counts every unary call attempt on a grpc.aio channel: status code, latency, paragraphs.
 
     A call the caller cancels (its task was cancelled) is not counted, as the run report does
@@ -473,7 +475,11 @@ class ActorGauges:
     def start(self) -> None:
         """Samples in the running loop until the actor goes away (call from inside the loop)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop (a synchronous caller): samples are taken on demand only
+            self._task = loop.create_task(self._run())
 
     async def _run(self) -> None:
         while True:

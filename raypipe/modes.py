@@ -38,7 +38,9 @@ from raypipe.client import check_service
 from raypipe.config import ClientConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError, RaypipeError
 from raypipe.lease import Lease
-from raypipe.pipeline import Progress, run_units
+from raypipe.metrics import RunMetrics
+from raypipe.pipeline import run_units
+from raypipe.progress import Progress
 from raypipe.report import RunReport
 from raypipe.sinks import committed_keys, iter_committed, started_units
 from raypipe.sources import (
@@ -182,6 +184,7 @@ def _run(
     if config.output.require_conditional_writes:
         lease.check_conditional_writes()
     lease.acquire(force=config.output.take_over_lease)
+    run_metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
     write_report = True
     try:
         plan_path = store.run_state(run_id, "plan.json")
@@ -240,13 +243,19 @@ def _run(
             labels=tuple(labels),
             fence=lease.fence,
             replaces=replaces(plan),
+            metrics=run_metrics.spec,
         )
         bad = list(plan.bad_shards)
         ours: set[str] = set()
         rows_this_attempt = 0
         while todo:
             _ensure_ray()
-            progress = Progress(len(todo), sum(u.expected_rows or 0 for u in todo) or None, config.progress_interval_s)
+            progress = Progress(
+                len(todo),
+                sum(u.expected_rows or 0 for u in todo) or None,
+                config.progress_interval_s,
+                metrics=run_metrics.metrics,
+            )
             units_by_key = {u.key: u for u in todo}
             try:
                 for outcome in run_units(
@@ -303,6 +312,7 @@ def _run(
         report.finished_at = datetime.now(UTC).isoformat()
         report.wall_s = round(time.monotonic() - t0, 3)
         report.throughput_rows_per_s = round(report.rows_this_attempt / report.wall_s, 2) if report.wall_s else 0.0
+        run_metrics.finish(report)
         try:
             if write_report and not lease.lost:
                 store.write_json(store.report_file(run_id), report.to_dict())

@@ -14,8 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -105,6 +104,9 @@ def run_units(
     import ray
 
     ctx = DataContext.get_current()
+    # raypipe.progress shows rows, rate, ETA and dead letters; Ray Data's operator bars and
+    # progress log lines describe its internals, which a user cannot act on.
+    ctx.enable_progress_bars = False
     # Unit blocks must reach the actors whole: never split them into smaller blocks.
     ctx.target_max_block_size = max(ctx.target_max_block_size or 0, 512 * 1024 * 1024)
     ds = ray.data.read_datasource(
@@ -133,43 +135,3 @@ def run_units(
         for row in batch.to_pylist():
             stats = None if row["summary"] is None else UnitStats.from_dict(json.loads(row["summary"]))
             yield UnitResult(row["unit"], row["error"], stats)
-
-
-class Progress:
-    """Logs units, rows and rate every `interval_s` seconds, and an ETA."""
-
-    def __init__(
-        self, total_units: int, total_rows: int | None, interval_s: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.total_units = total_units
-        self.total_rows = total_rows
-        self.interval_s = interval_s
-        self._clock = clock
-        self._start = clock()
-        self._last = self._start
-        self.units = 0
-        self.rows = 0
-        self.dead = 0
-
-    def update(self, stats: UnitStats | None) -> None:
-        self.units += 1
-        if stats is not None:
-            self.rows += stats.rows
-            self.dead += stats.dead_letters
-        now = self._clock()
-        if now - self._last >= self.interval_s or self.units == self.total_units:
-            self._last = now
-            elapsed = max(now - self._start, 1e-9)
-            rate = self.rows / elapsed
-            eta = ""
-            if self.total_rows and rate > 0:
-                eta = f", ETA {max(0.0, (self.total_rows - self.rows) / rate):,.0f} s"
-            logger.info(
-                "progress: %d/%d units, %s rows (%.1f rows/s), %d dead letters%s",
-                self.units,
-                self.total_units,
-                f"{self.rows:,}",
-                rate,
-                self.dead,
-                eta,
-            )

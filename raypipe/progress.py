@@ -72,7 +72,9 @@ class Progress:
             self.dead += stats.dead_letters
             emit_unit(self._metrics, stats)
         if self._bar is not None:
-            self._bar.set_postfix_str(f"dead letters {self.dead:,}, units {self.units}/{self.total_units}", refresh=False)
+            self._bar.set_postfix_str(
+                f"dead letters {self.dead:,}, units {self.units}/{self.total_units}", refresh=False
+            )
             self._bar.update(stats.rows if stats is not None else 0)
             if self.units >= self.total_units:
                 self.close()

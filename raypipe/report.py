@@ -301,7 +301,4 @@ class RunReport:
             f"<td style='text-align:left'>{html.escape(line[16:])}</td></tr>"
             for line in rows
         )
-        return (
-            f"<div><p style='font-weight:bold;color:{colour}'>{html.escape(title)}</p>"
-            f"<table>{cells}</table></div>"
-        )
+        return f"<div><p style='font-weight:bold;color:{colour}'>{html.escape(title)}</p><table>{cells}</table></div>"

@@ -71,7 +71,7 @@ class UdpAgent:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.1)
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 

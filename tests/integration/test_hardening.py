@@ -228,11 +228,11 @@ def test_a_permission_error_says_so(s3):
 
 LATEST_OUTCOME_SQL = """
 SELECT id, outcome FROM (
-  SELECT id, outcome, row_number() OVER (PARTITION BY id ORDER BY at DESC) AS rn FROM (
-    SELECT id, 'result' AS outcome, inferred_at AS at
+  SELECT id, outcome, row_number() OVER (PARTITION BY id ORDER BY event_at DESC) AS rn FROM (
+    SELECT id, 'result' AS outcome, inferred_at AS event_at
       FROM read_parquet('{out}/results/*/*.parquet', hive_partitioning = true)
     UNION ALL
-    SELECT id, 'dead_letter' AS outcome, failed_at AS at
+    SELECT id, 'dead_letter' AS outcome, failed_at AS event_at
       FROM read_parquet('{out}/dead_letters/*/*.parquet', hive_partitioning = true)
   )
 ) WHERE rn = 1

@@ -22,7 +22,6 @@ from raypipe.metrics import (
     BREAKER_OPENINGS,
     CLIENT_CALLS,
     CLIENT_LATENCY_MS,
-    CLIENT_PARAGRAPHS,
     CLIENT_RETRIES,
     INFLIGHT_LIMIT,
     RUN_FINISHED,
@@ -94,7 +93,11 @@ def test_dogstatsd_sends_names_values_and_constant_tags(agent):
     assert agent.total("raypipe.client.calls", status="OK", run_id="r1", mode="backfill") == 1
     assert agent.total("raypipe.client.calls", status="UNAVAILABLE") == 2
     kinds = {s.name: s.kind for s in agent.samples}
-    assert kinds == {"raypipe.client.calls": "c", "raypipe.client.inflight.limit": "g", "raypipe.client.latency_ms": "d"}
+    assert kinds == {
+        "raypipe.client.calls": "c",
+        "raypipe.client.inflight.limit": "g",
+        "raypipe.client.latency_ms": "d",
+    }
     (event,) = agent.events
     assert event.title == "raypipe backfill r1 started" and event.text == "two\nlines"
     assert event.tags["run_id"] == "r1"
@@ -277,7 +280,7 @@ def test_progress_bar_in_a_terminal():
     p.update(_unit(0, ok=20))
     p.update(_unit(1, ok=19, dead=1))
     text = out.getvalue()
-    assert "40/40" in text and "dead letters 1" in text and "units 2/2" in text
+    assert "40.0/40.0" in text and "dead letters 1" in text and "units 2/2" in text
     assert Progress(1, 1, 10.0, stream=io.StringIO())._bar is None, "not a terminal: log lines"
 
 
