@@ -29,7 +29,11 @@ __all__ = [
     "SinkError",
     "backfill",
     "build_config",
+    "check_model_dir",
     "daily",
+    "export_hf_checkpoint",
+    "export_saved_model",
+    "gc",
     "load_config",
     "replay",
 ]
@@ -38,6 +42,10 @@ _HOMES = {
     "backfill": "raypipe.api",
     "daily": "raypipe.api",
     "replay": "raypipe.api",
+    "gc": "raypipe.modes",
+    "export_hf_checkpoint": "serve_app.export",
+    "export_saved_model": "serve_app.export",
+    "check_model_dir": "serve_app.export",
     "build_config": "raypipe.api",
     "PipelineConfig": "raypipe.config",
     "load_config": "raypipe.config",
@@ -63,7 +71,9 @@ if TYPE_CHECKING:
         RaypipeError,
         SinkError,
     )
+    from raypipe.modes import gc
     from raypipe.report import RunReport
+    from serve_app.export import check_model_dir, export_hf_checkpoint, export_saved_model
 
 
 def __getattr__(name: str) -> Any:

@@ -275,7 +275,8 @@ class InferenceActor:
                 attempts += e.attempts
                 failed_calls += 1
                 if not e.service_fault or failed_calls < max_calls:
-                    continue  # the service is down, slow, or fails every call alike: send the rows again
+                    stats.retries += 1  # the service is down, slow, or fails every call alike: send again
+                    continue
                 # Service codes on this batch, call after call: does the service answer others?
                 if not await self._service_answers(stats):
                     continue

@@ -90,8 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port (default 8000)")
     serve.add_argument("--app-name", default="raypipe")
-    serve.add_argument("--num-replicas", type=int, default=1)
-    serve.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
+    serve.add_argument(
+        "--num-replicas", type=int, default=None, help="default: one single-threaded replica per core the cluster has"
+    )
+    serve.add_argument(
+        "--num-cpus", type=float, default=None, help="CPUs per replica (default: the cluster's CPUs less 0.5, shared)"
+    )
     serve.add_argument("--max-ongoing-requests", type=int, default=64, help="calls one replica holds at once")
     serve.add_argument(
         "--max-queued-requests", type=int, default=256, help="calls queued at the proxy before RESOURCE_EXHAUSTED"
@@ -216,7 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
     import yaml
     from ray import serve
 
-    from serve_app.deploy import DeploymentOptions, deploy
+    from serve_app.deploy import DeploymentOptions, deploy, fit_replicas
     from serve_app.settings import ServerSettings
 
     settings = ServerSettings()
@@ -229,6 +233,13 @@ def _serve(args: argparse.Namespace) -> int:
         ray.init(address="auto", logging_level=logging.WARNING)
     else:
         ray.init(logging_level=logging.WARNING)
+    replicas, cpus = args.num_replicas, args.num_cpus
+    if replicas is None or cpus is None:
+        auto_replicas, auto_cpus = fit_replicas(ray.cluster_resources().get("CPU", 1.0))
+        if replicas is None and cpus is None:
+            replicas, cpus = auto_replicas, auto_cpus
+        replicas = replicas if replicas is not None else 1
+        cpus = cpus if cpus is not None else 1.0
     address = deploy(
         args.model,
         app_name=args.app_name,
@@ -236,8 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         settings=settings,
         options=DeploymentOptions(
-            num_replicas=args.num_replicas,
-            num_cpus=args.num_cpus,
+            num_replicas=replicas,
+            num_cpus=cpus,
             max_ongoing_requests=args.max_ongoing_requests,
             max_queued_requests=args.max_queued_requests,
         ),

@@ -21,12 +21,12 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
     import ray
-    from ray import serve
+    from ray.data import DataContext
 
     from raypipe import api
     from raypipe.samples import write_sample_corpus
     from serve_app.demo_model import build_demo_model, default_demo_model_dir
-    from serve_app.deploy import deploy
+    from serve_app.deploy import DeploymentOptions, deploy, fit_replicas
 
     t0 = time.monotonic()
     work = Path(workdir).resolve()
@@ -36,12 +36,21 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     print(f"demo: model {model}; {rows:,} paragraphs in 5 shards under {work / 'input'}", flush=True)
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    # Serve's and Ray Data's INFO lines and Ray Data's operator progress bars narrate their
+    # internals (controller namespaces, execution plans); raypipe's own progress shows rows,
+    # rate, ETA and dead letters. Ray Data warns once that its bars are off: not news here.
+    for name in ("ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    DataContext.get_current().enable_progress_bars = False
     try:
-        address = deploy(model, grpc_port=grpc_port)
+        replicas, cpus = fit_replicas(2)  # the defaults `raypipe serve` picks on a 2-CPU cluster
+        address = deploy(model, grpc_port=grpc_port, options=DeploymentOptions(num_replicas=replicas, num_cpus=cpus))
         print(f"demo: Serve gRPC app up at {address}", flush=True)
         report = api.backfill(str(work / "input"), str(work / "output"), service=address, run_id="demo")
     finally:
-        serve.shutdown()
+        # The cluster is the demo's own: shutting it down stops Serve too. (serve.shutdown()
+        # first would leave the raylet reporting its controller's cancelled graceful shutdown.)
         ray.shutdown()
 
     print()

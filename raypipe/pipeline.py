@@ -104,9 +104,6 @@ def run_units(
     import ray
 
     ctx = DataContext.get_current()
-    # raypipe.progress shows rows, rate, ETA and dead letters; Ray Data's operator bars and
-    # progress log lines describe its internals, which a user cannot act on.
-    ctx.enable_progress_bars = False
     # Unit blocks must reach the actors whole: never split them into smaller blocks.
     ctx.target_max_block_size = max(ctx.target_max_block_size or 0, 512 * 1024 * 1024)
     ds = ray.data.read_datasource(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -36,6 +37,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from raypipe.v1 import emotion_pb2
+from serve_app.metrics import ServerMetrics
 from serve_app.model import Tokenized
 from serve_app.settings import ServerSettings
 
@@ -67,6 +69,16 @@ def validate_request(request: emotion_pb2.ClassifyRequest, *, max_batch_size: in
             return f"id {p.id!r} appears more than once in the batch"
         seen.add(p.id)
     return None
+
+
+def _app_name() -> str:
+    """The Serve application this replica belongs to (a metrics tag)."""
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return str(serve.get_replica_context().app_name)
+    except RayServeException:  # constructed outside Serve: no application
+        return ""
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,9 @@ class EmotionClassifier:
         self._model_counts: Counter[str] = Counter()
         if self._fault.enabled:
             logger.warning("fault injection is ON for this replica: %s", self._fault)
+        self._metrics = ServerMetrics.build(
+            self._settings.metrics, environ=os.environ, app=_app_name(), model_version=self._version
+        )
 
     def _intra_op_threads(self) -> int:
         if self._settings.intra_op_threads is not None:
@@ -173,6 +188,7 @@ class EmotionClassifier:
         metadata = [(TIMING_KEYS[k], f"{v * 1000:.1f}") for k, v in timing.items()]
         metadata.append((TIMING_KEYS["batches_ahead"], str(done.batch_index - job.batches_at_arrival - 1)))
         grpc_context.set_trailing_metadata(metadata)
+        self._metrics.timing(queue_s=timing["queue_s"], replica_s=timing["replica_s"])
         return emotion_pb2.ClassifyResponse(
             predictions=[
                 emotion_pb2.Prediction(id=p.id, probabilities=row.tolist(), truncated=bool(cut))
@@ -194,6 +210,7 @@ class EmotionClassifier:
         self._model_counts["batches"] += 1
         self._model_counts["tokens"] += merged.tokens
         self._model_counts["busy_ms"] += round(compute_s * 1000)
+        self._metrics.batch(calls=len(jobs), rows=len(merged), tokens=merged.tokens, compute_s=compute_s)
         out, start = [], 0
         for job in jobs:
             stop = start + len(job.tokenized)
@@ -221,6 +238,7 @@ class EmotionClassifier:
     def _count(self, status: str, paragraphs: int) -> None:
         self._calls[status] += 1
         self._paragraphs[status] += paragraphs
+        self._metrics.request(status, paragraphs)
 
     def _fail(
         self, context: RayServegRPCContext, code: grpc.StatusCode, details: str, paragraphs: int

@@ -9,6 +9,7 @@ metadata.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -18,7 +19,7 @@ from ray.serve.config import gRPCOptions
 
 from serve_app.settings import ServerSettings
 
-__all__ = ["SERVICER_FUNCTION", "DeploymentOptions", "build_app", "deploy", "start_grpc_proxy"]
+__all__ = ["SERVICER_FUNCTION", "DeploymentOptions", "build_app", "deploy", "fit_replicas", "start_grpc_proxy"]
 
 SERVICER_FUNCTION = "raypipe.v1.emotion_pb2_grpc.add_EmotionClassifierServicer_to_server"
 
@@ -36,6 +37,24 @@ class DeploymentOptions:
     """Calls queued at the proxy before it answers RESOURCE_EXHAUSTED (-1: unbounded). A
     safety net: clients' limiters keep far fewer in flight; a bounded queue turns a client
     that ignores them into fast overload answers instead of deadlines expiring in a queue."""
+
+
+#: CPUs left to everything but the model on a node: Serve's proxy and controller, raypipe's
+#: actors and Ray Data's read tasks.
+RESERVED_CPUS = 0.5
+
+
+def fit_replicas(cluster_cpus: float, *, reserved_cpus: float = RESERVED_CPUS) -> tuple[int, float]:
+    """(replicas, CPUs each) that fill a cluster with single-threaded models, one per core.
+
+    Measured on a 2-core node (MiniLM-L6 shape, 3,000 paragraphs, default client): two
+    replicas of 0.75 CPU (one TensorFlow thread each) ran 93.9 rows/s where one replica of
+    1.5 CPUs (two threads) ran 82.8 and 84.5: a forward pass split over two threads waits for
+    the slower one whenever the proxy or the actors take a core, two independent ones do not.
+    """
+    usable = max(cluster_cpus - reserved_cpus, 0.25)
+    replicas = max(1, round(usable))
+    return replicas, math.floor(usable / replicas * 100) / 100
 
 
 def build_app(

@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 
+from serve_app.metrics import ServerMetricsSettings
+
 __all__ = ["FaultInjection", "ServerSettings"]
 
 
@@ -71,6 +73,8 @@ class ServerSettings:
     """`fp32`, `bf16` (oneDNN auto mixed precision; needs AVX512_BF16 or AMX) or `auto`
     (bf16 where the CPU has it). Check agreement on your model first (`bench/`)."""
     fault: FaultInjection = field(default_factory=FaultInjection)
+    metrics: ServerMetricsSettings = field(default_factory=ServerMetricsSettings)
+    """Where the replica's metrics go (DogStatsD when a host is set or `DD_AGENT_HOST` is, Ray metrics)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -101,7 +105,13 @@ class ServerSettings:
             if set(fault) - fault_known:
                 raise ValueError(f"unknown fault settings: {', '.join(sorted(set(fault) - fault_known))}")
             fault = FaultInjection(**fault)
-        return cls(fault=fault, **data)
+        metrics = data.pop("metrics", None) or {}
+        if isinstance(metrics, dict):
+            metrics_known = {f.name for f in fields(ServerMetricsSettings)}
+            if set(metrics) - metrics_known:
+                raise ValueError(f"unknown metrics settings: {', '.join(sorted(set(metrics) - metrics_known))}")
+            metrics = ServerMetricsSettings(**metrics)
+        return cls(fault=fault, metrics=metrics, **data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
