@@ -45,7 +45,8 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     DataContext.get_current().enable_progress_bars = False
     try:
         replicas, cpus = fit_replicas(2)  # the defaults `raypipe serve` picks on a 2-CPU cluster
-        address = deploy(model, grpc_port=grpc_port, options=DeploymentOptions(num_replicas=replicas, num_cpus=cpus))
+        options = DeploymentOptions(num_replicas=replicas, num_cpus=cpus)
+        address = deploy(model, grpc_port=grpc_port, options=options)
         print(f"demo: Serve gRPC app up at {address}", flush=True)
         report = api.backfill(str(work / "input"), str(work / "output"), service=address, run_id="demo")
     finally:

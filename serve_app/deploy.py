@@ -45,16 +45,18 @@ RESERVED_CPUS = 0.5
 
 
 def fit_replicas(cluster_cpus: float, *, reserved_cpus: float = RESERVED_CPUS) -> tuple[int, float]:
-    """(replicas, CPUs each) that fill a cluster with single-threaded models, one per core.
+    """(replicas, CPUs each) for `raypipe serve` on a cluster of `cluster_cpus`: one replica that
+    takes every CPU but `reserved_cpus` (TensorFlow's intra-op threads follow, rounded up).
 
-    Measured on a 2-core node (MiniLM-L6 shape, 3,000 paragraphs, default client): two
-    replicas of 0.75 CPU (one TensorFlow thread each) ran 93.9 rows/s where one replica of
-    1.5 CPUs (two threads) ran 82.8 and 84.5: a forward pass split over two threads waits for
-    the slower one whenever the proxy or the actors take a core, two independent ones do not.
+    Measured on a 2-core node against one replica of 1.0 CPU (the old default: one TF thread,
+    half the machine idle) and two of 0.75 CPU (one thread each):
+    - MiniLM-L6 shape, 3,000 paragraphs: 1 x 1.5 ran 82.8 and 84.5 rows/s, 2 x 0.75 ran 93.9;
+    - bert-base shape, 600 paragraphs: 1 x 1.5 ran 12.2 rows/s, 2 x 0.75 ran 10.9.
+    Two replicas also hold two copies of the model, so one is the default; set
+    `--num-replicas/--num-cpus` for the shape you serve.
     """
     usable = max(cluster_cpus - reserved_cpus, 0.25)
-    replicas = max(1, round(usable))
-    return replicas, math.floor(usable / replicas * 100) / 100
+    return 1, math.floor(usable * 100) / 100
 
 
 def build_app(
