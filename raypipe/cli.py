@@ -90,9 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port (default 8000)")
     serve.add_argument("--app-name", default="raypipe")
-    serve.add_argument(
-        "--num-replicas", type=int, default=None, help="default: 1 replica"
-    )
+    serve.add_argument("--num-replicas", type=int, default=None, help="default: 1 replica")
     serve.add_argument(
         "--num-cpus", type=float, default=None, help="CPUs per replica (default: the cluster's CPUs less 0.5, shared)"
     )
