@@ -232,8 +232,8 @@ class RunReport:
         self.units_committed = count
         self.dead_letter_kinds = dict(kinds)
         self.status_counts = dict(statuses)
-        self.latency_ms = {
-            name: None if (p := latency.quantile(q)) is None else round(p * 1000, 3)
+        self.latency_ms = {  # a quantile within the sketch's error may pass the exact max: cap it
+            name: None if (p := latency.quantile(q)) is None else round(min(p, latency.max or p) * 1000, 3)
             for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
         }
         self.latency_ms["max"] = None if latency.max is None else round(latency.max * 1000, 3)
