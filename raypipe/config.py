@@ -155,7 +155,9 @@ class InputConfig(_Frozen):
     updated_at_column: str = "updated_at"
     """Used by daily runs to pick new and changed rows; passed through to the results."""
     unit_rows: int = Field(2000, ge=1)
-    """Rows per work unit, the grain of commits and of resume (Parquet row groups are kept whole)."""
+    """Rows per work unit, the grain of commits and of resume. Parquet row groups are kept whole:
+    a unit is one or more of them, and only a group of over 2 x unit_rows rows and over 64 MiB
+    is cut by rows (each piece re-reads the group)."""
     updated_at_partition: str | None = None
     """Hive partition key whose value is the date (YYYY-MM-DD) of its rows' updated_at, e.g.
     `updated_date` for `.../updated_date=2026-11-20/part-0.parquet`: a daily skips partitions

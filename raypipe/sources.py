@@ -260,6 +260,10 @@ def plan_units(
     return units, bad
 
 
+#: Uncompressed size above which a row group of more than 2 x unit_rows rows is cut into units.
+CUT_GROUP_BYTES = 64 * 2**20
+
+
 def _updated_at_stats(rg: Any, index: int | None) -> tuple[datetime | None, datetime | None, int]:
     """(min, max, null count) of a row group's updated_at, where the footer has them as timestamps."""
     if index is None:
@@ -316,7 +320,9 @@ def _plan_parquet(
             continue
         if not pending:
             start = offset
-        if n > 2 * unit_rows:  # a huge row group: cut it by rows (each unit re-reads the group)
+        if n > 2 * unit_rows and rg.total_byte_size > CUT_GROUP_BYTES:
+            # A huge row group: cut it by rows (each unit re-reads the group, so only when it is
+            # too big to hold as one unit; a group of many small rows stays whole).
             for lo_row in range(0, n, unit_rows):
                 hi_row = min(n, lo_row + unit_rows)
                 units.append(WorkUnit(shard, "parquet", offset + lo_row, offset + hi_row))

@@ -48,7 +48,15 @@ def test_units_follow_row_groups_and_cover_every_row_once(tmp_path):
     assert len({u.key for u in units}) == len(units)
 
 
-def test_huge_row_group_is_cut_by_rows(tmp_path):
+def test_a_large_row_group_of_small_rows_stays_one_unit(tmp_path):
+    """Cutting it would make every piece re-read the whole group."""
+    write_parquet(tmp_path / "a.parquet", [str(i) for i in range(100)], ["t"] * 100, row_group_size=100)
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, columns=COLS)
+    assert [(u.row_start, u.row_stop) for u in units] == [(0, 100)]
+
+
+def test_huge_row_group_is_cut_by_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr("raypipe.sources.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
     write_parquet(tmp_path / "a.parquet", [str(i) for i in range(100)], ["t"] * 100, row_group_size=100)
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, columns=COLS)
     assert [(u.row_start, u.row_stop) for u in units] == [(0, 30), (30, 60), (60, 90), (90, 100)]
