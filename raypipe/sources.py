@@ -153,6 +153,16 @@ def _filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path
 
 
+def _open_parquet(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+    """A Parquet file opened for random access. On object stores without read-ahead: fsspec's
+    default cache fetches 5 MB blocks around every column chunk Arrow asks for, which made a
+    daily over 1M rows download 5x the input instead of its footers and delta."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("file", "local"):
+        return fs.open(path, "rb")
+    return fs.open(path, "rb", cache_type="none")
+
+
 def _full_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return path if protocol in ("file", "local") else f"{protocol}://{path}"
@@ -289,7 +299,7 @@ def _plan_parquet(
     seen: PlanObservations,
 ) -> list[WorkUnit]:
     fs, path = _filesystem(shard)
-    with fs.open(path, "rb") as f:
+    with _open_parquet(fs, path) as f:
         meta = pq.ParquetFile(f).metadata
     schema = meta.schema.to_arrow_schema()
     _check_columns(schema.names, shard, columns, need_updated_at)
@@ -377,7 +387,7 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: D
         _check_columns(table.column_names, unit.shard, columns, columns.updated_at in wanted)
         table = table.select(wanted)
     else:
-        with fs.open(path, "rb") as f:
+        with _open_parquet(fs, path) as f:
             pf = pq.ParquetFile(f)
             groups: list[int] = []
             first_row = offset = 0
