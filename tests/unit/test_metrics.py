@@ -6,6 +6,8 @@ import asyncio
 import io
 import logging
 import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -149,14 +151,19 @@ def test_spec_builds_only_what_is_configured():
 
 
 def test_ray_metrics_drop_records_until_ray_is_connected():
-    import ray
-
-    assert not ray.is_initialized()
-    m = RayMetrics(tags={"run_id": "r"})
-    m.count(CLIENT_CALLS, 1, {"status": "OK"})  # no cluster: dropped, no error
-    m.gauge(INFLIGHT_LIMIT, 3)
-    m.distribution(CLIENT_LATENCY_MS, 2.0)
-    assert not ray.is_initialized()
+    """In a fresh process (the suite's integration tests connect this one to a cluster)."""
+    script = """
+import ray
+from raypipe.metrics import CLIENT_CALLS, CLIENT_LATENCY_MS, INFLIGHT_LIMIT, RayMetrics
+m = RayMetrics(tags={"run_id": "r"})
+m.count(CLIENT_CALLS, 1, {"status": "OK"})  # no cluster: dropped, no error
+m.gauge(INFLIGHT_LIMIT, 3)
+m.distribution(CLIENT_LATENCY_MS, 2.0)
+print("initialized:", ray.is_initialized())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "initialized: False" in done.stdout
 
 
 def test_config_takes_the_agent_address_from_the_environment_only_when_built():
