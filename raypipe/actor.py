@@ -292,6 +292,7 @@ class InferenceActor:
 
     async def _service_answers(self, stats: UnitStats) -> bool:
         """A canary call of its own: does the service answer a call that cannot be at fault?"""
+        stats.canaries += 1
         try:
             await self._call([_CANARY_ID], [_CANARY_TEXT], stats, canary=True)
         except (ModelServiceError, _RowsSuspect):

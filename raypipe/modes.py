@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -41,7 +41,7 @@ from raypipe.lease import Lease
 from raypipe.metrics import RunMetrics
 from raypipe.pipeline import run_units
 from raypipe.progress import Progress
-from raypipe.report import RunReport
+from raypipe.report import RunReport, UnitStats
 from raypipe.sinks import committed_keys, iter_committed, started_units
 from raypipe.sources import (
     ColumnNames,
@@ -139,6 +139,15 @@ def _raypipe_error(e: BaseException) -> BaseException:
     return e
 
 
+def _tally_skipped(units: Iterator[UnitStats], before: set[str], report: RunReport) -> Iterator[UnitStats]:
+    """Passes summaries through, counting the rows of units an earlier attempt committed: the
+    markers are read once, for the report's totals and this figure alike."""
+    for u in units:
+        if u.unit in before:
+            report.rows_skipped_committed += u.rows
+        yield u
+
+
 def _committed(store: OutputStore, run_id: str) -> RunReport | None:
     if store.read_json_or_none(store.run_state(run_id, COMMITTED)) is None:
         return None
@@ -225,7 +234,6 @@ def _run(
         todo = [u for u in plan.units if u.key not in before]
         redone = {u.key for u in todo if u.key in started}
         report.units_skipped_committed = len(plan.units) - len(todo)
-        report.rows_skipped_committed = sum(s.rows for s in iter_committed(store, run_id, before))
         logger.info(
             "run %s: %d units to do, %d already committed, %d to redo after an interruption",
             run_id,
@@ -293,7 +301,7 @@ def _run(
         report.rows_this_attempt = rows_this_attempt
 
         committed = committed_keys(store, run_id)
-        report.merge_units(iter_committed(store, run_id, committed))
+        report.merge_units(_tally_skipped(iter_committed(store, run_id, committed), before, report))
         complete = all(u.key in committed for u in plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
         if complete and not bad:
