@@ -129,7 +129,9 @@ def _replica_actor(app: str):
 
 @pytest.mark.timeout(300)
 def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address, deploy_app):
-    app = deploy_app("killable")
+    # Each call is held 0.3 s on the server, so calls are in flight whenever the kill lands
+    # (without it a kill between two calls can fail none, and the test would prove nothing).
+    app = deploy_app("killable", ServerSettings(fault=FaultInjection(extra_latency_s=0.3)))
     out = tmp_path / "out"
     finish = backfill_in_background(corpus.uri, out, serve_address, settings(app))
     ray.kill(_replica_actor(app), no_restart=False)
