@@ -16,6 +16,7 @@ import asyncio
 import json
 import resource
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -52,7 +53,11 @@ def _percentiles_ms(latencies: list[float]) -> dict[str, float | None]:
 def inproc(args: dict[str, Any]) -> dict[str, Any]:
     from serve_app import model as model_mod
 
-    model_mod.configure_tf_threads(args["threads"], 1)
+    # "passes": `threads` single-threaded forward passes at once (the server's default layout);
+    # "intra": one pass at a time on `threads` threads.
+    layout = args.get("layout", "intra")
+    workers = args["threads"] if layout == "passes" else 1
+    model_mod.configure_tf_threads(1 if layout == "passes" else args["threads"], workers)
     precision = "fp32"
     if args.get("precision") is not None:
         # The server's own switch, process-wide, set before any graph runs (as a replica does).
@@ -62,10 +67,13 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
     counts = {"padded": 0, "real": 0, "passes": 0}
     run = model._run
 
+    lock = threading.Lock()
+
     def counting(input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        counts["padded"] += int(input_ids.size)
-        counts["real"] += int(attention_mask.sum())
-        counts["passes"] += 1
+        with lock:
+            counts["padded"] += int(input_ids.size)
+            counts["real"] += int(attention_mask.sum())
+            counts["passes"] += 1
         return run(input_ids, attention_mask)
 
     model._run = counting
@@ -73,7 +81,7 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
     counts.update(padded=0, real=0, passes=0)
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
-    predictions = model.predict(texts)
+    predictions = _predict(model, texts, workers)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
     out: dict[str, Any] = {
@@ -88,10 +96,44 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
         "max_sequence_length": model.card.max_sequence_length,
         "retries": 0,
         "precision": precision,
+        "layout": layout,
     }
     if args.get("return_top"):
         out["top"] = predictions.probabilities.argmax(axis=1).tolist()
     return out
+
+
+def _predict(model: Any, texts: list[str], workers: int) -> Any:
+    """`model.predict(texts)`; with several workers, the length-sorted rows are cut into
+    slices of about two passes each, which the workers take in order (as the server's model
+    threads take batches)."""
+    if workers == 1:
+        return model.predict(texts)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_app.model import Predictions, Tokenized
+
+    tokenized = model.tokenize(texts)
+    order = sorted(range(len(texts)), key=lambda i: len(tokenized.ids[i]))
+    slices, current, tokens = [], [], 0
+    for i in order:
+        current.append(i)
+        tokens += len(tokenized.ids[i])
+        if tokens >= 2 * model.token_budget:
+            slices.append(current)
+            current, tokens = [], 0
+    if current:
+        slices.append(current)
+
+    def run(rows: list[int]) -> Any:
+        part = Tokenized(ids=[tokenized.ids[i] for i in rows], truncated=tokenized.truncated[rows])
+        return model.infer(part)
+
+    probabilities = np.empty((len(texts), len(model.card.labels)), dtype=np.float32)
+    with ThreadPoolExecutor(workers) as pool:
+        for rows, predictions in zip(slices, pool.map(run, slices), strict=True):
+            probabilities[rows] = predictions.probabilities
+    return Predictions(probabilities=probabilities, truncated=tokenized.truncated)
 
 
 async def _async_client(args: dict[str, Any]) -> dict[str, Any]:

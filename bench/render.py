@@ -82,6 +82,11 @@ def _model_table(name: str, model: dict[str, Any]) -> list[str]:
             )
             + " |"
         )
+    layouts = model["lines"].get("a", {}).get("layouts_para_per_s")
+    if layouts:
+        shown = ", ".join(f"{k} {v:.1f} para/s" for k, v in layouts.items())
+        out += ["", f"(a) is the faster thread layout in process: {shown} (intra: one pass on all threads; "
+                "passes: one single-threaded pass per thread, side by side)."]  # fmt: skip
     return out
 
 

@@ -5,9 +5,10 @@ and warmed in the constructor, so the replica only reports healthy once it can a
 `Classify` validates the request (malformed ones get INVALID_ARGUMENT and the replica stays
 up), applies server-side fault injection if the deployer switched it on, tokenizes the texts
 on a tokenizer thread, then hands them to `_infer`, which `@serve.batch` merges across
-concurrent callers up to a token budget, and which runs the forward passes on the one model
-thread. Tokenizing the next calls overlaps the current forward pass, so a busy replica's
-model thread runs forward passes back to back.
+concurrent callers up to a token budget, and which runs the forward passes on a model
+thread. `model_threads` batches compute at once (by default one per replica core, each pass
+single-threaded: see `ServerSettings.model_threads`). Tokenizing the next calls overlaps the
+current forward passes, so a busy replica's model threads run passes back to back.
 
 Every answer carries the replica's view of the call in its trailing metadata (`TIMING_KEYS`):
 how long it waited in the replica, how long its batch computed, and how many batches started
@@ -41,7 +42,15 @@ from serve_app.metrics import ServerMetrics
 from serve_app.model import Tokenized
 from serve_app.settings import ServerSettings
 
-__all__ = ["TIMING_KEYS", "EmotionClassifier", "batch_weight", "validate_request"]
+__all__ = [
+    "TIMING_KEYS",
+    "EmotionClassifier",
+    "ThreadLayout",
+    "batch_weight",
+    "set_concurrent_batches",
+    "thread_layout",
+    "validate_request",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +91,44 @@ def _app_name() -> str:
 
 
 @dataclass(frozen=True)
+class ThreadLayout:
+    """How a replica spends its cores: `model` batches at once, each forward pass on
+    `intra_op` threads; TensorFlow's inter-op pool has `inter_op` threads."""
+
+    model: int
+    intra_op: int
+    inter_op: int
+
+
+def thread_layout(settings: ServerSettings, cpus: float) -> ThreadLayout:
+    """The thread counts for a replica with `cpus` CPUs, from the settings or their defaults."""
+    cores = max(1, math.ceil(cpus - 1e-9))
+    model = settings.model_threads or cores
+    intra = settings.intra_op_threads or max(1, math.ceil(cores / model))
+    return ThreadLayout(model=model, intra_op=intra, inter_op=settings.inter_op_threads or model)
+
+
+def set_concurrent_batches(batch_method: Any, n: int) -> None:
+    """Lets `@serve.batch` run `n` batches at once (its decorator argument is fixed at class
+    definition; the batch queue reads it when the first request creates it).
+
+    Serve has no public setter for it, unlike max_batch_size; its lazy queue wrapper is the
+    object behind the public `set_max_batch_size`. A Ray version that moves it fails here,
+    loudly, rather than silently computing one batch at a time.
+    """
+    wrapper = getattr(batch_method.set_max_batch_size, "__self__", None)
+    if wrapper is None or not hasattr(wrapper, "max_concurrent_batches") or getattr(wrapper, "_queue", None):
+        raise RuntimeError("cannot set @serve.batch's max_concurrent_batches on this Ray version")
+    wrapper.max_concurrent_batches = n
+
+
+def _replica_cpus() -> float:
+    import ray
+
+    return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
+
+
+@dataclass(frozen=True)
 class _Job:
     """One call waiting for a batch."""
 
@@ -117,7 +164,8 @@ class EmotionClassifier:
         from serve_app.model import EmotionModel, configure_precision, configure_tf_threads
 
         self._settings = ServerSettings.from_dict(settings)
-        configure_tf_threads(self._intra_op_threads(), self._settings.inter_op_threads)
+        self._threads = thread_layout(self._settings, _replica_cpus())
+        configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
         # Before the model's graph first runs (warmup): Grappler rewrites it then.
         self._precision = configure_precision(self._settings.precision)  # type: ignore[arg-type]
         self._model = EmotionModel.load(
@@ -130,13 +178,15 @@ class EmotionClassifier:
         # Answers computed in bf16 may differ from fp32 ones: the version says which they are.
         self._version = self._model.card.version + ("" if self._precision == "fp32" else f"+{self._precision}")
         logger.info("EmotionClassifier %s ready, precision %s", self._version, self._precision)
-        # One model thread: forward passes run one at a time, each using all the replica's
-        # cores. Tokenizing has its own thread, so it overlaps the forward pass.
-        self._model_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # `model_threads` batches compute at once, each on its own thread (and, by default,
+        # on one core: see ServerSettings.model_threads). Tokenizing has its own thread, so
+        # it overlaps the forward passes.
+        self._model_executor = ThreadPoolExecutor(max_workers=self._threads.model, thread_name_prefix="model")
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # @serve.batch's wrapper carries these setters; its type stubs do not say so.
         self._infer.set_max_batch_size(self._settings.batch_max_calls)  # type: ignore[attr-defined]
         self._infer.set_batch_wait_timeout_s(self._settings.batch_wait_timeout_s)  # type: ignore[attr-defined]
+        set_concurrent_batches(self._infer, self._threads.model)
         self._tokens_per_call = self._settings.batch_max_tokens / self._settings.batch_max_calls
         self._batches_started = 0
         self._fault = self._settings.fault
@@ -149,14 +199,6 @@ class EmotionClassifier:
         self._metrics = ServerMetrics.build(
             self._settings.metrics, environ=os.environ, app=_app_name(), model_version=self._version
         )
-
-    def _intra_op_threads(self) -> int:
-        if self._settings.intra_op_threads is not None:
-            return self._settings.intra_op_threads
-        import ray
-
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-        return max(1, math.ceil(cpus))
 
     async def Classify(
         self, request: emotion_pb2.ClassifyRequest, grpc_context: RayServegRPCContext
@@ -210,6 +252,7 @@ class EmotionClassifier:
         self._model_counts["batches"] += 1
         self._model_counts["tokens"] += merged.tokens
         self._model_counts["busy_ms"] += round(compute_s * 1000)
+        self._model_counts["padded_tokens"] += predictions.padded_tokens
         self._metrics.batch(calls=len(jobs), rows=len(merged), tokens=merged.tokens, compute_s=compute_s)
         out, start = [], 0
         for job in jobs:

@@ -151,6 +151,8 @@ class Predictions:
     """float32 ``[n, n_labels]``; each row sums to 1."""
     truncated: np.ndarray
     """bool ``[n]``: part of the text did not reach the model (more tokens than allowed)."""
+    padded_tokens: int = 0
+    """Rows x padded length summed over the forward passes: the tokens the model computed."""
 
 
 def configure_tf_threads(intra_op: int, inter_op: int) -> None:
@@ -331,14 +333,16 @@ class EmotionModel:
         probabilities = np.empty((n, n_labels), dtype=np.float32)
         if n == 0:
             return Predictions(probabilities=probabilities, truncated=np.zeros((0,), dtype=bool))
+        padded = 0
         for rows, length in self._chunks([len(x) for x in ids]):
+            padded += len(rows) * length
             input_ids = np.full((len(rows), length), self._pad_id, dtype=np.int32)
             attention_mask = np.zeros((len(rows), length), dtype=np.int32)
             for r, i in enumerate(rows):
                 input_ids[r, : len(ids[i])] = ids[i]
                 attention_mask[r, : len(ids[i])] = 1
             probabilities[rows] = self._run(input_ids, attention_mask)
-        return Predictions(probabilities=probabilities, truncated=truncated)
+        return Predictions(probabilities=probabilities, truncated=truncated, padded_tokens=padded)
 
     def warmup(self) -> None:
         """Run one full chunk at a spread of lengths, so no real request pays first-run cost."""
