@@ -57,12 +57,14 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
     # "intra": one pass at a time on `threads` threads.
     layout = args.get("layout", "intra")
     workers = args["threads"] if layout == "passes" else 1
-    model_mod.configure_tf_threads(1 if layout == "passes" else args["threads"], workers)
+    intra_op = 1 if layout == "passes" else args["threads"]
+    model_mod.configure_tf_threads(intra_op, workers)
     precision = "fp32"
     if args.get("precision") is not None:
         # The server's own switch, process-wide, set before any graph runs (as a replica does).
         precision = model_mod.configure_precision(args["precision"])  # type: ignore[attr-defined, unused-ignore]
-    model = model_mod.EmotionModel.load(args["model_dir"])
+    # int8 converts on first use (the bench builds DIR/int8 first, so not here); not timed.
+    model = model_mod.EmotionModel.load(args["model_dir"], precision=precision, threads=intra_op)
     _, texts = _read_corpus(args["corpus"], args["n"])
     counts = {"padded": 0, "real": 0, "passes": 0}
     run = model._run

@@ -5,6 +5,10 @@ bert-base (12x768) and MiniLM-L6 (6x384) from random weights with the demo token
 vocabulary size matches it) in exactly the layout `serve_app.model` reads. Builds run in a
 child process (TensorFlow's settings are process-wide) and land under
 ``.cache/bench-models/<shape>-<key>/``; a directory with ``model.json`` is a finished build.
+
+Agreement between precisions needs a trained model instead: `ensure_real_weights_model` exports
+the fine-tuned real-weights MiniLM the tests build (`tests.hf_checkpoints.minilm_emotion`:
+pretrained MiniLM-L6 with an emotion head) to ``.cache/bench-models/minilm-emotion-<key>/``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 from bench.flops import Shape
 
-__all__ = ["SHAPES", "ensure_model"]
+__all__ = ["SHAPES", "ensure_model", "ensure_real_weights_model"]
 
 #: bert-base keeps its 512 positions; MiniLM-L6 is served at 256, the length
 #: sentence-transformers' all-MiniLM-L6-v2 was trained and is used at.
@@ -54,6 +58,34 @@ def ensure_model(shape: Shape, *, demo_model_dir: Path, cache: Path, env: dict[s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def ensure_real_weights_model(*, cache: Path, env: dict[str, str] | None = None) -> Path | None:
+    """The exported real-weights MiniLM emotion model (None when its weights package is absent)."""
+    from tests import hf_checkpoints as ck
+
+    package = ck.minilm_package_version()
+    if not package:
+        return None
+    blob = json.dumps({"recipe": ck.MINILM_RECIPE, "package": package, "max_length": _REAL_MAX_LENGTH}, sort_keys=True)
+    out = cache / f"minilm-emotion-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+    if (out / "model.json").is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "bench.models", "--real-weights", str(out)]
+    subprocess.run(cmd, check=True, env=env)
+    return out
+
+
+# The length test_byom serves it at: the corpus' median paragraph is ~60 tokens.
+_REAL_MAX_LENGTH = 128
+
+
+def _export_real_weights(out: Path) -> None:
+    from serve_app.export import export_hf_checkpoint
+    from tests import hf_checkpoints as ck
+
+    export_hf_checkpoint(ck.minilm_emotion().tf_dir, out, max_sequence_length=_REAL_MAX_LENGTH, overwrite=True)
 
 
 def _build(shape: Shape, tokenizer_dir: Path, out: Path) -> None:
@@ -114,4 +146,7 @@ def _build(shape: Shape, tokenizer_dir: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    _build(Shape(**json.loads(sys.argv[1])), Path(sys.argv[2]), Path(sys.argv[3]))
+    if sys.argv[1] == "--real-weights":
+        _export_real_weights(Path(sys.argv[2]))
+    else:
+        _build(Shape(**json.loads(sys.argv[1])), Path(sys.argv[2]), Path(sys.argv[3]))

