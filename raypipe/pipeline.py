@@ -24,7 +24,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from raypipe.actor import ActorSettings, InferenceActor
-from raypipe.config import ActorPoolConfig
+from raypipe.config import ActorPoolConfig, default_max_actors
 from raypipe.errors import InputError
 from raypipe.report import UnitStats
 from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, marker_block, read_unit, unit_block_schema
@@ -103,6 +103,9 @@ def run_units(
         return
     import ray
 
+    max_actors = actors.max_actors or max(
+        actors.min_actors, default_max_actors(ray.cluster_resources().get("CPU", 0.0))
+    )
     ctx = DataContext.get_current()
     # Unit blocks must reach the actors whole: never split them into smaller blocks.
     ctx.target_max_block_size = max(ctx.target_max_block_size or 0, 512 * 1024 * 1024)
@@ -119,7 +122,7 @@ def run_units(
         zero_copy_batch=True,
         compute=ActorPoolStrategy(
             min_size=min(actors.min_actors, len(units)),
-            max_size=max(1, min(actors.max_actors, len(units))),
+            max_size=max(1, min(max_actors, len(units))),
             # Twice the units an actor works on, so one is queued behind each running one
             # (its read is done before it is needed) and the pool may autoscale (Ray Data
             # grows it only above 175% of its running capacity).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raypipe.config import PipelineConfig, load_config
+from raypipe.config import PipelineConfig, default_max_actors, load_config
 from raypipe.errors import ConfigError
 
 
@@ -66,3 +66,15 @@ def test_config_is_frozen():
     cfg = load_config(None, {"output": {"uri": "/o"}})
     with pytest.raises(Exception, match="frozen"):
         cfg.output.uri = "/elsewhere"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(0.0, 1), (2.0, 1), (31.0, 1), (32.0, 2), (200.0, 12)])
+def test_default_max_actors_follows_the_cluster(cpus, expected):
+    assert default_max_actors(cpus) == expected
+
+
+def test_max_actors_is_unset_by_default_and_bounds_are_checked():
+    assert load_config(None, {"output": {"uri": "/o"}}).actors.max_actors is None
+    assert load_config(None, {"output": {"uri": "/o"}, "actors": {"min_actors": 3}}).actors.min_actors == 3
+    with pytest.raises(ConfigError, match="min_actors 3 > max_actors 2"):
+        load_config(None, {"output": {"uri": "/o"}, "actors": {"min_actors": 3, "max_actors": 2}})
