@@ -48,7 +48,7 @@ integration: $(STAMP)
 test: lint typecheck  ## lint, types, unit tests, then integration tests (real Ray, Serve, moto S3)
 	$(PY) -m pytest tests -q -ra
 
-bench: $(STAMP)  ## throughput, memory and precision against the ceilings (~60 min on 2 cores) -> bench/results/
+bench: $(STAMP)  ## throughput, memory and precision against the ceilings (~50 min on 2 cores) -> bench/results/
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 bench-quick: $(STAMP)  ## smoke run of the benchmark: MiniLM only, small counts

@@ -61,6 +61,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, with_input: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from serve_app.settings import PRECISION_SETTINGS
+
     parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--settings", help="YAML file of server settings (serve_app.settings.ServerSettings)")
     serve.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "int8", "auto"),
+        choices=PRECISION_SETTINGS,
         help="compute precision (overrides --settings); bf16 needs AVX512_BF16 or AMX, auto picks it when present; "
         "int8 (ONNX Runtime) needs VNNI and is never picked by auto",
     )

@@ -8,7 +8,10 @@ work and keeps the setting in one place.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import cast
 
@@ -22,3 +25,18 @@ def tensorflow() -> ModuleType:
     import tensorflow as tf
 
     return cast(ModuleType, tf)
+
+
+@contextmanager
+def quiet_loggers(*names: str, level: int = logging.WARNING) -> Iterator[None]:
+    """Raise the named Python loggers to at least ``level`` for the block (TensorFlow, absl
+    and converters log routine INFO and WARNING lines a user cannot act on)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), level))
+    try:
+        yield
+    finally:
+        for lg, old in zip(loggers, levels, strict=True):
+            lg.setLevel(old)

@@ -50,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from serve_app.model import ModelDirError
+from serve_app._tf import quiet_loggers, tensorflow
+from serve_app.model import ModelDirError, load_serving_signature
 
 __all__ = [
     "INT8_DIR",
@@ -179,7 +180,7 @@ def convert(saved_model: Path, out: Path) -> dict[str, Any]:
     try:
         onnx.save(proto, str(fp32))
         del proto
-        with _quiet(""):  # quantize_dynamic logs an unconditional root-logger hint
+        with quiet_loggers("", level=logging.ERROR):  # quantize_dynamic logs an unconditional root-logger hint
             quantize_dynamic(
                 str(fp32),
                 str(out),
@@ -293,18 +294,10 @@ def _build_into(final: Path, saved_model: Path, key: str) -> None:
 
 
 def _to_onnx(saved_model: Path) -> Any:
-    from serve_app._tf import tensorflow
-
     tf = tensorflow()
     import tf2onnx
 
-    try:
-        loaded = tf.saved_model.load(str(saved_model))
-    except (OSError, ValueError, tf.errors.OpError) as e:
-        raise Int8Error(saved_model, f"cannot load SavedModel: {e}") from e
-    signature = loaded.signatures.get("serving_default")
-    if signature is None:
-        raise Int8Error(saved_model, "SavedModel has no 'serving_default' signature")
+    _loaded, signature = load_serving_signature(saved_model, error=Int8Error)
     spec = [tf.TensorSpec([None, None], tf.int32, name=name) for name in _INPUTS]
 
     # A tf.function around the signature: tf2onnx freezes it, the loaded variables included.
@@ -312,7 +305,7 @@ def _to_onnx(saved_model: Path) -> Any:
     def serve(input_ids: Any, attention_mask: Any) -> dict[str, Any]:
         return {_OUTPUT: signature(input_ids=input_ids, attention_mask=attention_mask)[_OUTPUT]}
 
-    with _quiet("tf2onnx", "absl", "tensorflow"):
+    with quiet_loggers("tf2onnx", "absl", "tensorflow", level=logging.ERROR):
         try:
             proto, _ = tf2onnx.convert.from_function(
                 serve, input_signature=spec, opset=_RECIPE["opset"], custom_op_handlers={"Erfc": (_erfc, [])}
@@ -383,16 +376,3 @@ def _lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _quiet(*names: str) -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(max(lg.getEffectiveLevel(), logging.ERROR))
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)

@@ -58,6 +58,7 @@ __all__ = [
     "cpu_flags",
     "has_int8_dot",
     "has_native_bf16",
+    "load_serving_signature",
     "padded_length",
     "read_model_card",
 ]
@@ -541,17 +542,28 @@ def _load_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def _load_signature(path: Path, *, n_labels: int) -> _Runner:
+def load_serving_signature(path: Path, *, error: type[ModelDirError] = ModelDirError) -> tuple[Any, Any]:
+    """The loaded SavedModel at ``path`` and its ``serving_default`` signature, or ``error``.
+
+    Keep the loaded object while the signature is used: a signature holds only a weak
+    reference to the variables' owner.
+    """
     if not path.is_dir():
-        raise ModelDirError(path, "missing saved_model directory")
+        raise error(path, "missing saved_model directory")
     tf = tensorflow()
     try:
         loaded = tf.saved_model.load(str(path))
     except (OSError, ValueError, tf.errors.OpError) as e:
-        raise ModelDirError(path, f"cannot load SavedModel: {e}") from e
+        raise error(path, f"cannot load SavedModel: {e}") from e
     signature = loaded.signatures.get("serving_default")
     if signature is None:
-        raise ModelDirError(path, "SavedModel has no 'serving_default' signature")
+        raise error(path, "SavedModel has no 'serving_default' signature")
+    return loaded, signature
+
+
+def _load_signature(path: Path, *, n_labels: int) -> _Runner:
+    tf = tensorflow()
+    loaded, signature = load_serving_signature(path)
     _, inputs = signature.structured_input_signature
     for name in ("input_ids", "attention_mask"):
         spec = inputs.get(name)

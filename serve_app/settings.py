@@ -14,7 +14,10 @@ import grpc
 
 from serve_app.metrics import ServerMetricsSettings
 
-__all__ = ["FaultInjection", "ServerSettings"]
+__all__ = ["PRECISION_SETTINGS", "FaultInjection", "ServerSettings"]
+
+#: Values of `ServerSettings.precision` (and `raypipe serve --precision`).
+PRECISION_SETTINGS = ("fp32", "bf16", "int8", "auto")
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,8 @@ class ServerSettings:
     `int8` (the SavedModel converted to ONNX, weights int8 per channel, activations quantized
     per call, run by ONNX Runtime; needs VNNI or AMX-INT8; converted once per machine, or
     ahead with `raypipe model int8 DIR`); or `auto` (bf16 where the CPU has it, else fp32;
-    never int8, whose agreement with fp32 depends on the model). Measured on 2 Zen 4 cores:
-    see README "Server settings". Check agreement on your model first (`bench/`)."""
+    never int8, whose agreement with fp32 depends on the model). Speed and agreement measured
+    on 2 AMD EPYC cores: README "Performance". Check agreement on your model first (`bench/`)."""
     fault: FaultInjection = field(default_factory=FaultInjection)
     metrics: ServerMetricsSettings = field(default_factory=ServerMetricsSettings)
     """Where the replica's metrics go (DogStatsD when a host is set or `DD_AGENT_HOST` is, Ray metrics)."""
@@ -104,7 +107,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be an integer >= 1 or unset, not {value!r}")
         if self.batch_wait_timeout_s < 0:
             raise ValueError("batch_wait_timeout_s must be >= 0")
-        if self.precision not in ("fp32", "bf16", "int8", "auto"):
+        if self.precision not in PRECISION_SETTINGS:
             raise ValueError(f"precision must be fp32, bf16, int8 or auto, not {self.precision!r}")
 
     @classmethod

@@ -10,15 +10,13 @@ version an export writes is derived from it.
 from __future__ import annotations
 
 import hashlib
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from serve_app._tf import tensorflow
+from serve_app._tf import quiet_loggers, tensorflow
 
 __all__ = ["save_hf_classifier", "save_serving_model", "weights_digest"]
 
@@ -50,21 +48,8 @@ def save_serving_model(
         return {"probabilities": tf.nn.softmax(out, axis=-1) if softmax else out}
 
     module.serve = serve
-    with _quiet("absl", "tensorflow"):  # per-save INFO lines on renamed captures and assets
+    with quiet_loggers("absl", "tensorflow"):  # per-save INFO lines on renamed captures and assets
         tf.saved_model.save(module, str(path), signatures={"serving_default": serve.get_concrete_function()})
-
-
-@contextmanager
-def _quiet(*names: str) -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(max(lg.getEffectiveLevel(), logging.WARNING))
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 def save_hf_classifier(model: Any, path: Path | str) -> None:
