@@ -134,11 +134,12 @@ def make_table(rows: int, *, seed: int, layout: str) -> tuple[list[Any], Any, in
 def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
     import pyarrow.parquet as pq
     import s3fs
-    from moto.server import ThreadedMotoServer
+
+    from bench.s3server import MotoServer
 
     args = bench.args
     moto_port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)
+    server = MotoServer(moto_port)
     server.start()
     proxy = CountingProxy(moto_port)
     creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -163,7 +164,7 @@ def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            from raypipe.modes import WATERMARK as WATERMARK_FILE
+            from raypipe.runstate import WATERMARK as WATERMARK_FILE
             from raypipe.store import OutputStore
 
             store = OutputStore(f"s3://{_BUCKET}/out-daily")

@@ -119,6 +119,10 @@ class Bench:
             "report_rows_per_s": report["throughput_rows_per_s"],
             "report_wall_s": report["wall_s"],
             "retries": report["retries"],
+            "commit_s": report.get("commit_s"),
+            "commit_share_of_wall": round(report.get("commit_s", 0.0) / report["wall_s"], 4)
+            if report["wall_s"]
+            else None,
             "calls": report["calls"],
             "status_counts": report["status_counts"],
             "latency_ms": report["latency_ms"],
@@ -368,8 +372,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma-separated, of {', '.join(SHAPES)} (default: all; --quick: minilm-l6)")
     p.add_argument(
         "--sections",
-        default="lines,memory,precision,driver",
-        help="comma-separated of lines, memory, precision, driver, daily (default: lines,memory,precision,driver)",
+        default="lines,memory,precision,driver,commits",
+        help="comma-separated of lines, memory, precision, driver, commits, daily (default: all but daily)",
     )
     p.add_argument("--line-seconds", type=float, help="target duration of lines (b)-(d) (default: 60, bert-base 180)")
     p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
@@ -451,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print("bench: driver memory for 50k units", flush=True)
             results["driver"] = run_driver_memory(50_000)
+            save()
+        if "commits" in sections:
+            from bench.commits import run_commits
+
+            print("bench: commits (8 concurrent writers, moto S3)", flush=True)
+            with heavy_lock(args.lock):
+                results["commits"] = run_commits(8)
             save()
         if "daily" in sections:
             from bench.daily import run_daily

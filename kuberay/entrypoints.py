@@ -184,8 +184,8 @@ def job_problems(job: Job, resources: list[Resource]) -> list[str]:
     if args.command not in expected:
         problems.append(f"{where}: runs `raypipe {args.command}`; expected {' or '.join(sorted(expected))}")
         return problems
-    if args.command == "daily" and args.until is not None:
-        problems.append(f"{where}: --until fixes every run's window; a daily run must default to now")
+    if args.command == "daily" and args.since is not None:
+        problems.append(f"{where}: --since re-reads every file on every tick; a scheduled daily reads new files only")
     for why in (
         _service_problem(args.service, job, _services(resources)),
         _run_id_problem(job, raw_argv, args),

@@ -2,11 +2,13 @@
 
 Ray Data streams paragraph shards (S3 or local, Parquet or JSON lines) into async actors that
 call a Ray Serve BERT deployment over gRPC, behind an adaptive in-flight limit, a circuit
-breaker and retries, and commit results and dead letters to Parquet, unit by unit.
+breaker and retries, and commit results and dead letters to a Delta Lake table, unit by unit.
 
     import raypipe
     report = raypipe.backfill("s3://corpus/paragraphs/", "s3://out/emotions/", service="10.0.0.5:9000")
     print(report.render())
+    raypipe.latest("s3://out/emotions/")         # one row per id (pyarrow Table)
+    raypipe.read_outcomes("s3://out/emotions/")  # every committed row, results and dead letters
 
 Names are imported on first use, so `import raypipe` (and the generated `raypipe.v1`
 protos, which Serve replicas import) stays cheap and starts nothing.
@@ -33,8 +35,9 @@ __all__ = [
     "daily",
     "export_hf_checkpoint",
     "export_saved_model",
-    "gc",
+    "latest",
     "load_config",
+    "read_outcomes",
     "replay",
 ]
 
@@ -42,7 +45,8 @@ _HOMES = {
     "backfill": "raypipe.api",
     "daily": "raypipe.api",
     "replay": "raypipe.api",
-    "gc": "raypipe.modes",
+    "read_outcomes": "raypipe.outcomes",
+    "latest": "raypipe.outcomes",
     "export_hf_checkpoint": "serve_app.export",
     "export_saved_model": "serve_app.export",
     "check_model_dir": "serve_app.export",
@@ -71,7 +75,7 @@ if TYPE_CHECKING:
         RaypipeError,
         SinkError,
     )
-    from raypipe.modes import gc
+    from raypipe.outcomes import latest, read_outcomes
     from raypipe.report import RunReport
     from serve_app.export import check_model_dir, export_hf_checkpoint, export_saved_model
 

@@ -22,9 +22,13 @@ Who is at fault when a call fails after its retries:
   succeeds, the batch is bisected, and a row that still fails when sent alone, while other
   calls succeed, becomes a dead letter (a poison paragraph).
 
-Rows with no text are recorded with `status="empty_text"` and never sent. The unit is then
-committed through `raypipe.sinks.UnitCommitter` (fenced by the run's lease generation), and
-the actor returns the unit's summary, which the driver folds into the run report.
+Rows with no text are recorded with `status="empty_text"` and never sent. The unit's results
+and dead letters are then committed together, in one Delta commit fenced by the attempt's
+generation (`raypipe.sinks.UnitCommitter`), and the actor returns the unit's summary, which
+the driver folds into the run report. When the service stays down (`CircuitOpenError`) or a
+newer attempt fenced this one off (`LeaseLostError`), the unit is not committed, and the
+actor returns the summary with the failure instead of raising, so the report of a stopped
+run keeps its calls, statuses and breaker figures; the driver then stops the run.
 
 All of one actor's concurrent units share its breaker, limiter and channel, all created
 lazily inside Ray Data's event loop for the actor.
@@ -49,22 +53,33 @@ import pyarrow.compute as pc
 from raypipe.breaker import CircuitBreaker, Permit
 from raypipe.client import BatchResult, GrpcModelClient, ModelClient
 from raypipe.config import ClientConfig, ServiceConfig
-from raypipe.errors import ModelServiceError, SinkError
-from raypipe.lease import Fence
+from raypipe.dedup import TextIndex, hash_texts
+from raypipe.errors import (
+    BadRowError,
+    CircuitOpenError,
+    InvalidIdError,
+    InvalidTextError,
+    LeaseLostError,
+    MissingIdError,
+    ModelServiceError,
+    SinkError,
+)
 from raypipe.limiter import AdaptiveLimiter, FixedLimiter, Limiter
 from raypipe.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
 from raypipe.report import UnitStats
 from raypipe.retry import RetryPolicy, call_with_retries
 from raypipe.sinks import (
-    DEAD_LETTER_SCHEMA,
+    OUTCOME_DEAD_LETTER,
+    OUTCOME_RESULT,
     RESULT_STATUS_EMPTY,
     RESULT_STATUS_OK,
+    TableFence,
     UnitCommitter,
     label_column,
     now_utc,
-    results_schema,
+    outcome_schema,
+    text_hashes,
 )
-from raypipe.store import OutputStore
 
 __all__ = ["SUMMARY_SCHEMA", "ActorSettings", "InferenceActor"]
 
@@ -76,6 +91,38 @@ _CANARY_TEXT = "The weather is fine today."
 
 # (latency, dropped, answer) of an attempt the limiter may learn from.
 _Sample = tuple[float, bool, BatchResult | None]
+
+
+def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
+    """The dead letter's error for a row that is never sent (`reason` from `raypipe.sources`)."""
+    if reason is None:
+        return MissingIdError("the id is null or empty: the row cannot be told apart; see source and row")
+    kind, _, detail = reason.partition(": ")
+    return (InvalidIdError if kind == "invalid_id" else InvalidTextError)(f"{kind.replace('_', ' ')}: {detail}")
+
+
+def _share_answers(sent: list[_Outcome], duplicates: dict[int, np.ndarray]) -> list[_Outcome]:
+    """The fates of rows that shared a text with a row sent: the same answer, or the same error."""
+    if not duplicates:
+        return []
+    shared = []
+    for o in sent:
+        for pos, row in enumerate(o.rows.tolist()):
+            dups = duplicates.get(row)
+            if dups is None:
+                continue
+            if o.result is None:
+                shared.append(_Outcome(dups, error=o.error, attempts=o.attempts))
+                continue
+            r = o.result
+            answer = BatchResult(
+                labels=r.labels,
+                model_version=r.model_version,
+                probabilities=np.repeat(r.probabilities[pos : pos + 1], len(dups), axis=0),
+                truncated=np.repeat(r.truncated[pos : pos + 1], len(dups)),
+            )
+            shared.append(_Outcome(dups, result=answer))
+    return shared
 
 
 class _StalePermit(Exception):
@@ -91,34 +138,36 @@ class _RowsSuspect(Exception):
 
 
 SUMMARY_SCHEMA = pa.schema(
-    [pa.field("unit", pa.string()), pa.field("error", pa.string()), pa.field("summary", pa.string())]
+    [
+        pa.field("unit", pa.string()),
+        pa.field("error", pa.string()),
+        pa.field("summary", pa.string()),
+        pa.field("fatal", pa.string()),
+    ]
 )
+"""What an actor returns per unit: an unreadable shard's `error`, the unit's `summary`, and
+`fatal` (JSON: `kind` circuit_open or lease_lost, `message`, …) when the run must stop."""
 
 
 @dataclass(frozen=True)
 class ActorSettings:
     """Everything an actor needs, picklable (it travels to Ray workers)."""
 
-    output_uri: str
+    fence: TableFence
+    """Where and as which generation the actor commits (the table rejects a stale one)."""
     run_id: str
-    """The results partition written to (a replay writes into the run it replays)."""
+    """The `run_id` the rows carry (a replay writes into the run it replays)."""
     attempt: str
     """Identifies this start of the run (a resume is a new attempt of the same run)."""
     service: ServiceConfig
     client: ClientConfig
     labels: tuple[str, ...]
-    state_run_id: str | None = None
-    """Where commit markers go, if not under `run_id` (a replay keeps its own)."""
-    fence: Fence | None = None
-    """The attempt's lease fence: every commit checks it first."""
-    replaces: dict[str, str] | None = None
-    """Replays: unit key -> the dead-letter file (stem) whose rows the unit re-infers."""
+    replay: bool = False
+    """Units re-infer committed dead letters: their commit replaces those rows."""
+    text_index: Any = None
+    """Committed answers by text hash (`raypipe.dedup.TextIndex`, or a Ray object ref to one)."""
     metrics: MetricsSpec | None = None
     """Where the actor's metrics go (calls by status, latency, breaker, in-flight limit)."""
-
-    @property
-    def marker_run_id(self) -> str:
-        return self.state_run_id or self.run_id
 
 
 @dataclass
@@ -137,13 +186,8 @@ class InferenceActor:
     def __init__(self, settings: ActorSettings, client_factory: Callable[[], ModelClient] | None = None) -> None:
         self._settings = settings
         self._client_factory = client_factory
-        self._committer = UnitCommitter(
-            OutputStore(settings.output_uri),
-            settings.run_id,
-            fence=settings.fence,
-            marker_run_id=settings.marker_run_id,
-        )
-        self._schema = results_schema(settings.labels)
+        self._committer = UnitCommitter(settings.fence)
+        self._schema = outcome_schema(settings.labels)
         self._actor_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._client: ModelClient | None = None
         self._breaker: CircuitBreaker | None = None
@@ -151,6 +195,7 @@ class InferenceActor:
         self._seq = 0
         self._metrics: Metrics = NullMetrics()
         self._gauges: ActorGauges | None = None
+        self._index: TextIndex | None = None
 
     def _components(self) -> tuple[ModelClient, CircuitBreaker, Limiter]:
         if self._client is None:
@@ -199,19 +244,37 @@ class InferenceActor:
         return self._client, self._breaker, self._limiter
 
     async def __call__(self, block: pa.Table) -> pa.Table:
-        units, errors, summaries = [], [], []
+        units, errors, summaries, fatals = [], [], [], []
         for unit in pc.unique(block.column("_unit")).to_pylist():
             rows = block.filter(pc.equal(block.column("_unit"), unit))
-            error, stats = await self._process_unit(unit, rows)
+            stats = UnitStats(
+                unit=unit, shard=rows.column("_source")[0].as_py(), attempt=self._settings.attempt, actor=self._actor_id
+            )
+            error = fatal = None
+            try:
+                error = await self._process_unit(unit, rows, stats)
+            except CircuitOpenError as e:
+                fatal = json.dumps(
+                    {"kind": e.kind, "message": str(e), "waited_s": e.waited_s, "retry_after_s": e.retry_after_s}
+                )
+            except LeaseLostError as e:
+                fatal = json.dumps({"kind": "lease_lost", "message": str(e)})
+            if fatal is not None:
+                stats.committed = False
+                stats.actor_stats = self._actor_snapshot()
             units.append(unit)
             errors.append(error)
-            summaries.append(None if stats is None else json.dumps(stats.to_dict()))
-        return pa.table({"unit": units, "error": errors, "summary": summaries}, schema=SUMMARY_SCHEMA)
+            summaries.append(None if error is not None else json.dumps(stats.to_dict()))
+            fatals.append(fatal)
+            if fatal is not None:
+                break  # the run stops: leave the block's other units uncommitted
+        return pa.table({"unit": units, "error": errors, "summary": summaries, "fatal": fatals}, schema=SUMMARY_SCHEMA)
 
-    async def _process_unit(self, unit: str, rows: pa.Table) -> tuple[str | None, UnitStats | None]:
+    async def _process_unit(self, unit: str, rows: pa.Table, stats: UnitStats) -> str | None:
+        """Infers and commits one unit; returns an unreadable shard's error instead."""
         error = rows.column("_unit_error")[0].as_py()
         if error is not None:
-            return error, None  # an unreadable shard: reported by the driver, not committed
+            return str(error)  # an unreadable shard: reported by the driver, not committed
         expected = rows.column("_unit_rows")[0].as_py()
         marker_only = expected == 0
         if not marker_only and rows.num_rows != expected:
@@ -219,26 +282,32 @@ class InferenceActor:
                 f"unit {unit} arrived split ({rows.num_rows} of {expected} rows); lower input.unit_rows "
                 "so a unit fits in one Ray Data block"
             )
-        stats = UnitStats(
-            unit=unit, shard=rows.column("_source")[0].as_py(), attempt=self._settings.attempt, actor=self._actor_id
-        )
         started = time.monotonic()
         if marker_only:
             rows = rows.slice(0, 0)
-        await asyncio.to_thread(self._committer.mark_started, unit, self._settings.attempt)
-        results, dead = await self._infer_unit(rows, stats)
+        outcomes = await self._infer_unit(rows, stats)
         stats.seconds = round(time.monotonic() - started, 3)
         stats.actor_stats = self._actor_snapshot()
-        replaces = (self._settings.replaces or {}).get(unit)
-        await asyncio.to_thread(self._committer.commit, unit, results, dead, stats.to_dict(), replaces=replaces)
-        return None, stats
+        t0 = time.monotonic()
+        stats.committed = await asyncio.to_thread(
+            self._committer.commit, unit, outcomes, replace_dead_letters=self._settings.replay
+        )
+        stats.commit_s = round(time.monotonic() - t0, 4)
+        return None
 
-    async def _infer_unit(self, rows: pa.Table, stats: UnitStats) -> tuple[pa.Table, pa.Table]:
+    async def _infer_unit(self, rows: pa.Table, stats: UnitStats) -> pa.Table:
         texts = rows.column("text").to_pylist()
         ids = rows.column("id").to_pylist()
         stats.rows = len(ids)
-        sendable = np.array([i for i, t in enumerate(texts) if t is not None and t.strip()], dtype=np.int64)
-        empty = np.setdiff1d(np.arange(len(ids)), sendable)
+        bad = rows.column("_bad").to_pylist()
+        refused = [_Outcome(np.array([i], np.int64), error=_bad_row(bad[i], ids[i])) for i in range(len(ids))
+                   if bad[i] is not None or not ids[i]]  # fmt: skip
+        unsendable = {int(o.rows[0]) for o in refused}
+        sendable = np.array(
+            [i for i, t in enumerate(texts) if i not in unsendable and t is not None and t.strip()], dtype=np.int64
+        )
+        empty = np.setdiff1d(np.setdiff1d(np.arange(len(ids)), sendable), np.array(sorted(unsendable), np.int64))
+        copied, sendable, duplicates = await self._reuse_answers(sendable, texts, stats)
         # Length-sorted micro-batches: neighbours pad to the same bucket on the server.
         order = sendable[np.argsort([len(texts[i]) for i in sendable], kind="stable")]
         size = self._settings.client.micro_batch_size
@@ -249,8 +318,51 @@ class InferenceActor:
                 tasks = [group.create_task(self._classify(b, ids, texts, stats)) for b in batches]
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
-        outcomes = [o for t in tasks for o in t.result()]
-        return self._tables(rows, outcomes, empty, stats)
+        sent = [o for t in tasks for o in t.result()]
+        outcomes = refused + copied + sent + _share_answers(sent, duplicates)
+        return self._outcome_rows(rows, outcomes, empty, stats)
+
+    async def _reuse_answers(
+        self, sendable: np.ndarray, texts: Sequence[str | None], stats: UnitStats
+    ) -> tuple[list[_Outcome], np.ndarray, dict[int, np.ndarray]]:
+        """Rows whose text already has a committed answer of this model (`raypipe.dedup`), and
+        rows whose text another row of the unit sends: (answered rows, rows still to send,
+        {row sent: the rows that share its text})."""
+        if not len(sendable):
+            return [], sendable, {}
+        hashes = hash_texts([texts[i] for i in sendable])
+        copied: list[_Outcome] = []
+        index = await self._text_index()
+        if index is not None:
+            pos = index.lookup(hashes)
+            hit = pos >= 0
+            if hit.any():
+                answer = BatchResult(
+                    labels=index.labels,
+                    model_version=index.model_version,
+                    probabilities=index.probabilities[pos[hit]],
+                    truncated=index.truncated[pos[hit]],
+                )
+                copied.append(_Outcome(sendable[hit], result=answer))
+                stats.copied += int(hit.sum())
+                sendable, hashes = sendable[~hit], hashes[~hit]
+        _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+        duplicates = {
+            int(sendable[f]): sendable[(inverse == k) & (np.arange(len(sendable)) != f)] for k, f in enumerate(first)
+        }
+        duplicates = {rep: dups for rep, dups in duplicates.items() if len(dups)}
+        stats.copied += sum(len(d) for d in duplicates.values())
+        return copied, np.sort(sendable[first]), duplicates
+
+    async def _text_index(self) -> TextIndex | None:
+        ref = self._settings.text_index
+        if ref is None or isinstance(ref, TextIndex):
+            return ref
+        if self._index is None:
+            import ray
+
+            self._index = await asyncio.to_thread(ray.get, ref)
+        return self._index
 
     async def _classify(
         self, batch: np.ndarray, ids: Sequence[str], texts: Sequence[str], stats: UnitStats
@@ -420,17 +532,15 @@ class InferenceActor:
             "limiter": {"min": lim.min, "max": lim.max, "final": lim.final},
         }
 
-    def _tables(
-        self, rows: pa.Table, outcomes: list[_Outcome], empty: np.ndarray, stats: UnitStats
-    ) -> tuple[pa.Table, pa.Table]:
+    def _outcome_rows(self, rows: pa.Table, outcomes: list[_Outcome], empty: np.ndarray, stats: UnitStats) -> pa.Table:
+        """The unit's rows for the outcomes table: one per input row, a result or a dead letter."""
         labels = self._settings.labels
-        run_id = self._settings.run_id
-        now = now_utc()
         n_labels = len(labels)
+        now = now_utc()
         result_rows: list[np.ndarray] = [empty]
         probs: list[np.ndarray] = [np.full((len(empty), n_labels), np.nan, dtype=np.float32)]
         truncated: list[np.ndarray] = [np.zeros(len(empty), dtype=bool)]
-        versions: list[str] = [""] * len(empty)
+        versions: list[str | None] = [None] * len(empty)
         statuses: list[str] = [RESULT_STATUS_EMPTY] * len(empty)
         dead_rows: list[int] = []
         dead_info: list[tuple[str, str, int, str]] = []
@@ -448,55 +558,45 @@ class InferenceActor:
                 status = e.status_code if isinstance(e, ModelServiceError) else ""
                 kind = getattr(e, "kind", type(e).__name__)
                 dead_rows += o.rows.tolist()
-                dead_info += [(kind, status, o.attempts, str(e))] * len(o.rows)
+                dead_info += [(kind, status, o.attempts, str(e)[:2000])] * len(o.rows)
                 stats.dead_letter_kinds[kind] += len(o.rows)
         index = np.concatenate(result_rows).astype(np.int64)
         p = np.concatenate(probs) if probs else np.zeros((0, n_labels), np.float32)
         stats.empty_text = len(empty)
         stats.ok = len(index) - len(empty)
         stats.dead_letters = len(dead_rows)
-        taken = rows.take(pa.array(index, pa.int64()))
         answered = np.isfinite(p).all(axis=1)
         top = np.where(answered, np.nan_to_num(p, nan=-1.0).argmax(axis=1), -1)
-        top_score = np.where(answered, p[np.arange(len(p)), np.maximum(top, 0)], np.nan)
-        columns: dict[str, Any] = {"id": taken.column("id"), "status": pa.array(statuses, pa.string())}
-        for j, label in enumerate(labels):
-            columns[label_column(label)] = pa.array(p[:, j], pa.float32(), mask=~answered)
-        columns["top_label"] = pa.array([labels[t] if t >= 0 else None for t in top.tolist()], pa.string())
-        columns["top_score"] = pa.array(top_score, pa.float32(), mask=~answered)
-        columns["truncated"] = pa.array(np.concatenate(truncated), pa.bool_())
-        columns["model_version"] = pa.array([v or None for v in versions], pa.string())
-        columns["run_id"] = pa.array([run_id] * len(index), pa.string())
-        columns["inferred_at"] = pa.array([now] * len(index), pa.timestamp("us", tz="UTC"))
-        columns["updated_at"] = (
-            taken.column("updated_at")
-            if "updated_at" in taken.column_names
-            else pa.nulls(len(index), pa.timestamp("us", tz="UTC"))
-        )
-        columns["source"] = taken.column("_source")
-        columns["row"] = taken.column("_row")
-        results = pa.table(columns, schema=self._schema).sort_by([("source", "ascending"), ("row", "ascending")])
-
-        dead_taken = rows.take(pa.array(dead_rows, pa.int64()))
+        n_res, n_dead = len(index), len(dead_rows)
+        order = np.concatenate([index, np.asarray(dead_rows, dtype=np.int64)])
+        taken = rows.take(pa.array(order, pa.int64()))
         kinds, codes, attempts, messages = (
             (list(x) for x in zip(*dead_info, strict=True)) if dead_info else ([], [], [], [])
         )
-        dead = pa.table(
-            {
-                "id": dead_taken.column("id"),
-                "error_kind": pa.array(kinds, pa.string()),
-                "grpc_status": pa.array(codes, pa.string()),
-                "attempts": pa.array(attempts, pa.int32()),
-                "message": pa.array([m[:2000] for m in messages], pa.string()),
-                "failed_at": pa.array([now] * len(dead_rows), pa.timestamp("us", tz="UTC")),
-                "run_id": pa.array([run_id] * len(dead_rows), pa.string()),
-                "text": dead_taken.column("text"),
-                "updated_at": dead_taken.column("updated_at")
-                if "updated_at" in dead_taken.column_names
-                else pa.nulls(len(dead_rows), pa.timestamp("us", tz="UTC")),
-                "source": dead_taken.column("_source"),
-                "row": dead_taken.column("_row"),
-            },
-            schema=DEAD_LETTER_SCHEMA,
-        ).sort_by([("source", "ascending"), ("row", "ascending")])
-        return results, dead
+        valid = np.concatenate([answered, np.zeros(n_dead, dtype=bool)])
+        p_all = np.concatenate([p, np.full((n_dead, n_labels), np.nan, np.float32)])
+        top_score = np.where(answered, p[np.arange(n_res), np.maximum(top, 0)], np.nan) if n_res else np.zeros(0)
+        columns: dict[str, Any] = {
+            "id": taken.column("id"),
+            "outcome": pa.array([OUTCOME_RESULT] * n_res + [OUTCOME_DEAD_LETTER] * n_dead, pa.string()),
+            "unit": pa.array([stats.unit] * (n_res + n_dead), pa.string()),
+            "run_id": pa.array([self._settings.run_id] * (n_res + n_dead), pa.string()),
+            "status": pa.array(statuses + [None] * n_dead, pa.string()),
+            "error_kind": pa.array([None] * n_res + kinds, pa.string()),
+            "model_version": pa.array(versions + [None] * n_dead, pa.string()),
+            "updated_at": taken.column("updated_at"),
+            "inferred_at": pa.array([now] * (n_res + n_dead), pa.timestamp("us", tz="UTC")),
+            "text_hash": text_hashes(taken.column("text")),
+            "top_label": pa.array([labels[t] if t >= 0 else None for t in top.tolist()] + [None] * n_dead, pa.string()),
+            "top_score": pa.array(np.concatenate([top_score, np.full(n_dead, np.nan)]), pa.float32(), mask=~valid),
+            "truncated": pa.array(np.concatenate([*truncated, np.zeros(n_dead, dtype=bool)]), pa.bool_()),
+        }
+        for j, label in enumerate(labels):
+            columns[label_column(label)] = pa.array(p_all[:, j], pa.float32(), mask=~valid)
+        columns["grpc_status"] = pa.array([None] * n_res + codes, pa.string())
+        columns["attempts"] = pa.array([None] * n_res + attempts, pa.int32())
+        columns["message"] = pa.array([None] * n_res + messages, pa.string())
+        columns["text"] = pa.array([None] * n_res + taken.column("text").to_pylist()[n_res:], pa.string())
+        columns["source"] = taken.column("_source")
+        columns["row"] = taken.column("_row")
+        return pa.table(columns, schema=self._schema).sort_by([("source", "ascending"), ("row", "ascending")])

@@ -65,15 +65,16 @@ def daily(
     *,
     service: str | None = None,
     run_id: str | None = None,
-    until: datetime | None = None,
+    since: datetime | None = None,
     config_file: str | Path | None = None,
     settings: dict[str, Any] | None = None,
 ) -> RunReport:
-    """Classifies paragraphs new or changed since the last committed daily run."""
+    """Classifies the paragraphs of input files no run has read whole (new or changed files),
+    whatever their `updated_at`; `since` also re-reads rows of earlier files updated after it."""
     config = build_config(
         input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
     )
-    return modes.daily(config, until=until)
+    return modes.daily(config, since=since)
 
 
 def replay(

@@ -6,7 +6,7 @@
     raypipe model int8 DIR [--force]
     raypipe serve --model DIR [--grpc-port 9000] [--detach]
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
-    raypipe daily    --input URI --output URI [--service HOST:PORT] [--until ISO]
+    raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
     raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
     raypipe report   --output URI --run-id ID
     raypipe gc       --output URI [--older-than-days 7]
@@ -123,7 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     daily = sub.add_parser("daily", help="classify paragraphs new or changed since the last daily run")
     _add_run_args(daily, with_input=True)
     daily.add_argument("--run-id")
-    daily.add_argument("--until", help="ISO time with zone: upper bound of updated_at (default: now)")
+    daily.add_argument(
+        "--since",
+        help="ISO time with zone: also re-read files read before, for their rows updated after it (a rerun over an "
+        "earlier window; default: only new and changed files)",
+    )
 
     replay = sub.add_parser("replay", help="re-infer a run's dead letters into its results")
     _add_run_args(replay, with_input=False)
@@ -133,9 +137,30 @@ def _parser() -> argparse.ArgumentParser:
         help="names the replay (default: resume the latest unfinished <run-id>.replay-<n>, else a new one)",
     )
 
-    gc = sub.add_parser("gc", help="remove the unit state of runs committed long ago (reports stay)")
-    gc.add_argument("--output", required=True)
-    gc.add_argument("--older-than-days", type=float, default=7.0)
+    compact = sub.add_parser("compact", help="Delta optimize: merge finished runs' small files (one per unit)")
+    compact.add_argument("--output", required=True)
+    compact.add_argument("--run-id", action="append", help="only these runs (repeatable; default: every finished run)")
+    vacuum = sub.add_parser(
+        "vacuum",
+        help="Delta vacuum: delete files no commit references (fenced-off attempts, compacted files) and old run state",
+    )
+    vacuum.add_argument("--output", required=True)
+    vacuum.add_argument("--retention-hours", type=float, default=168.0)
+    vacuum.add_argument("--dry-run", action="store_true")
+    shards = sub.add_parser("shards", help="set input shards aside").add_subparsers(
+        dest="shards_command", required=True
+    )
+    for name, what in (("quarantine", "skip these shards in every later run (listed in each report)"),
+                       ("release", "read these shards again")):  # fmt: skip
+        q = shards.add_parser(name, help=what)
+        q.add_argument("--output", required=True)
+        q.add_argument("shard", nargs="+", help="shard URIs, as the report's bad_shards list them")
+        if name == "quarantine":
+            q.add_argument("--reason", default="set aside by an operator")
+    migrate = sub.add_parser(
+        "migrate", help="copy an output of the earlier layout (results/, dead_letters/ Parquet) into the outcomes table"
+    )
+    migrate.add_argument("--output", required=True)
 
     report = sub.add_parser("report", help="print a run's report")
     report.add_argument("--output", required=True)
@@ -166,8 +191,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "backfill":
         report = modes.backfill(config)
     elif args.command == "daily":
-        until = None if args.until is None else datetime.fromisoformat(args.until)
-        report = modes.daily(config, until=until)
+        since = None if args.since is None else datetime.fromisoformat(args.since)
+        report = modes.daily(config, since=since)
     else:
         report = modes.replay(config, of_run=args.run_id)
     print(report.render())
@@ -309,11 +334,23 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "report":
             return _report(args)
-        if args.command == "gc":
-            from raypipe.modes import gc as collect
+        if args.command == "shards":
+            from raypipe.runstate import quarantine
 
-            removed = collect(args.output, older_than_days=args.older_than_days)
-            print(f"removed the unit state of {removed['runs']} run(s) ({removed['files']} files)")
+            release = args.shards_command == "release"
+            done = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)
+            print(json.dumps(done))
+            return EXIT_OK
+        if args.command in ("compact", "vacuum", "migrate"):
+            from raypipe import outcomes
+
+            if args.command == "compact":
+                done = outcomes.compact(args.output, run_ids=args.run_id)
+            elif args.command == "vacuum":
+                done = outcomes.vacuum(args.output, retention_hours=args.retention_hours, dry_run=args.dry_run)
+            else:
+                done = outcomes.migrate(args.output)
+            print(json.dumps(done))
             return EXIT_OK
         if args.command == "demo":
             from raypipe.demo import run_demo

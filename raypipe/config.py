@@ -160,11 +160,16 @@ class InputConfig(_Frozen):
     is cut by rows (each piece re-reads the group)."""
     updated_at_partition: str | None = None
     """Hive partition key whose value is the date (YYYY-MM-DD) of its rows' updated_at, e.g.
-    `updated_date` for `.../updated_date=2026-11-20/part-0.parquet`: a daily skips partitions
-    outside its window without opening them. Row groups are pruned by their statistics anyway."""
-    on_bad_shard: Literal["fail", "record"] = "fail"
+    `updated_date` for `.../updated_date=2026-11-20/part-0.parquet`: a daily `--since` skips
+    partitions before it without opening them. Row groups are pruned by their statistics anyway."""
+    on_bad_shard: Literal["fail", "record"] | None = None
     """A shard that cannot be read or lacks a column: `fail` stops the run before inference
-    (or when first read); `record` lists it in the report, leaves the run `incomplete`, and goes on."""
+    (or when first read); `record` lists it in the report, leaves the run `incomplete` (exit 3),
+    and goes on. Default: `fail` for a backfill, `record` for a daily (a bad shard must not hold
+    the others back; every daily retries it until it reads or is quarantined)."""
+    max_future_skew_s: float = Field(3600.0, ge=0)
+    """An updated_at later than now plus this is in the future (a sentinel, a clock ahead): the
+    row is inferred, the report counts it, and it never moves the watermark."""
 
     @field_validator("uri")
     @classmethod
@@ -198,6 +203,16 @@ CPUS_PER_ACTOR = 16
 def default_max_actors(cluster_cpus: float) -> int:
     """One actor per `CPUS_PER_ACTOR` CPUs of the cluster, at least one."""
     return max(1, int(cluster_cpus // CPUS_PER_ACTOR))
+
+
+class DedupConfig(_Frozen):
+    """Answers reused by text hash (`raypipe.dedup`)."""
+
+    enabled: bool = True
+    """Rows whose text already has a committed answer of the same model version cost no call."""
+    max_index_rows: int = Field(20_000_000, ge=0)
+    """At most this many committed answers are held for the lookup (~40 bytes each with 6
+    labels, in Ray's object store); with more, the run infers every row."""
 
 
 class ActorPoolConfig(_Frozen):
@@ -247,6 +262,7 @@ class PipelineConfig(_Frozen):
     service: ServiceConfig = ServiceConfig()
     client: ClientConfig = ClientConfig()
     actors: ActorPoolConfig = ActorPoolConfig()
+    dedup: DedupConfig = DedupConfig()
     metrics: MetricsConfig = MetricsConfig()
     run_id: str | None = None
     """Names the run; the same id resumes it. Default: `<mode>-<UTC timestamp>`."""

@@ -19,11 +19,11 @@ __all__ = ["run_demo"]
 
 def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, grpc_port: int = 9000) -> int:
     import pyarrow.compute as pc
-    import pyarrow.dataset as pads
     import ray
     from ray.data import DataContext
 
     from raypipe import api
+    from raypipe.outcomes import latest
     from raypipe.samples import write_sample_corpus
     from serve_app.demo_model import build_demo_model, default_demo_model_dir
     from serve_app.deploy import DeploymentOptions, deploy, fit_replicas
@@ -56,14 +56,14 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
 
     print()
     print(report.render())
-    results = pads.dataset(str(work / "output" / "results"), format="parquet", partitioning="hive")
-    table = results.to_table(filter=pc.field("status") == "ok")
+    table = latest(str(work / "output"))
+    table = table.filter(pc.equal(table.column("status"), "ok"))
     print("\nexample predictions:")
     texts = dict(zip(corpus.ids, corpus.texts, strict=True))
     for row in table.slice(0, 5).to_pylist():
         text = (texts.get(row["id"]) or "")[:70]
         print(f"  {row['id']}  {row['top_label']:<9} {row['top_score']:.2f}  {text!r}")
-    print(f"\nresults:      {work / 'output' / 'results'}  (Parquet, partitioned by run)")
+    print(f"\nresults:      {work / 'output' / 'outcomes'}  (Delta Lake table: raypipe.read_outcomes / raypipe.latest)")
     print(f"run report:   {work / 'output' / 'runs' / 'demo.json'}")
     print(f"demo wall time: {time.monotonic() - t0:.1f} s")
     lost = len(corpus.ids) - report.rows_results - report.rows_dead_letters

@@ -4,7 +4,12 @@
     ├── ConfigError                 a setting is wrong; raised before any data is read
     ├── InputError                  the input itself is wrong (shard, column)
     │   ├── NoShardsError           an input URI that matches no shards
-    │   └── SchemaError             a shard lacks a required column or has a wrong type
+    │   ├── SchemaError             a shard lacks a required column or has a wrong type
+    │   ├── ShardChangedError       a shard was rewritten between planning and reading
+    │   └── BadRowError             one row cannot be sent: a dead letter, the unit goes on
+    │       ├── InvalidTextError    text not valid UTF-8
+    │       ├── InvalidIdError      id not valid UTF-8
+    │       └── MissingIdError      id null or empty
     ├── ModelServiceError           a call to the model service failed (status_code, address)
     │   ├── ServiceUnavailable      UNAVAILABLE (or the channel could not connect)   transient, service
     │   ├── ServiceTimeout          DEADLINE_EXCEEDED                                transient, service
@@ -35,10 +40,14 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "BadRowError",
     "CircuitOpenError",
     "ConfigError",
     "InputError",
+    "InvalidIdError",
+    "InvalidTextError",
     "LeaseLostError",
+    "MissingIdError",
     "ModelServiceError",
     "NoShardsError",
     "OutputLockedError",
@@ -51,6 +60,7 @@ __all__ = [
     "ServiceOverloaded",
     "ServiceTimeout",
     "ServiceUnavailable",
+    "ShardChangedError",
     "SinkError",
     "UnsafeOutputError",
 ]
@@ -85,6 +95,36 @@ class SchemaError(InputError):
     def __init__(self, message: str, *, shard: str | None = None, column: str | None = None) -> None:
         super().__init__(message, shard=shard)
         self.column = column
+
+
+class ShardChangedError(InputError):
+    """A shard was rewritten between planning and reading: it is re-planned, never mixed."""
+
+    kind = "shard_changed"
+
+
+class BadRowError(InputError):
+    """One row cannot be sent (its fate is a dead letter; the rest of its unit goes on)."""
+
+    kind = "bad_row"
+
+
+class InvalidTextError(BadRowError):
+    """The text is not valid UTF-8 (the message has the first bytes in hex)."""
+
+    kind = "invalid_text"
+
+
+class InvalidIdError(BadRowError):
+    """The id is not valid UTF-8."""
+
+    kind = "invalid_id"
+
+
+class MissingIdError(BadRowError):
+    """The id is null or empty."""
+
+    kind = "missing_id"
 
 
 class ModelServiceError(RaypipeError):

@@ -251,6 +251,11 @@ class Lease:
         self._thread.start()
 
     def _heartbeat(self) -> None:
+        """Renews the lease every third of its duration. Any failure to renew (a store that is
+        down raises whatever its client raises: botocore's `EndpointConnectionError` is no
+        `OSError`) counts as a missed renewal; once the lease would have expired without one,
+        the attempt has lost it (`lost`), and the driver stops at its next step."""
+        renewed = self._clock()
         while not self._stop.wait(self.duration_s / 3):
             try:
                 current, tag = self._read()
@@ -262,9 +267,17 @@ class Lease:
                         None if current is None else current.get("generation"),
                     )
                     return
-                self._replace(tag, self.generation)
-            except (OSError, SinkError) as e:  # a blip: the next beat tries again
-                logger.warning("could not renew the output lease: %s", e)
+                if self._replace(tag, self.generation):
+                    renewed = self._clock()
+                    continue
+                failure = "the lease changed under us"
+            except Exception as e:  # any store error is a missed renewal
+                failure = f"{type(e).__name__}: {e}"
+            if self._clock() >= renewed + self.duration_s:
+                self.lost = True
+                logger.error("could not renew the output lease before it expired (%s): stopping", failure)
+                return
+            logger.warning("could not renew the output lease (%s); retrying", failure)
 
     def check(self) -> None:
         """Raises `LeaseLostError` if another attempt took the lease (call before every write)."""

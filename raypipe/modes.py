@@ -1,62 +1,65 @@
 """Run modes: backfill, daily delta and replay, over one shared run protocol.
 
-Every run, whatever its mode:
-1. returns at once if the run id is already committed (its report is read back);
-2. checks the model service (labels, version, limits) before reading any data;
-3. refuses an output whose store ignores conditional writes, then takes the output lease
-   (`raypipe.lease`): a live lease of the same run id is waited out (or taken with `force`),
-   and every later write of the run checks the lease's fence first;
-4. plans its units once and stores the plan, so a restart with the same run id does the same
-   units, and skips those already committed (`raypipe.sinks`);
-5. streams the rest through the pipeline, logging progress; if the service stays down the
-   run stops with `CircuitOpenError`, its rows still to do;
-6. redoes any unit a fenced-off attempt committed after this one took the lease;
-7. folds every committed unit's summary into the report (streamed, O(actors) memory), writes
-   `runs/<run_id>.json`, and, when every unit is committed and no shard was bad, marks the run
-   committed and moves the watermark forward (never backwards).
+A run calls its state's owner (`raypipe.runstate.RunState`) once per step:
+1. `committed_report`: a run id already committed returns at once, with its stored report;
+2. the model service is checked (labels, version, limits) before any data is read;
+3. `begin`: the output lease (one run id at a time; a live attempt of the same run id is
+   waited out, or taken over with `force`), the table made ready, and the takeover commit
+   that fences every earlier attempt of this run id off;
+4. `plan`: the units, planned once and stored, so a restart does the same units;
+   `pending`: those without committed rows in the table;
+5. the pipeline streams them through the actors, which commit each unit (results and dead
+   letters in one Delta commit); if the service stays down the run stops with
+   `CircuitOpenError`, its rows still to do, and its report keeps the calls it made;
+6. `finish`: the row counts from the table's committed rows, the calls of every attempt,
+   the run recorded as committed (fenced) when every unit is, the watermark moved forward
+   (never backwards), and the report written to `runs/<run_id>.json`.
 
 A daily run selects rows with `watermark < updated_at <= until` (`until` defaults to the time
 the run was planned); row groups and Hive partitions outside the window are never read. A
 backfill records what its input was read as of (the latest `updated_at` in the footers, else
 its planning time), so the first daily after it infers only the delta. A replay re-infers a
-snapshot of a run's dead-letter files into that run's results, rewriting each dead-letter file
-to the rows that still fail in the same unit commit.
+run's committed dead letters and replaces them, in the same commit, with what they became.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+import pyarrow.compute as pc
 
 from raypipe.actor import ActorSettings
 from raypipe.client import check_service
 from raypipe.config import ClientConfig, PipelineConfig
-from raypipe.errors import ConfigError, LeaseLostError, RaypipeError
-from raypipe.lease import Lease
+from raypipe.dedup import build_index
+from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
 from raypipe.metrics import RunMetrics
+from raypipe.outcomes import read_outcomes
 from raypipe.pipeline import run_units
 from raypipe.progress import Progress
-from raypipe.report import RunReport, UnitStats
-from raypipe.sinks import committed_keys, iter_committed, started_units
+from raypipe.report import AttemptStats, RunReport
+from raypipe.runstate import Plan, RunState
+from raypipe.sinks import OutcomeTable
 from raypipe.sources import (
     ColumnNames,
     DeltaWindow,
     PlanObservations,
+    ShardFormat,
     WorkUnit,
-    list_shards,
+    list_input,
     plan_units,
     prune_partitions,
 )
 from raypipe.store import STATE_DIR, OutputStore
 
-__all__ = ["backfill", "daily", "gc", "replay", "replay_run_id"]
-
-COMMITTED = "COMMITTED.json"
+__all__ = ["backfill", "daily", "replay", "replay_run_id"]
 
 logger = logging.getLogger("raypipe")
 
@@ -71,45 +74,6 @@ def _iso(ts: datetime | None) -> str | None:
 
 def _parse(ts: str | None) -> datetime | None:
     return None if ts is None else datetime.fromisoformat(ts)
-
-
-@dataclass
-class _Plan:
-    mode: str
-    input: str | None
-    units: list[WorkUnit]
-    bad_shards: list[dict[str, str]]
-    window: DeltaWindow | None = None
-    replay_of: str | None = None
-    observations: dict[str, Any] | None = None
-    """What planning saw in the footers (`PlanObservations`), and a backfill's `read_as_of`."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "input": self.input,
-            "units": [u.to_dict() for u in self.units],
-            "bad_shards": self.bad_shards,
-            "window": None
-            if self.window is None
-            else {"after": _iso(self.window.after), "until": _iso(self.window.until)},
-            "replay_of": self.replay_of,
-            "observations": self.observations,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> _Plan:
-        w = d.get("window")
-        window = None if w is None else DeltaWindow(_parse(w["after"]), _parse(w["until"]))  # type: ignore[arg-type]
-        return cls(
-            d["mode"],
-            d["input"],
-            [WorkUnit.from_dict(u) for u in d["units"]],
-            d["bad_shards"],
-            window,
-            d.get("replay_of"),
-            d.get("observations"),
-        )
 
 
 def _ensure_ray() -> None:
@@ -139,35 +103,25 @@ def _raypipe_error(e: BaseException) -> BaseException:
     return e
 
 
-def _tally_skipped(units: Iterator[UnitStats], before: set[str], report: RunReport) -> Iterator[UnitStats]:
-    """Passes summaries through, counting the rows of units an earlier attempt committed: the
-    markers are read once, for the report's totals and this figure alike."""
-    for u in units:
-        if u.unit in before:
-            report.rows_skipped_committed += u.rows
-        yield u
-
-
-def _committed(store: OutputStore, run_id: str) -> RunReport | None:
-    if store.read_json_or_none(store.run_state(run_id, COMMITTED)) is None:
-        return None
-    stored = store.read_json_or_none(store.report_file(run_id))
-    report = RunReport.from_dict(stored) if stored else RunReport(run_id=run_id, mode="?", status="completed")
-    logger.info("run %s is already committed: nothing to do (report %s)", run_id, store.report_file(run_id))
-    return report
+def _fatal_error(fatal: str) -> RaypipeError:
+    """The typed error an actor reported (`raypipe.actor.SUMMARY_SCHEMA`'s `fatal`)."""
+    d = json.loads(fatal)
+    if d["kind"] == "lease_lost":
+        return LeaseLostError(d["message"], holder="?", expires_at="?")
+    return CircuitOpenError(d["message"], waited_s=d.get("waited_s", 0.0), retry_after_s=d.get("retry_after_s", 0.0))
 
 
 def _run(
     config: PipelineConfig,
     mode: str,
-    make_plan: Callable[[OutputStore, str], _Plan],
-    results_run_id: Callable[[str, _Plan], str] = lambda run_id, plan: run_id,
-    after_commit: Callable[[OutputStore, str, _Plan, Lease], None] | None = None,
-    replaces: Callable[[_Plan], dict[str, str] | None] = lambda plan: None,
+    make_plan: Callable[[RunState], Plan],
+    *,
+    results_run_id: Callable[[str, Plan], str] = lambda run_id, plan: run_id,
+    watermark_to: Callable[[Plan], datetime | None] = lambda plan: None,
 ) -> RunReport:
-    store = OutputStore(config.output.uri)
     run_id = config.run_id or f"{mode}-{_stamp()}"
-    done = _committed(store, run_id)
+    state = RunState(config, mode, run_id)
+    done = state.committed_report()
     if done is not None:
         return done
     started_at = datetime.now(UTC)
@@ -189,74 +143,54 @@ def _run(
         client_cfg = ClientConfig.model_validate({**client_cfg.model_dump(), "micro_batch_size": max_batch})
     report.labels, report.model_version = list(labels), version
 
-    lease = Lease(store, run_id, duration_s=config.output.lease_s)
-    if config.output.require_conditional_writes:
-        lease.check_conditional_writes()
-    lease.acquire(force=config.output.take_over_lease)
+    fence = state.begin(tuple(labels))
     run_metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
+    attempt = AttemptStats(attempt=state.attempt)
     write_report = True
     try:
-        plan_path = store.run_state(run_id, "plan.json")
-        stored = store.read_json_or_none(plan_path)
-        if stored is not None:
-            plan = _Plan.from_dict(stored)
-            if plan.mode != mode or plan.input != (config.input.uri if config.input else plan.input):
-                raise ConfigError(
-                    f"run {run_id} was started as a {plan.mode} of {plan.input}; "
-                    f"it cannot be resumed as a {mode} of {config.input.uri if config.input else None}"
-                )
-            logger.info(
-                "resuming run %s (lease generation %d): %d planned units", run_id, lease.generation, len(plan.units)
-            )
-            if stored.get("model_version") not in (None, version):
-                logger.warning(
-                    "run %s was started with model %s and resumes with %s: its rows will carry both versions",
-                    run_id,
-                    stored["model_version"],
-                    version,
-                )
-            if plan.bad_shards and config.input is not None:
-                plan = _retry_bad_shards(config, plan)
-                lease.check()
-                store.write_json(plan_path, {**plan.to_dict(), "model_version": stored.get("model_version")})
-        else:
-            plan = make_plan(store, run_id)
-            lease.check()
-            store.write_json(plan_path, {**plan.to_dict(), "model_version": version})
+        input_uri = config.input.uri if config.input else None
+        plan, resumed = state.plan(lambda: make_plan(state), input_uri=input_uri, model_version=version)
+        if resumed and plan.bad_shards and config.input is not None:
+            plan = _retry_bad_shards(config, plan)
+            state.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
-        report.planning = plan.observations
+        report.planning = {k: v for k, v in (plan.observations or {}).items() if k != "skipped_files"}
+        report.skipped_files = list((plan.observations or {}).get("skipped_files") or [])
         if plan.window is not None:
             report.window = {"after": _iso(plan.window.after), "until": _iso(plan.window.until)}
         report.units_total = len(plan.units)
 
-        before = committed_keys(store, run_id)
-        started = started_units(store, run_id)
-        todo = [u for u in plan.units if u.key not in before]
-        redone = {u.key for u in todo if u.key in started}
+        todo = state.pending(plan)
         report.units_skipped_committed = len(plan.units) - len(todo)
         logger.info(
-            "run %s: %d units to do, %d already committed, %d to redo after an interruption",
+            "run %s (generation %d): %d units to do, %d already committed",
             run_id,
+            fence.generation,
             len(todo),
             report.units_skipped_committed,
-            len(redone),
         )
+        text_index: Any = None
+        if todo and config.dedup.enabled:
+            index = build_index(config.output.uri, version, tuple(labels), max_rows=config.dedup.max_index_rows)
+            if index is not None:
+                _ensure_ray()
+                import ray
+
+                text_index = ray.put(index)  # once: every actor maps it from the object store
         settings = ActorSettings(
-            output_uri=config.output.uri,
+            fence=fence,
+            text_index=text_index,
             run_id=results_run_id(run_id, plan),
-            state_run_id=run_id,
-            attempt=uuid.uuid4().hex[:8],
+            attempt=state.attempt,
             service=config.service,
             client=client_cfg,
             labels=tuple(labels),
-            fence=lease.fence,
-            replaces=replaces(plan),
+            replay=plan.mode == "replay",
             metrics=run_metrics.spec,
         )
         bad = list(plan.bad_shards)
-        ours: set[str] = set()
-        rows_this_attempt = 0
-        while todo:
+        committed_now: set[str] = set()
+        if todo:
             _ensure_ray()
             progress = Progress(
                 len(todo),
@@ -270,45 +204,39 @@ def _run(
                     todo,
                     columns=_columns(config) if config.input else ColumnNames(),
                     window=plan.window,
-                    on_bad_shard=config.input.on_bad_shard if config.input else "fail",
+                    on_bad_shard=_on_bad_shard(config, mode) if config.input else "fail",
                     settings=settings,
                     actors=config.actors,
                 ):
-                    if lease.lost:
-                        lease.check()  # raises: a newer attempt took over
+                    if outcome.stats is not None:
+                        attempt.add(outcome.stats)
+                    if outcome.fatal is not None:
+                        raise _fatal_error(outcome.fatal)
+                    if state.lease.lost:
+                        state.lease.check()  # raises: the lease could not be renewed in time
                     progress.update(outcome.stats)
                     if outcome.error is not None:
                         unit = units_by_key[outcome.unit]
                         bad.append({"shard": unit.shard, "format": unit.format, "error": outcome.error})
-                    if outcome.stats is not None:
-                        ours.add(outcome.unit)
-                        rows_this_attempt += outcome.stats.rows
-                        if outcome.unit in redone:
-                            report.units_redone += 1
-                            report.rows_redone += outcome.stats.rows
+                    elif outcome.stats is not None:
+                        committed_now.add(outcome.unit)
+                        report.rows_this_attempt += outcome.stats.rows
+            except RaypipeError:
+                raise
             except Exception as e:
                 cause = _raypipe_error(e)
                 if cause is e:
                     raise
                 raise cause from e
-            # Markers this attempt did not write, that were not there when it started: a fenced-off
-            # attempt wrote them after losing the lease. Its files may mix with ours: redo them.
-            zombies = committed_keys(store, run_id) - before - ours
-            todo = [u for u in plan.units if u.key in zombies]
-            if todo:
-                logger.warning("%d unit(s) were committed by a fenced-off attempt: redoing them", len(todo))
         report.bad_shards = bad
-        report.rows_this_attempt = rows_this_attempt
-
-        committed = committed_keys(store, run_id)
-        report.merge_units(_tally_skipped(iter_committed(store, run_id, committed), before, report))
-        complete = all(u.key in committed for u in plan.units)
+        done_units = {u.key for u in plan.units} - {u.key for u in todo} | committed_now
+        report.units_committed = len(done_units)
+        complete = len(done_units) == len(plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
+        if plan.mode != "replay":
+            state.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
-            lease.check()
-            if after_commit is not None:
-                after_commit(store, run_id, plan, lease)
-            store.write_json(store.run_state(run_id, COMMITTED), {"run_id": run_id, "at": _iso(datetime.now(UTC))})
+            state.commit_run(watermark_to=watermark_to(plan))
     except LeaseLostError:
         write_report = False  # the attempt that fenced us off owns the report now
         raise
@@ -320,113 +248,162 @@ def _run(
         report.finished_at = datetime.now(UTC).isoformat()
         report.wall_s = round(time.monotonic() - t0, 3)
         report.throughput_rows_per_s = round(report.rows_this_attempt / report.wall_s, 2) if report.wall_s else 0.0
-        run_metrics.finish(report)
         try:
-            if write_report and not lease.lost:
-                store.write_json(store.report_file(run_id), report.to_dict())
+            if write_report:
+                _fold_report(state, report, attempt, replay=mode == "replay")
+            run_metrics.finish(report)
+            if write_report and not state.lease.lost:
+                state.save_attempt(attempt)
+                state.write_report(report)
         finally:
-            lease.release()
+            state.release()
     return report
 
 
-def _input_plan(config: PipelineConfig, mode: str, window: DeltaWindow | None) -> _Plan:
+def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, replay: bool) -> None:
+    """The report's figures: rows from the table (committed only), calls from every attempt.
+
+    A replay's rows replace another run's dead letters, so its rows are what its attempts
+    committed."""
+    attempts = [*state.earlier_attempts(), attempt]
+    report.fold_attempts(attempts)
+    if replay:
+        counts: Counter[str] = Counter()
+        for a in attempts:
+            counts.update(a.ledger())
+        report.apply_ledger(dict(counts))
+    else:
+        report.apply_ledger(state.ledger())
+    report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
+
+
+_FAR_FUTURE = datetime(9999, 12, 31, tzinfo=UTC)
+
+
+def _on_bad_shard(config: PipelineConfig, mode: str) -> Literal["fail", "record"]:
+    """A daily records bad shards by default (a bad shard must not hold the others back)."""
+    assert config.input is not None
+    return config.input.on_bad_shard or ("record" if mode == "daily" else "fail")
+
+
+def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: datetime | None = None) -> Plan:
+    """A backfill plans every shard whole. A daily plans the files no run has read whole yet
+    (new ones, and those whose size or ETag changed), whole, whatever their rows' updated_at;
+    with `since`, also the files already read, for their rows updated after `since`."""
     if config.input is None:
         raise ConfigError(f"a {mode} run needs input.uri")
-    shards = list_shards(config.input.uri, format=config.input.format)
-    seen = PlanObservations()
-    if window is not None and config.input.updated_at_partition:
-        shards = prune_partitions(shards, config.input.updated_at_partition, window, seen)
-    units, bad = plan_units(
-        shards,
-        unit_rows=config.input.unit_rows,
-        columns=_columns(config),
-        need_updated_at=window is not None,
-        on_bad_shard=config.input.on_bad_shard,
-        window=window,
-        observations=seen,
-    )
+    listing = list_input(config.input.uri, format=config.input.format, quarantined=state.quarantined())
+    seen = PlanObservations(limit=datetime.now(UTC) + timedelta(seconds=config.input.max_future_skew_s))
+    whole, windowed = listing.shards, list[tuple[str, ShardFormat]]()
+    files: Counter[str] = Counter()
+    if mode == "daily":
+        read_before = state.files_seen()
+        whole = []
+        for shard, fmt in listing.shards:
+            before = read_before.get(shard)
+            kind = "new" if before is None else "changed" if before != listing.fingerprints[shard] else "unchanged"
+            files[kind] += 1
+            (windowed if kind == "unchanged" else whole).append((shard, fmt))
+        if since is not None and config.input.updated_at_partition:
+            windowed = prune_partitions(
+                windowed, config.input.updated_at_partition, DeltaWindow(since, _FAR_FUTURE), seen
+            )
+    else:
+        files["new"] = len(whole)
+    common: dict[str, Any] = {
+        "unit_rows": config.input.unit_rows,
+        "columns": _columns(config),
+        "on_bad_shard": _on_bad_shard(config, mode),
+        "observations": seen,
+        "fingerprints": listing.fingerprints,
+    }
+    units, bad = plan_units(whole, **common)
+    if since is not None and windowed:
+        more, more_bad = plan_units(windowed, need_updated_at=True, window=DeltaWindow(since, _FAR_FUTURE), **common)
+        units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
+        bad += more_bad
     logger.info(
-        "planned %d units over %d shards (%d bad; %d row groups and %d shards pruned by the window)",
+        "planned %d units: %d files new, %d changed, %d read before%s; %d skipped, %d bad",
         len(units),
-        len(shards),
+        files["new"],
+        files["changed"],
+        files["unchanged"],
+        f" (rows updated after {since.isoformat()} re-read)" if since is not None else " (not read)",
+        len(listing.skipped),
         len(bad),
-        seen.row_groups_pruned,
-        seen.shards_pruned,
     )
-    observations = seen.to_dict()
-    if mode == "backfill":
-        # What a daily after this backfill may start from: the input as it was read.
-        observations["read_as_of"] = observations["max_updated_at"] or _iso(datetime.now(UTC))
-    return _Plan(mode, config.input.uri, units, bad, window, observations=observations)
+    if seen.future_row_groups:
+        logger.warning(
+            "%d row group(s) hold updated_at beyond now + %s s (e.g. a 9999-12-31 sentinel): inferred, but "
+            "they do not move the watermark",
+            seen.future_row_groups,
+            config.input.max_future_skew_s,
+        )
+    observations = {**seen.to_dict(), "files": dict(files), "skipped_files": listing.skipped}
+    # What the input was read as of (the latest updated_at not in the future, else now): the watermark.
+    observations["read_as_of"] = observations["max_updated_at"] or _iso(datetime.now(UTC))
+    window = None if since is None else DeltaWindow(since, _FAR_FUTURE)
+    return Plan(mode, config.input.uri, units, bad, window, observations=observations)
 
 
-def _retry_bad_shards(config: PipelineConfig, plan: _Plan) -> _Plan:
+def _retry_bad_shards(config: PipelineConfig, plan: Plan) -> Plan:
     """Plans again the shards an earlier attempt recorded as bad: a fixed shard joins the run."""
     assert config.input is not None
     shards = [(b["shard"], b["format"]) for b in plan.bad_shards]
+    listing = list_input(config.input.uri, format=config.input.format)
     units, bad = plan_units(
-        shards,  # type: ignore[arg-type]
+        [(shard, fmt) for shard, fmt in shards if shard in listing.fingerprints],  # type: ignore[misc]
         unit_rows=config.input.unit_rows,
         columns=_columns(config),
-        need_updated_at=plan.window is not None,
         on_bad_shard="record",
-        window=plan.window,
+        fingerprints=listing.fingerprints,
     )
+    gone = [b for b in plan.bad_shards if b["shard"] not in listing.fingerprints]
+    bad += [{**b, "error": "the shard is gone from the input"} for b in gone]
     if units:
         logger.info("%d shard(s) recorded as bad are readable now: %d units added", len(shards) - len(bad), len(units))
-    return _Plan(plan.mode, plan.input, plan.units + units, bad, plan.window, plan.replay_of, plan.observations)
-
-
-WATERMARK = "watermark.json"
-
-
-def _advance_watermark(store: OutputStore, lease: Lease, to: datetime, run_id: str) -> None:
-    """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps it)."""
-    mark = store.read_json_or_none(store.state(WATERMARK))
-    current = _parse(mark["updated_at"]) if mark else None
-    if current is not None and to <= current:
-        logger.info("watermark stays at %s (this run reached %s)", current.isoformat(), to.isoformat())
-        return
-    lease.check()
-    store.write_json(store.state(WATERMARK), {"updated_at": _iso(to), "run_id": run_id})
-    logger.info("watermark advanced to %s", to.isoformat())
+    return Plan(
+        plan.mode,
+        plan.input,
+        plan.units + units,
+        bad,
+        plan.window,
+        plan.replay_of,
+        plan.observations,
+        plan.model_version,
+    )
 
 
 def backfill(config: PipelineConfig) -> RunReport:
     """Infers every row of the input; resumable by run id.
 
-    Once complete, it moves the daily watermark to the point its input was read as of.
+    Once complete, the files it read are recorded as seen (a daily after it reads only new and
+    changed files) and the watermark moves to the point its input was read as of.
     """
+    return _run(
+        config,
+        "backfill",
+        lambda state: _input_plan(config, "backfill", state),
+        watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
+    )
 
-    def advance(store: OutputStore, run_id: str, plan: _Plan, lease: Lease) -> None:
-        as_of = _parse((plan.observations or {}).get("read_as_of"))
-        if as_of is not None:
-            _advance_watermark(store, lease, as_of, run_id)
 
-    return _run(config, "backfill", lambda store, run_id: _input_plan(config, "backfill", None), after_commit=advance)
+def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport:
+    """Infers every row of the input files no run has read whole yet (new files, and files
+    whose size or ETag changed), whatever their `updated_at`: late files are not lost.
 
-
-def daily(config: PipelineConfig, *, until: datetime | None = None) -> RunReport:
-    """Infers rows new or changed since the watermark, as a new partition.
-
-    The watermark moves only when every unit is committed and every shard was read.
+    `since` also re-reads the files already read, for their rows updated after it (a rerun
+    over an earlier window). Files of bad shards are retried by every daily until they read
+    or are quarantined; the healthy ones are recorded as read and not read again.
     """
-
-    def make_plan(store: OutputStore, run_id: str) -> _Plan:
-        mark = store.read_json_or_none(store.state(WATERMARK))
-        after = _parse(mark["updated_at"]) if mark else None
-        end = until or datetime.now(UTC)
-        if end.tzinfo is None:
-            raise ConfigError("daily: `until` must be timezone-aware")
-        if after is not None and end <= after:
-            raise ConfigError(f"daily: until {end.isoformat()} is not after the watermark {after.isoformat()}")
-        return _input_plan(config, "daily", DeltaWindow(after, end))
-
-    def advance(store: OutputStore, run_id: str, plan: _Plan, lease: Lease) -> None:
-        assert plan.window is not None
-        _advance_watermark(store, lease, plan.window.until, run_id)
-
-    return _run(config, "daily", make_plan, after_commit=advance)
+    if since is not None and since.tzinfo is None:
+        raise ConfigError("daily: `since` must be timezone-aware")
+    return _run(
+        config,
+        "daily",
+        lambda state: _input_plan(config, "daily", state, since=since),
+        watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
+    )
 
 
 def replay_run_id(store: OutputStore, of_run: str) -> str:
@@ -439,68 +416,37 @@ def replay_run_id(store: OutputStore, of_run: str) -> str:
         names = []
     prefix = f"{of_run}.replay-"
     numbers = sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit())
-    if numbers and store.read_json_or_none(store.run_state(f"{prefix}{numbers[-1]}", COMMITTED)) is None:
+    if numbers and not OutcomeTable(store.uri).is_committed(f"{prefix}{numbers[-1]}"):
         return f"{prefix}{numbers[-1]}"
     return f"{prefix}{(numbers[-1] + 1) if numbers else 1}"
 
 
 def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
-    """Re-infers run `of_run`'s dead letters and merges the answers into its results.
+    """Re-infers run `of_run`'s committed dead letters; each unit's commit replaces them with
+    what they became (results, or dead letters again), so an id is never in both sets.
 
     Its run id defaults to `<of_run>.replay-<n>`: the latest unfinished replay of that run is
-    resumed, else a new one starts. It snapshots the dead-letter files when planned, infers
-    from the snapshots, and commits each unit as: the recovered rows into
-    `results/run=<of_run>/<file>.r<n>.parquet`, then the dead-letter file rewritten to the rows
-    that still fail, then the marker.
+    resumed, else a new one starts. A resumed replay reads the dead letters still committed,
+    so rows already replayed are not sent again.
     """
     store = OutputStore(config.output.uri)
     if config.run_id is None:
         config = config.model_copy(update={"run_id": replay_run_id(store, of_run)})
     assert config.run_id is not None
-    number = config.run_id.rsplit("-", 1)[-1]
-    suffix = f".r{number}" if number.isdigit() else f".{config.run_id}"
 
-    def make_plan(store: OutputStore, run_id: str) -> _Plan:
-        files = store.list_files(store.path("dead_letters", f"run={of_run}"), ".parquet")
-        if not files and store.read_json_or_none(store.report_file(of_run)) is None:
-            raise ConfigError(f"no run {of_run!r} at {store.uri}")
-        units = []
-        for path in files:
-            stem = path.rsplit("/", 1)[-1].removesuffix(".parquet")
-            snapshot = store.run_state(run_id, "inputs", f"{stem}.parquet")
-            store.write_bytes(snapshot, store.read_bytes(path))
-            rows = store.read_parquet(snapshot, columns=["id"]).num_rows
-            units.append(WorkUnit(store.full_uri(snapshot), "dead_letters", 0, rows, name=f"{stem}{suffix}"))
-        return _Plan("replay", None, units, [], None, replay_of=of_run)
+    def make_plan(state: RunState) -> Plan:
+        table = OutcomeTable(config.output.uri)
+        if not table.exists():
+            raise ConfigError(f"no run {of_run!r} at {config.output.uri}")
+        rows = read_outcomes(config.output.uri, of_run, columns=["unit", "outcome"])
+        if rows.num_rows == 0 and store.read_json_or_none(store.report_file(of_run)) is None:
+            raise ConfigError(f"no run {of_run!r} at {config.output.uri}")
+        dead = rows.filter(pc.equal(rows.column("outcome"), "dead_letter"))
+        counts = Counter(dead.column("unit").to_pylist())
+        units = [
+            WorkUnit(config.output.uri, "dead_letters", 0, n, name=u, source_run=of_run)
+            for u, n in sorted(counts.items())
+        ]
+        return Plan("replay", None, units, [], None, replay_of=of_run)
 
-    def sources(plan: _Plan) -> dict[str, str]:
-        return {u.key: u.key.removesuffix(suffix) for u in plan.units}
-
-    return _run(config, "replay", make_plan, results_run_id=lambda run_id, plan: of_run, replaces=sources)
-
-
-def gc(output: str, *, older_than_days: float = 7.0, now: datetime | None = None) -> dict[str, int]:
-    """Removes the unit state (markers, snapshots, plans) of runs committed more than
-    `older_than_days` ago; their reports (`runs/<id>.json`) and `COMMITTED.json` stay, so a
-    rerun of such a run id still does nothing. Unfinished runs are never touched."""
-    store = OutputStore(output)
-    limit = (now or datetime.now(UTC)).timestamp() - older_than_days * 86400
-    removed = {"runs": 0, "files": 0}
-    try:
-        store.fs.invalidate_cache(store.path(STATE_DIR, "runs"))
-        run_dirs = store.fs.ls(store.path(STATE_DIR, "runs"), detail=False)
-    except FileNotFoundError:
-        return removed
-    for run_dir in run_dirs:
-        run_id = run_dir.rsplit("/", 1)[-1]
-        mark = store.read_json_or_none(store.run_state(run_id, COMMITTED))
-        at = _parse(mark.get("at")) if mark else None
-        if at is None or at.timestamp() > limit:
-            continue
-        doomed = [p for sub in ("units", "started", "inputs") for p in store.list_files(store.run_state(run_id, sub))]
-        doomed += [store.run_state(run_id, "plan.json")]
-        for path in doomed:
-            store.delete(path)
-        removed["runs"] += 1
-        removed["files"] += len(doomed)
-    return removed
+    return _run(config, "replay", make_plan, results_run_id=lambda run_id, plan: of_run)

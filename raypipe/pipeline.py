@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -25,7 +26,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from raypipe.actor import ActorSettings, InferenceActor
 from raypipe.config import ActorPoolConfig, default_max_actors
-from raypipe.errors import InputError
+from raypipe.errors import InputError, ShardChangedError
 from raypipe.report import UnitStats
 from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, marker_block, read_unit, unit_block_schema
 
@@ -35,15 +36,17 @@ logger = logging.getLogger("raypipe")
 
 
 def _read_block(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None, on_bad_shard: str) -> list[pa.Table]:
+    if unit.since is not None:  # a daily's --since over a file read before: only its newer rows
+        window = DeltaWindow(datetime.fromisoformat(unit.since), datetime(9999, 12, 31, tzinfo=UTC))
     try:
         table = read_unit(unit, columns, window)
     except (OSError, pa.ArrowException, InputError, ValueError) as e:
         message = f"{type(e).__name__}: {e}"
-        if on_bad_shard == "fail":
+        if on_bad_shard == "fail" and not isinstance(e, ShardChangedError):  # a rewrite is no corruption
             raise InputError(f"cannot read rows {unit.row_start}..{unit.row_stop}: {message}", shard=unit.shard) from e
-        return [marker_block(unit, with_updated_at=window is not None, error=message)]
+        return [marker_block(unit, error=message)]
     if table.num_rows == 0:
-        return [marker_block(unit, with_updated_at=window is not None, error=None)]
+        return [marker_block(unit, error=None)]
     return [table]
 
 
@@ -71,7 +74,7 @@ class UnitDatasource(Datasource):
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
     ) -> list[ReadTask]:
-        schema = unit_block_schema(self._window is not None)
+        schema = unit_block_schema()
         return [
             ReadTask(
                 functools.partial(_read_block, unit, self._columns, self._window, self._on_bad_shard),
@@ -86,7 +89,10 @@ class UnitDatasource(Datasource):
 class UnitResult:
     unit: str
     error: str | None
+    """The shard could not be read (recorded, not committed)."""
     stats: UnitStats | None
+    fatal: str | None = None
+    """JSON of the error (circuit_open, lease_lost) that stopped the unit: the run must stop."""
 
 
 def run_units(
@@ -134,4 +140,4 @@ def run_units(
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         for row in batch.to_pylist():
             stats = None if row["summary"] is None else UnitStats.from_dict(json.loads(row["summary"]))
-            yield UnitResult(row["unit"], row["error"], stats)
+            yield UnitResult(row["unit"], row["error"], stats, row["fatal"])

@@ -17,7 +17,7 @@ from typing import Any
 
 from ddsketch import DDSketch
 
-__all__ = ["LATENCY_RELATIVE_ERROR", "LatencySketch", "RunReport", "UnitStats"]
+__all__ = ["LATENCY_RELATIVE_ERROR", "AttemptStats", "LatencySketch", "RunReport", "UnitStats"]
 
 #: Relative error of every latency quantile the report states: the sketch answers a value
 #: within this fraction of the exact order statistic (DDSketch's guarantee).
@@ -125,6 +125,12 @@ class UnitStats:
     actor_stats: dict[str, Any] = field(default_factory=dict)
     """A snapshot of the actor's breaker and limiter when the unit was committed."""
     seconds: float = 0.0
+    commit_s: float = 0.0
+    """Time spent committing the unit (writing its file and the Delta commit)."""
+    committed: bool = True
+    """False when the unit was found committed already (a retried task) and nothing was written."""
+    copied: int = 0
+    """Rows answered without a call: their text had a committed answer, or another row's."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -140,6 +146,76 @@ class UnitStats:
         d["latency"] = LatencySketch.from_dict(d.get("latency"))
         d["dead_letter_kinds"] = Counter(d.get("dead_letter_kinds") or {})
         d["status_counts"] = Counter(d.get("status_counts") or {})
+        return cls(**d)
+
+
+@dataclass
+class AttemptStats:
+    """What one attempt of a run did: its calls and the actors' breakers and limiters.
+
+    Folded from the unit summaries the actors stream back (also of units whose commit never
+    happened: a run the breaker stopped keeps its calls), saved at the attempt's end, and
+    summed over every attempt of the run into the report. O(actors) memory.
+    """
+
+    attempt: str = ""
+    units: int = 0
+    rows: int = 0
+    ok: int = 0
+    empty_text: int = 0
+    dead_letters: int = 0
+    dead_letter_kinds: Counter[str] = field(default_factory=Counter)
+    copied: int = 0
+    calls: int = 0
+    status_counts: Counter[str] = field(default_factory=Counter)
+    retries: int = 0
+    canaries: int = 0
+    commit_s: float = 0.0
+    latency: LatencySketch = field(default_factory=LatencySketch)
+    actors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each actor's latest breaker/limiter snapshot."""
+
+    def add(self, u: UnitStats) -> None:
+        self.units += 1
+        self.rows += u.rows
+        if u.committed:
+            self.ok += u.ok
+            self.empty_text += u.empty_text
+            self.dead_letters += u.dead_letters
+            self.dead_letter_kinds.update(u.dead_letter_kinds)
+            self.copied += u.copied
+        self.calls += u.calls
+        self.status_counts.update(u.status_counts)
+        self.retries += u.retries
+        self.canaries += u.canaries
+        self.commit_s += u.commit_s
+        self.latency.merge(u.latency)
+        if u.actor_stats:
+            prev = self.actors.get(u.actor)
+            if prev is None or u.actor_stats.get("seq", 0) >= prev.get("seq", 0):
+                self.actors[u.actor] = u.actor_stats
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["latency"] = self.latency.to_dict()
+        d["status_counts"] = dict(self.status_counts)
+        d["dead_letter_kinds"] = dict(self.dead_letter_kinds)
+        return d
+
+    def ledger(self) -> dict[str, int]:
+        """The rows this attempt committed, in `raypipe.outcomes.ledger`'s form (replays, whose
+        rows replace another run's, count what they committed this way)."""
+        counts = {"result:ok": self.ok, "result:empty_text": self.empty_text}
+        counts.update({f"dead_letter:{k}": v for k, v in self.dead_letter_kinds.items()})
+        return counts
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AttemptStats:
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["latency"] = LatencySketch.from_dict(d.get("latency"))
+        d["status_counts"] = Counter(d.get("status_counts") or {})
+        d["dead_letter_kinds"] = Counter(d.get("dead_letter_kinds") or {})
         return cls(**d)
 
 
@@ -160,14 +236,11 @@ class RunReport:
     units_committed: int = 0
     units_skipped_committed: int = 0
     """Units found committed by an earlier attempt of this run and not redone."""
-    units_redone: int = 0
-    """Units an earlier attempt had started but not committed, processed again."""
     rows_in: int = 0
     rows_ok: int = 0
     rows_empty_text: int = 0
     rows_dead_letters: int = 0
     rows_skipped_committed: int = 0
-    rows_redone: int = 0
     rows_this_attempt: int = 0
     dead_letter_kinds: dict[str, int] = field(default_factory=dict)
     calls: int = 0
@@ -184,7 +257,14 @@ class RunReport:
     latency_relative_error: float = LATENCY_RELATIVE_ERROR
     """Each `latency_ms` quantile is within this fraction of the exact one (max is exact)."""
     throughput_rows_per_s: float = 0.0
+    commit_s: float = 0.0
+    """Seconds the actors spent committing units (summed over actors and attempts)."""
+    rows_copied: int = 0
+    """Rows answered without a call: their text already had a committed answer of this model
+    version (a paragraph whose metadata changed), or another row of the unit had the same text."""
     bad_shards: list[dict[str, str]] = field(default_factory=list)
+    skipped_files: list[dict[str, str]] = field(default_factory=list)
+    """Files under the input that were not read, with why (hidden, unknown extension, quarantined)."""
     window: dict[str, str | None] | None = None
     replay_of: str | None = None
     planning: dict[str, Any] | None = None
@@ -202,35 +282,23 @@ class RunReport:
     def rows_results(self) -> int:
         return self.rows_ok + self.rows_empty_text
 
-    def merge_units(self, units: Iterable[UnitStats]) -> None:
-        """Totals over every committed unit, whichever attempt committed it.
-
-        One pass over any iterable, keeping O(actors) state, so 50k units' summaries can be
-        streamed from their markers without holding them.
-        """
-        count = 0
-        kinds: Counter[str] = Counter()
+    def fold_attempts(self, attempts: Iterable[AttemptStats]) -> None:
+        """Call statistics summed over every attempt of the run (this one and earlier ones)."""
         statuses: Counter[str] = Counter()
         latency = LatencySketch()
-        actors: dict[tuple[str, str], dict[str, Any]] = {}
-        for u in units:
-            count += 1
-            self.rows_in += u.rows
-            self.rows_ok += u.ok
-            self.rows_empty_text += u.empty_text
-            self.rows_dead_letters += u.dead_letters
-            kinds.update(u.dead_letter_kinds)
-            statuses.update(u.status_counts)
-            self.calls += u.calls
-            self.retries += u.retries
-            self.canaries += u.canaries
-            latency.merge(u.latency)
-            if u.actor_stats:
-                key = (u.attempt, u.actor)
-                if key not in actors or u.actor_stats.get("seq", 0) >= actors[key].get("seq", 0):
-                    actors[key] = u.actor_stats
-        self.units_committed = count
-        self.dead_letter_kinds = dict(kinds)
+        actors: list[dict[str, Any]] = []
+        self.calls = self.retries = self.canaries = self.rows_copied = 0
+        self.commit_s = 0.0
+        for a in attempts:
+            self.rows_copied += a.copied
+            statuses.update(a.status_counts)
+            self.calls += a.calls
+            self.retries += a.retries
+            self.canaries += a.canaries
+            self.commit_s += a.commit_s
+            latency.merge(a.latency)
+            actors += a.actors.values()
+        self.commit_s = round(self.commit_s, 3)
         self.status_counts = dict(statuses)
         self.latency_ms = {  # a quantile within the sketch's error may pass the exact max: cap it
             name: None if (p := latency.quantile(q)) is None else round(min(p, latency.max or p) * 1000, 3)
@@ -238,11 +306,11 @@ class RunReport:
         }
         self.latency_ms["max"] = None if latency.max is None else round(latency.max * 1000, 3)
         self.latency_relative_error = latency.relative_accuracy
-        breakers = [a["breaker"] for a in actors.values() if "breaker" in a]
+        breakers = [a["breaker"] for a in actors if "breaker" in a]
         self.breaker_openings = sum(b["openings"] for b in breakers)
         self.breaker_time_open_s = round(sum(b["time_open_s"] for b in breakers), 3)
         self.breaker_probes = sum(b["probes"] for b in breakers)
-        limiters = [a["limiter"] for a in actors.values() if "limiter" in a]
+        limiters = [a["limiter"] for a in actors if "limiter" in a]
         if limiters:
             self.limiter = {
                 "actors": len(limiters),
@@ -250,6 +318,14 @@ class RunReport:
                 "max": max(x["max"] for x in limiters),
                 "final": [x["final"] for x in limiters],
             }
+
+    def apply_ledger(self, counts: dict[str, int]) -> None:
+        """Row counts from the run's committed rows in the table (`raypipe.outcomes.ledger`)."""
+        self.rows_ok = counts.get("result:ok", 0)
+        self.rows_empty_text = counts.get("result:empty_text", 0)
+        self.dead_letter_kinds = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dead_letter:")}
+        self.rows_dead_letters = sum(self.dead_letter_kinds.values())
+        self.rows_in = self.rows_results + self.rows_dead_letters
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -265,11 +341,11 @@ class RunReport:
             f"  rows          in {self.rows_in:,} | results {self.rows_results:,} "
             f"(ok {self.rows_ok:,}, empty text {self.rows_empty_text:,}) | dead letters {self.rows_dead_letters:,}",
             f"  units         {self.units_committed:,}/{self.units_total:,} committed"
-            f" | skipped as committed {self.units_skipped_committed:,} ({self.rows_skipped_committed:,} rows)"
-            f" | redone {self.units_redone:,} ({self.rows_redone:,} rows)",
+            f" | skipped as committed {self.units_skipped_committed:,} ({self.rows_skipped_committed:,} rows)",
             f"  throughput    {self.throughput_rows_per_s:,.1f} rows/s over {self.wall_s:,.1f} s"
-            f" ({self.rows_this_attempt:,} rows this attempt)",
-            f"  calls         {self.calls:,} (retries {self.retries:,}) | latency ms p50 {self.latency_ms.get('p50')}"
+            f" ({self.rows_this_attempt:,} rows this attempt) | commits {self.commit_s:,.1f} s",
+            f"  calls         {self.calls:,} (retries {self.retries:,}; rows answered without a call"
+            f" {self.rows_copied:,}) | latency ms p50 {self.latency_ms.get('p50')}"
             f" p95 {self.latency_ms.get('p95')} p99 {self.latency_ms.get('p99')} max {self.latency_ms.get('max')}"
             f" (quantiles ±{self.latency_relative_error:.0%})",
             f"  breaker       openings {self.breaker_openings} | open {self.breaker_time_open_s:.1f} s"
@@ -288,6 +364,21 @@ class RunReport:
             )
         if self.window:
             lines.append(f"  window        updated_at in ({self.window.get('after')}, {self.window.get('until')}]")
+        files = (self.planning or {}).get("files")
+        if files:
+            lines.append(
+                f"  input files   new {files.get('new', 0):,} | changed {files.get('changed', 0):,}"
+                f" | read before {files.get('unchanged', 0):,} | skipped {len(self.skipped_files):,}"
+            )
+        future = (self.planning or {}).get("future_row_groups")
+        if future:
+            lines.append(
+                f"  future dates  {future:,} row group(s) with updated_at beyond now + skew (watermark unmoved)"
+            )
+        for skipped in self.skipped_files[:20]:
+            lines.append(f"  SKIPPED       {skipped['path']}: {skipped['reason']}")
+        if len(self.skipped_files) > 20:
+            lines.append(f"  SKIPPED       ... and {len(self.skipped_files) - 20:,} more (in the JSON report)")
         for bad in self.bad_shards:
             lines.append(f"  BAD SHARD     {bad['shard']}: {bad['error']}")
         return "\n".join(lines)

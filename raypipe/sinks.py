@@ -1,169 +1,446 @@
-"""Results, dead letters and the unit commit protocol.
+"""The outcomes table and the unit commit protocol.
 
-The protocol lives here, in `UnitCommitter`, and nowhere else: the inference actor hands it a
-unit's tables and summary. Before any write it checks the run's lease fence
-(`raypipe.lease.Fence`), so an attempt fenced off by a newer one stops before its next write.
-A unit's outcome is then committed in three atomic writes, in this order:
+Every run's results and dead letters live in one **Delta Lake** table, `OUTPUT/outcomes/`,
+written and read through `deltalake` (delta-rs): Parquet files plus a transaction log, so
+every reader that goes through the log (DuckDB `delta_scan`, Spark, Athena, Trino,
+`raypipe.read_outcomes`) sees only committed data. One row per input row and run, with an
+`outcome` column (`result` or `dead_letter`); partitioned by `run_id`.
 
-1. `results/run=R/<unit>.parquet`: one row per input row that was answered or was bad input
-   (`status` says which), or the file is removed if there is none;
-2. `dead_letters/run=R/<unit>.parquet`: one row per input row that still failed, with the
-   error kind, gRPC status, attempts and last message (and its text, so a replay needs no
-   access to the input), or the file is removed if there is none;
-3. `_raypipe/runs/R/units/<unit>.json`: the commit marker, the unit's summary and the lease
-   generation that wrote it.
+A unit is committed in **one** Delta commit (`UnitCommitter.commit`): its results and dead
+letters become visible together, or not at all. Files a failed or fenced-off commit wrote
+are in no commit, so no reader sees them (`raypipe vacuum` removes them).
 
-File names depend only on the unit, so a unit redone after a crash overwrites its own files,
-and step 1-2 remove a stale file the earlier attempt may have left. Hence a crash at any point
-neither loses nor duplicates a row: without the marker the unit is redone in full; with it,
-both files are final. Ray Data's `CheckpointConfig` was not used because it records ids after
-the write, and a crash between the two duplicates rows (see README, "Resume").
+**Fencing is the table's own concurrency control**, not a check before a write. Each run id
+owns `SLOTS` application transactions (Delta `txn` actions, app id `raypipe/<run>/slot-<k>`).
+A new attempt takes over by committing its generation to every slot (`take_over`). A unit
+commit carries the slot of its unit with the writer's generation and is built on a snapshot
+in which that slot still holds that generation; Delta's conflict checker rejects a commit
+whose application transaction was set by any commit after its snapshot. So once the takeover
+is in the log, every commit of an older generation fails (`LeaseLostError`), however long it
+was stalled, and there is no window between a check and a write. Slots (rather than one app
+id per run) let an attempt's actors commit side by side: two commits conflict only when
+their units share a slot, and then the later one retries on a fresh snapshot.
+
+A unit also carries its own transaction (`raypipe/<run>/unit/<unit>`), so a unit committed
+twice in one generation (a Ray task retried after its actor died past the commit) is
+committed once: the retry sees the unit's transaction and skips. Each unit writes one data
+file whose `unit` column holds the unit key, so the committed units of a run are read from
+the log's file statistics alone (`committed_units`), without reading data.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import random
 import re
-from collections.abc import Iterable, Iterator
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from raypipe.lease import Fence
-from raypipe.report import UnitStats
-from raypipe.store import OutputStore
+from raypipe.errors import LeaseLostError, OutputPermissionError, SinkError
 
 __all__ = [
-    "DEAD_LETTER_SCHEMA",
+    "OUTCOME_DEAD_LETTER",
+    "OUTCOME_RESULT",
     "RESULT_STATUS_EMPTY",
     "RESULT_STATUS_OK",
+    "SLOTS",
+    "TABLE_DIR",
+    "OutcomeTable",
+    "TableFence",
     "UnitCommitter",
-    "committed_keys",
-    "committed_units",
-    "iter_committed",
     "label_column",
-    "results_schema",
+    "outcome_schema",
+    "storage_options",
+    "text_hashes",
 ]
 
+logger = logging.getLogger("raypipe")
+
+TABLE_DIR = "outcomes"
+OUTCOME_RESULT = "result"
+OUTCOME_DEAD_LETTER = "dead_letter"
 RESULT_STATUS_OK = "ok"
 RESULT_STATUS_EMPTY = "empty_text"
+SLOTS = 16
+"""Fencing slots per run id: unit commits of one attempt conflict only within a slot."""
 
 _TS = pa.timestamp("us", tz="UTC")
-
-DEAD_LETTER_SCHEMA = pa.schema(
-    [
-        pa.field("id", pa.string()),
-        pa.field("error_kind", pa.string()),
-        pa.field("grpc_status", pa.string()),
-        pa.field("attempts", pa.int32()),
-        pa.field("message", pa.string()),
-        pa.field("failed_at", _TS),
-        pa.field("run_id", pa.string()),
-        pa.field("text", pa.string()),
-        pa.field("updated_at", _TS),
-        pa.field("source", pa.string()),
-        pa.field("row", pa.int64()),
-    ]
-)
+# Columns before the labels' probabilities, so Delta's per-file statistics (first 32 columns)
+# always cover `unit` (the committed-units listing) and `updated_at` / `inferred_at`.
+_HEAD = [
+    pa.field("id", pa.string()),
+    pa.field("outcome", pa.string()),
+    pa.field("unit", pa.string()),
+    pa.field("run_id", pa.string()),
+    pa.field("status", pa.string()),
+    pa.field("error_kind", pa.string()),
+    pa.field("model_version", pa.string()),
+    pa.field("updated_at", _TS),
+    pa.field("inferred_at", _TS),
+    pa.field("text_hash", pa.int64()),
+    pa.field("top_label", pa.string()),
+    pa.field("top_score", pa.float32()),
+    pa.field("truncated", pa.bool_()),
+]
+_TAIL = [
+    pa.field("grpc_status", pa.string()),
+    pa.field("attempts", pa.int32()),
+    pa.field("message", pa.string()),
+    pa.field("text", pa.string()),
+    pa.field("source", pa.string()),
+    pa.field("row", pa.int64()),
+]
 
 
 def label_column(label: str) -> str:
-    """The results column of a label's probability: `prob_<label>`, SQL-safe."""
+    """The column of a label's probability: `prob_<label>`, SQL-safe."""
     return "prob_" + re.sub(r"[^0-9a-z]+", "_", label.lower()).strip("_")
 
 
-def results_schema(labels: tuple[str, ...]) -> pa.Schema:
-    return pa.schema(
+def outcome_schema(labels: tuple[str, ...] | list[str]) -> pa.Schema:
+    """One row per input row: a result (`status` ok / empty_text, probabilities) or a dead
+    letter (`error_kind`, `grpc_status`, `attempts`, `message`, and its `text` for replays)."""
+    return pa.schema([*_HEAD, *[pa.field(label_column(x), pa.float32()) for x in labels], *_TAIL])
+
+
+def text_hashes(texts: pa.Array | pa.ChunkedArray | list[str | None]) -> pa.Array:
+    """A 64-bit BLAKE2b of each text's UTF-8 bytes, as a signed int64 (null for a null text):
+    the key `raypipe.dedup` reuses answers by."""
+    values = texts if isinstance(texts, list) else texts.to_pylist()
+    return pa.array(
         [
-            pa.field("id", pa.string()),
-            pa.field("status", pa.string()),
-            *[pa.field(label_column(label), pa.float32()) for label in labels],
-            pa.field("top_label", pa.string()),
-            pa.field("top_score", pa.float32()),
-            pa.field("truncated", pa.bool_()),
-            pa.field("model_version", pa.string()),
-            pa.field("run_id", pa.string()),
-            pa.field("inferred_at", _TS),
-            pa.field("updated_at", _TS),
-            pa.field("source", pa.string()),
-            pa.field("row", pa.int64()),
-        ]
+            None
+            if t is None
+            else int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
+            for t in values
+        ],
+        pa.int64(),
     )
 
 
-class UnitCommitter:
-    """Commits units of one run attempt, fenced by its lease (picklable: it travels to actors)."""
+def storage_options(uri: str) -> dict[str, str] | None:
+    """delta-rs options for `uri` from the standard AWS environment (any S3-compatible endpoint)."""
+    if not uri.startswith("s3://"):
+        return None
+    opts = {"AWS_REGION": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["AWS_ENDPOINT_URL"] = endpoint
+        if endpoint.startswith("http://"):
+            opts["AWS_ALLOW_HTTP"] = "true"
+    return opts
 
-    def __init__(
-        self, store: OutputStore, run_id: str, *, fence: Fence | None, marker_run_id: str | None = None
-    ) -> None:
-        self.store = store
-        self.run_id = run_id
-        """The results partition written to (a replay writes into the run it replays)."""
-        self.marker_run_id = marker_run_id or run_id
-        """Where commit markers go (a replay keeps its own)."""
-        self.fence = fence
 
-    def _check(self) -> None:
-        if self.fence is not None:
-            self.fence.check(self.store)
+def _slot_app(run_id: str, slot: int) -> str:
+    return f"raypipe/{run_id}/slot-{slot}"
 
-    def mark_started(self, unit: str, attempt: str) -> None:
-        self._check()
-        self.store.write_bytes(self.store.run_state(self.marker_run_id, "started", unit), attempt.encode())
 
-    def commit(
-        self,
-        unit: str,
-        results: pa.Table,
-        dead_letters: pa.Table,
-        summary: dict[str, Any],
-        *,
-        replaces: str | None = None,
-    ) -> None:
-        """Commits one unit: results, dead letters, then the marker (see the module docstring).
+def _unit_app(run_id: str, unit: str) -> str:
+    return f"raypipe/{run_id}/unit/{unit}"
 
-        `replaces` names a dead-letter file of the same partition that this unit re-inferred
-        (a replay): it is rewritten to the rows that still fail, after the results are written,
-        so an id is never in neither set, and the moment it is in both is bounded by one write.
+
+def _done_app(run_id: str) -> str:
+    return f"raypipe/{run_id}/committed"
+
+
+def unit_slot(unit: str) -> int:
+    return int(hashlib.blake2b(unit.encode(), digest_size=2).hexdigest(), 16) % SLOTS
+
+
+@dataclass(frozen=True)
+class TableFence:
+    """What a writer needs to commit for its attempt (picklable: it travels to actors)."""
+
+    output_uri: str
+    run_id: str
+    generation: int
+
+
+def _commit_failed() -> type[Exception]:
+    from deltalake.exceptions import CommitFailedError
+
+    return CommitFailedError
+
+
+def _as_sink_error(e: Exception, uri: str) -> Exception:
+    text = str(e)
+    if "403" in text or "AccessDenied" in text or "Forbidden" in text:
+        return OutputPermissionError(f"the output refuses our credentials: {text}", path=uri)
+    return SinkError(f"cannot write the outcomes table: {text}", path=uri)
+
+
+class OutcomeTable:
+    """The Delta table under `OUTPUT/outcomes/`: creation, takeover, run completion, readers."""
+
+    def __init__(self, output_uri: str) -> None:
+        self.output_uri = output_uri.rstrip("/")
+        self.uri = f"{self.output_uri}/{TABLE_DIR}"
+        self._options = storage_options(self.uri)
+
+    def exists(self) -> bool:
+        from deltalake import DeltaTable
+
+        return bool(DeltaTable.is_deltatable(self.uri, storage_options=self._options))
+
+    def load(self) -> Any:
+        """The table at its latest version (`deltalake.DeltaTable`)."""
+        from deltalake import DeltaTable
+
+        try:
+            return DeltaTable(self.uri, storage_options=self._options)
+        except Exception as e:  # TableNotFoundError and the store's errors, all from delta-rs
+            if not self.exists():
+                raise SinkError(f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri) from e
+            raise _as_sink_error(e, self.uri) from e
+
+    def ensure(self, labels: tuple[str, ...]) -> None:
+        """Creates the table, or adds the columns of labels it does not have yet."""
+        from deltalake import DeltaTable, write_deltalake
+
+        schema = outcome_schema(labels)
+        try:
+            if not self.exists():
+                DeltaTable.create(
+                    self.uri,
+                    schema=schema,
+                    partition_by=["run_id"],
+                    mode="ignore",  # a concurrent creator wins: same schema
+                    storage_options=self._options,
+                    configuration={"delta.setTransactionRetentionDuration": "interval 90 days"},
+                )
+            dt = self.load()
+            have = set(pa.schema(dt.schema().to_arrow()).names)
+            if not set(schema.names) <= have:
+                write_deltalake(dt, schema.empty_table(), mode="append", schema_mode="merge", partition_by=["run_id"])
+        except (SinkError, OutputPermissionError):
+            raise
+        except Exception as e:
+            raise _as_sink_error(e, self.uri) from e
+
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema(self.load().schema().to_arrow())
+
+    def generation(self, run_id: str) -> int:
+        return int(self.load().transaction_version(_slot_app(run_id, 0)) or 0)
+
+    def take_over(self, run_id: str, *, holder: str = "") -> TableFence:
+        """Commits a new generation of `run_id` to every slot: older attempts are fenced off.
+
+        Two takers of the same generation cannot both win: the second commit's transactions
+        conflict with the first's, and it raises `LeaseLostError`.
         """
-        self._check()
-        dead_path = self.store.dead_letter_file(self.run_id, replaces or unit)
-        for table, path in ((results, self.store.results_file(self.run_id, unit)), (dead_letters, dead_path)):
-            if table.num_rows:
-                self.store.write_parquet(path, table)
-            else:
-                self.store.delete(path)
-        generation = None if self.fence is None else self.fence.generation
-        self.store.write_json(
-            self.store.run_state(self.marker_run_id, "units", f"{unit}.json"), {**summary, "generation": generation}
+        from deltalake import CommitProperties, Transaction
+
+        failed = _commit_failed()
+        for _ in range(20):
+            dt = self.load()
+            current = int(dt.transaction_version(_slot_app(run_id, 0)) or 0)
+            generation = current + 1
+            try:
+                dt.create_write_transaction(
+                    [],
+                    mode="append",
+                    schema=dt.schema(),
+                    partition_by=["run_id"],
+                    commit_properties=CommitProperties(
+                        app_transactions=[Transaction(_slot_app(run_id, s), generation) for s in range(SLOTS)],
+                        custom_metadata={"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder},
+                    ),
+                )
+                return TableFence(self.output_uri, run_id, generation)
+            except failed:
+                if self.generation(run_id) >= generation:
+                    raise LeaseLostError(
+                        f"another attempt of run {run_id} took over {self.uri} at the same moment (generation "
+                        f"{generation}); this one stops",
+                        holder=run_id,
+                        expires_at="?",
+                    ) from None
+                # A unit commit of the older attempt landed first: our slots' view is stale. Again.
+                time.sleep(random.uniform(0.01, 0.1))
+        raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=self.uri)
+
+    def is_committed(self, run_id: str) -> bool:
+        return self.exists() and self.load().transaction_version(_done_app(run_id)) is not None
+
+    def mark_committed(self, fence: TableFence, metadata: dict[str, str]) -> None:
+        """Records, fenced, that every unit of the run is committed (a rerun does nothing)."""
+        from deltalake import CommitProperties, Transaction
+
+        failed = _commit_failed()
+        for _ in range(50):
+            dt = self.load()
+            _check_generation(dt, fence, 0)
+            txns = [Transaction(_slot_app(fence.run_id, s), fence.generation) for s in range(SLOTS)]
+            try:
+                dt.create_write_transaction(
+                    [],
+                    mode="append",
+                    schema=dt.schema(),
+                    partition_by=["run_id"],
+                    commit_properties=CommitProperties(
+                        app_transactions=[*txns, Transaction(_done_app(fence.run_id), fence.generation)],
+                        custom_metadata={
+                            "raypipe.operation": "run-committed",
+                            "raypipe.run_id": fence.run_id,
+                            **metadata,
+                        },
+                    ),
+                )
+                return
+            except failed:
+                time.sleep(random.uniform(0.01, 0.2))
+        raise SinkError(f"could not record run {fence.run_id} as committed", path=self.uri)
+
+    def committed_units(self, run_id: str) -> set[str]:
+        """Units of `run_id` with committed rows, from the log's file statistics (no data read).
+
+        A unit committed with no rows has no file; it is listed again and its commit, finding
+        the unit's transaction, does nothing.
+        """
+        if not self.exists():
+            return set()
+        actions = pa.table(self.load().get_add_actions(flatten=True))
+        if actions.num_rows == 0 or "min.unit" not in actions.column_names:
+            return set()
+        mine = actions.filter(pc.equal(actions.column("partition.run_id"), run_id))
+        lo, hi = mine.column("min.unit").to_pylist(), mine.column("max.unit").to_pylist()
+        if any(a != b for a, b in zip(lo, hi, strict=True)):
+            raise SinkError(
+                f"run {run_id}'s files hold more than one unit each (compacted while it was unfinished?); "
+                "its progress cannot be read from the log",
+                path=self.uri,
+            )
+        return {u for u in lo if u is not None}
+
+
+_REPLACE_PREDICATE = (
+    "t.run_id = s.run_id AND t.unit = s.unit AND t.outcome = 'dead_letter' "
+    "AND t.id = s.id AND t.source = s.source AND t.row = s.row"
+)
+
+
+def _check_generation(dt: Any, fence: TableFence, slot: int) -> None:
+    current = int(dt.transaction_version(_slot_app(fence.run_id, slot)) or 0)
+    if current != fence.generation:
+        raise LeaseLostError(
+            f"run {fence.run_id}: this attempt (generation {fence.generation}) was fenced off by generation "
+            f"{current}; it stops writing",
+            holder=fence.run_id,
+            expires_at="?",
         )
 
 
-def committed_keys(store: OutputStore, run_id: str) -> set[str]:
-    """Keys of a run's committed units (one listing, no reads)."""
-    return {
-        p.rsplit("/", 1)[-1].removesuffix(".json") for p in store.list_files(store.run_state(run_id, "units"), ".json")
-    }
+class UnitCommitter:
+    """Commits units of one run attempt into the outcomes table (picklable: made on actors).
 
+    Commits of one committer are serialised (one `DeltaTable` per actor, kept up to date
+    incrementally); commits of several actors run side by side (see the module docstring).
+    """
 
-def iter_committed(store: OutputStore, run_id: str, keys: Iterable[str], chunk: int = 256) -> Iterator[UnitStats]:
-    """Streams the summaries of committed units, reading their markers `chunk` at a time."""
-    paths = [store.run_state(run_id, "units", f"{k}.json") for k in sorted(keys)]
-    for i in range(0, len(paths), chunk):
-        for _, summary in store.read_many_json(paths[i : i + chunk]):
-            yield UnitStats.from_dict(summary)
+    def __init__(self, fence: TableFence, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.fence = fence
+        self._table = OutcomeTable(fence.output_uri)
+        self._sleep = sleep
+        self._dt: Any = None
+        self._schema: pa.Schema | None = None
+        self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fence": self.fence}
 
-def committed_units(store: OutputStore, run_id: str) -> dict[str, dict[str, Any]]:
-    """Commit markers of a run: unit key -> the unit's summary (tests and small runs)."""
-    folder = store.run_state(run_id, "units")
-    markers = store.list_files(folder, ".json")
-    return {path.rsplit("/", 1)[-1].removesuffix(".json"): s for path, s in store.read_many_json(markers)}
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fence"])  # type: ignore[misc]
 
+    def _fresh(self) -> Any:
+        if self._dt is None:
+            self._dt = self._table.load()
+        else:
+            self._dt.update_incremental()
+        return self._dt
 
-def started_units(store: OutputStore, run_id: str) -> set[str]:
-    return {p.rsplit("/", 1)[-1] for p in store.list_files(store.run_state(run_id, "started"))}
+    def _conform(self, rows: pa.Table, schema: pa.Schema) -> pa.Table:
+        """The rows in the table's full schema (other labels' columns null)."""
+        n = rows.num_rows
+        columns = [
+            rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(n, f.type) for f in schema
+        ]
+        return pa.Table.from_arrays(columns, schema=schema)
+
+    def commit(self, unit: str, rows: pa.Table, *, replace_dead_letters: bool = False, max_tries: int = 50) -> bool:
+        """Commits one unit's rows (results and dead letters) in one Delta commit.
+
+        With `replace_dead_letters` (a replay) the rows replace, in the same commit, the
+        committed dead letters they re-inferred (same run, unit, id, source and row): each id
+        is a result or a dead letter of its run, never both, never neither.
+
+        Returns False if this generation had already committed the unit (nothing is written);
+        raises `LeaseLostError` once a newer attempt took over.
+        """
+        from deltalake import CommitProperties, Transaction, write_deltalake
+
+        failed = _commit_failed()
+        slot = unit_slot(unit)
+        run_id, generation = self.fence.run_id, self.fence.generation
+        with self._lock:
+            for attempt in range(max_tries):
+                try:
+                    dt = self._fresh()
+                    _check_generation(dt, self.fence, slot)
+                    if dt.transaction_version(_unit_app(run_id, unit)) is not None:
+                        return False
+                    if self._schema is None or attempt:
+                        self._schema = pa.schema(dt.schema().to_arrow())
+                    props = CommitProperties(
+                        app_transactions=[
+                            Transaction(_slot_app(run_id, slot), generation),
+                            Transaction(_unit_app(run_id, unit), generation),
+                        ],
+                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
+                    )
+                    if rows.num_rows and replace_dead_letters:
+                        (
+                            dt.merge(
+                                self._conform(rows, self._schema),
+                                predicate=_REPLACE_PREDICATE,
+                                source_alias="s",
+                                target_alias="t",
+                                commit_properties=props,
+                            )
+                            .when_matched_update_all()
+                            .execute()
+                        )
+                    elif rows.num_rows:
+                        write_deltalake(
+                            dt,
+                            self._conform(rows, self._schema),
+                            mode="append",
+                            partition_by=["run_id"],
+                            commit_properties=props,
+                        )
+                    else:
+                        dt.create_write_transaction(
+                            [], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props
+                        )
+                    return True
+                except failed:
+                    # Another commit of this slot or unit won: look again on a fresh snapshot
+                    # (a newer generation there fences us off above).
+                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))
+                except (LeaseLostError, SinkError):
+                    raise
+                except Exception as e:
+                    raise _as_sink_error(e, self._table.uri) from e
+        raise SinkError(f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri)
 
 
 def now_utc() -> datetime:

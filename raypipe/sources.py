@@ -17,6 +17,7 @@ a unit that cannot be read under `on_bad_shard="record"` becomes one marker row 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -33,14 +34,17 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from raypipe.errors import InputError, NoShardsError, SchemaError
+from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedError
 
 __all__ = [
     "ColumnNames",
     "DeltaWindow",
+    "InputListing",
     "PlanObservations",
     "ShardFormat",
     "WorkUnit",
+    "fingerprint",
+    "list_input",
     "list_shards",
     "plan_units",
     "prune_partitions",
@@ -89,8 +93,12 @@ class DeltaWindow:
 class PlanObservations:
     """What planning learnt from footers and paths, without reading any row."""
 
+    limit: datetime | None = None
+    """updated_at beyond this (now + the allowed clock skew) is in the future: counted, never a watermark."""
     max_updated_at: datetime | None = None
-    """Latest updated_at in the input (from row-group statistics), the point a backfill read it as of."""
+    """Latest updated_at in the input up to `limit` (row-group statistics): what it was read as of."""
+    future_row_groups: int = 0
+    """Row groups whose updated_at reaches beyond `limit` (a 9999-12-31 sentinel, a clock ahead)."""
     null_updated_at_rows: int = 0
     """Rows with a null updated_at in the shards planned (statistics); dailies skip them."""
     row_groups_total: int = 0
@@ -102,6 +110,7 @@ class PlanObservations:
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_updated_at": None if self.max_updated_at is None else self.max_updated_at.isoformat(),
+            "future_row_groups": self.future_row_groups,
             "null_updated_at_rows": self.null_updated_at_rows,
             "row_groups_total": self.row_groups_total,
             "row_groups_pruned": self.row_groups_pruned,
@@ -118,7 +127,13 @@ class WorkUnit:
     row_stop: int | None
     """Exclusive end; None for 'to the end of the file' (JSON lines)."""
     name: str | None = None
-    """Overrides the derived key (replays name units after the dead-letter file they redo)."""
+    """Overrides the derived key (a replay's unit is the unit of the dead letters it redoes)."""
+    source_run: str | None = None
+    """Replays: the run whose dead letters the unit re-infers (`shard` is then the output URI)."""
+    fingerprint: str | None = None
+    """The shard's `fingerprint` at planning: a shard rewritten since is not read (re-planned)."""
+    since: str | None = None
+    """Only rows updated after this instant (ISO; a daily's `--since` over files read before)."""
 
     @property
     def key(self) -> str:
@@ -140,12 +155,24 @@ class WorkUnit:
             "row_start": self.row_start,
             "row_stop": self.row_stop,
             "name": self.name,
+            "source_run": self.source_run,
+            "fingerprint": self.fingerprint,
+            "since": self.since,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WorkUnit:
         stop = None if d["row_stop"] is None else int(d["row_stop"])
-        return cls(d["shard"], d["format"], int(d["row_start"]), stop, d.get("name"))
+        return cls(
+            d["shard"],
+            d["format"],
+            int(d["row_start"]),
+            stop,
+            d.get("name"),
+            d.get("source_run"),
+            d.get("fingerprint"),
+            d.get("since"),
+        )
 
 
 def _filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -171,42 +198,79 @@ def _full_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def _shard_format(path: str, forced: str) -> ShardFormat | None:
     if forced != "auto":
         return forced  # type: ignore[return-value]
+    lower = path.lower()  # PART-0.PARQUET is Parquet too
     for ext, fmt in _EXTENSIONS.items():
-        if path.endswith(ext):
+        if lower.endswith(ext):
             return fmt
     return None
 
 
-def list_shards(uri: str, *, format: str = "auto") -> list[tuple[str, ShardFormat]]:
+def fingerprint(info: dict[str, Any]) -> str:
+    """A file's identity for "has it changed?": size and ETag on S3, size and mtime locally."""
+    tag = info.get("ETag") or info.get("etag") or info.get("VersionId") or info.get("mtime") or info.get("LastModified")
+    return f"{info.get('size')}:{str(tag).strip(chr(34))}"
+
+
+@dataclass
+class InputListing:
+    """What an input URI holds: the shards raypipe reads, and every file it skips, with why."""
+
+    shards: list[tuple[str, ShardFormat]]
+    fingerprints: dict[str, str]
+    """Shard URI -> `fingerprint` when listed (a shard that differs when read is re-planned)."""
+    skipped: list[dict[str, str]]
+    """{path, reason} of each file not read: hidden (`_x`, `.x`), unknown extension, quarantined."""
+
+
+def list_input(uri: str, *, format: str = "auto", quarantined: frozenset[str] = frozenset()) -> InputListing:
     """Shards under uri (a file, a folder searched recursively, or a glob), sorted by path.
 
-    Hidden files and folders (`.x`, `_x`, e.g. `_SUCCESS`, `.crc`) are skipped, as Spark and
-    Hive writers leave them. An input that matches no shard is an error, never an empty run.
+    Hidden files and folders (`.x`, `_x`, e.g. `_SUCCESS`, `.crc`) and files of unknown
+    extensions are skipped, each listed with its reason. An input that matches no shard is an
+    error, never an empty run.
     """
     fs, path = _filesystem(uri)
     if any(ch in path for ch in "*?["):
-        candidates = sorted(fs.glob(path))
+        found = fs.glob(path, detail=True)
     elif fs.isdir(path):
-        candidates = sorted(fs.find(path))
+        found = fs.find(path, detail=True)
     elif fs.exists(path):
-        candidates = [path]
+        found = {path: fs.info(path)}
     else:
         raise NoShardsError(f"input {uri} does not exist")
-    shards: list[tuple[str, ShardFormat]] = []
-    for candidate in candidates:
-        rel = candidate[len(path) :] if candidate.startswith(path) else candidate
-        if any(part.startswith((".", "_")) for part in rel.split("/") if part):
+    listing = InputListing([], {}, [])
+    for candidate in sorted(found):
+        info = found[candidate]
+        if info.get("type") == "directory":
             continue
+        full = _full_uri(fs, candidate)
+        rel = candidate[len(path) :] if candidate.startswith(path) else candidate
+        hidden = [part for part in rel.split("/") if part.startswith((".", "_"))]
         fmt = _shard_format(candidate, format)
-        if fmt is not None and not fs.isdir(candidate):
-            shards.append((_full_uri(fs, candidate), fmt))
-    if not shards:
+        if hidden:
+            listing.skipped.append({"path": full, "reason": f"hidden ({hidden[0]!r} starts with '.' or '_')"})
+        elif fmt is None:
+            ext = posixpath.splitext(candidate)[1] or "(none)"
+            listing.skipped.append({"path": full, "reason": f"unknown extension {ext}"})
+        elif full in quarantined:
+            listing.skipped.append({"path": full, "reason": "quarantined (raypipe shards quarantine)"})
+        else:
+            listing.shards.append((full, fmt))
+            listing.fingerprints[full] = fingerprint(info)
+    if not listing.shards:
+        skipped = "; ".join(f"{s['path']}: {s['reason']}" for s in listing.skipped[:5])
         raise NoShardsError(
             f"input {uri} matches no shards (looked for {', '.join(sorted(_EXTENSIONS))} files"
             + ("" if format == "auto" else f" read as {format}")
             + ")"
+            + (f"; skipped {len(listing.skipped)}: {skipped}" if skipped else "")
         )
-    return shards
+    return listing
+
+
+def list_shards(uri: str, *, format: str = "auto") -> list[tuple[str, ShardFormat]]:
+    """The shards of `list_input`, as (uri, format) pairs."""
+    return list_input(uri, format=format).shards
 
 
 def _check_columns(names: Iterable[str], shard: str, columns: ColumnNames, need_updated_at: bool) -> None:
@@ -241,6 +305,7 @@ def plan_units(
     on_bad_shard: Literal["fail", "record"] = "fail",
     window: DeltaWindow | None = None,
     observations: PlanObservations | None = None,
+    fingerprints: dict[str, str] | None = None,
 ) -> tuple[list[WorkUnit], list[dict[str, str]]]:
     """Cuts shards into work units; returns (units, bad shards as {shard, error}).
 
@@ -255,10 +320,12 @@ def plan_units(
     for shard, fmt in shards:
         try:
             if fmt == "parquet":
-                units += _plan_parquet(shard, unit_rows, columns, need_updated_at, window, seen)
+                planned = _plan_parquet(shard, unit_rows, columns, need_updated_at, window, seen)
             else:
                 _check_jsonl_head(shard, columns, need_updated_at)
-                units.append(WorkUnit(shard, "jsonl", 0, None))
+                planned = [WorkUnit(shard, "jsonl", 0, None)]
+            mark = (fingerprints or {}).get(shard)
+            units += [dataclasses.replace(u, fingerprint=mark) for u in planned] if mark else planned
         except (OSError, pa.ArrowException, ValueError, InputError) as e:
             if isinstance(e, InputError):
                 err: InputError = e
@@ -316,6 +383,9 @@ def _plan_parquet(
         lo, hi, nulls = _updated_at_stats(rg, ts_index)
         seen.row_groups_total += 1
         seen.null_updated_at_rows += nulls
+        if hi is not None and seen.limit is not None and hi > seen.limit:
+            seen.future_row_groups += 1
+            hi = lo if lo is not None and lo <= seen.limit else None
         if hi is not None and (seen.max_updated_at is None or hi > seen.max_updated_at):
             seen.max_updated_at = hi
         skip = window is not None and (not window.may_hold(lo, hi) or (n > 0 and nulls == n))
@@ -360,35 +430,50 @@ def _check_jsonl_head(shard: str, columns: ColumnNames, need_updated_at: bool) -
     _check_columns(row.keys(), shard, columns, need_updated_at)
 
 
-def unit_block_schema(with_updated_at: bool) -> pa.Schema:
-    """The columns of every block a unit becomes (one schema, so blocks concatenate)."""
-    fields = [
-        pa.field("id", pa.string()),
-        pa.field("text", pa.string()),
-        pa.field("_source", pa.string()),
-        pa.field("_row", pa.int64()),
-        pa.field("_unit", pa.string()),
-        pa.field("_unit_rows", pa.int64()),
-        pa.field("_unit_error", pa.string()),
-    ]
-    if with_updated_at:
-        fields.insert(2, pa.field("updated_at", pa.timestamp("us", tz="UTC")))
-    return pa.schema(fields)
+def unit_block_schema() -> pa.Schema:
+    """The columns of every block a unit becomes (one schema, so blocks concatenate).
+
+    `updated_at` is the input's, in every mode (null where the input has no such column), so
+    "the newest source version" can be told for backfill rows too.
+    """
+    return pa.schema(
+        [
+            pa.field("id", pa.string()),
+            pa.field("text", pa.string()),
+            pa.field("updated_at", pa.timestamp("us", tz="UTC")),
+            pa.field("_source", pa.string()),
+            pa.field("_row", pa.int64()),
+            pa.field("_unit", pa.string()),
+            pa.field("_unit_rows", pa.int64()),
+            pa.field("_unit_error", pa.string()),
+            pa.field("_bad", pa.string()),
+        ]
+    )
 
 
 def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: DeltaWindow | None = None) -> pa.Table:
     fs, path = _filesystem(unit.shard)
+    if unit.fingerprint is not None:
+        fs.invalidate_cache(path)
+        now = fingerprint(fs.info(path))
+        if now != unit.fingerprint:
+            raise ShardChangedError(
+                f"rewritten since it was planned ({unit.fingerprint} -> {now}): not read, so rows of two versions "
+                "never mix; it is planned again",
+                shard=unit.shard,
+            )
     if unit.format == "jsonl":
         with fs.open(path, "rb") as f:
             data = f.read()
         if not data.strip():
             return pa.table({c: pa.array([], pa.string()) for c in wanted})
-        table = pajson.read_json(io.BytesIO(data))
-        _check_columns(table.column_names, unit.shard, columns, columns.updated_at in wanted)
-        table = table.select(wanted)
+        table = pajson.read_json(io.BytesIO(_jsonl_valid_utf8(data, columns)))
+        _check_columns(table.column_names, unit.shard, columns, window is not None)
+        table = table.select([c for c in [*wanted, _BAD_JSON_FIELD] if c in table.column_names])
     else:
         with _open_parquet(fs, path) as f:
             pf = pq.ParquetFile(f)
+            wanted = [c for c in wanted if c in pf.schema_arrow.names]
             groups: list[int] = []
             first_row = offset = 0
             for i in range(pf.metadata.num_row_groups):
@@ -413,6 +498,69 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: D
         table = table.slice(unit.row_start - first_row, stop - unit.row_start)
     _check_types(table.schema, unit.shard, columns)
     return table
+
+
+_BAD_JSON_FIELD = "__raypipe_bad"
+
+
+def _jsonl_valid_utf8(data: bytes, columns: ColumnNames) -> bytes:
+    """JSON lines with each line that is not valid UTF-8 replaced by one holding its id, a null
+    text and the reason (Arrow's JSON reader would silently turn the bad bytes into U+FFFD)."""
+    try:
+        data.decode("utf-8")
+        return data
+    except UnicodeDecodeError:
+        pass
+    lines = []
+    for line in data.splitlines():
+        try:
+            line.decode("utf-8")
+            lines.append(line)
+            continue
+        except UnicodeDecodeError as e:
+            start = max(0, e.start - 8)
+            reason = (
+                f"invalid_text: line of {len(line)} bytes, invalid at byte {e.start}: {line[start : e.start + 8].hex()}"
+            )
+        try:
+            row = json.loads(line.decode("utf-8", errors="replace"))
+            row_id = row.get(columns.id) if isinstance(row, dict) else None
+        except json.JSONDecodeError:
+            row_id = None
+        fixed = {columns.id: row_id, columns.text: None, _BAD_JSON_FIELD: reason}
+        lines.append(json.dumps(fixed).encode())
+    return b"\n".join(lines) + b"\n"
+
+
+def _utf8_checked(column: pa.ChunkedArray | pa.Array, what: str) -> tuple[pa.Array, list[str | None]]:
+    """The strings with invalid UTF-8 replaced by null, and each row's reason (or None).
+
+    Readers do not validate UTF-8 (a Parquet string column can hold any bytes), and one bad
+    value would fail the whole unit where Python decodes it; so each invalid value becomes its
+    row's reason, `invalid_<what>: <first bytes in hex>`, and the row a dead letter."""
+    column = pa.chunked_array([column]) if isinstance(column, pa.Array) else column
+    column = column.cast(pa.string())
+    reasons: list[str | None] = [None] * len(column)
+    try:
+        column.validate(full=True)
+        return column.combine_chunks() if column.num_chunks else pa.array([], pa.string()), reasons
+    except pa.ArrowInvalid:
+        pass
+    raw = column.cast(pa.binary()).to_pylist()
+    clean: list[str | None] = []
+    for i, value in enumerate(raw):
+        if value is None:
+            clean.append(None)
+            continue
+        try:
+            clean.append(value.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            clean.append(None)
+            start = max(0, e.start - 8)
+            reasons[i] = (
+                f"invalid_{what}: {len(value)} bytes, invalid at byte {e.start}: {value[start : e.start + 8].hex()}"
+            )
+    return pa.array(clean, pa.string()), reasons
 
 
 def _as_utc_timestamps(column: pa.ChunkedArray, shard: str, name: str) -> pa.ChunkedArray:
@@ -466,23 +614,29 @@ def prune_partitions(
 
 
 def _read_dead_letters(unit: WorkUnit) -> pa.Table:
-    """A dead-letter file as a unit block: the rows keep their original source and row."""
-    fs, path = _filesystem(unit.shard)
-    with fs.open(path, "rb") as f:
-        dead = pq.read_table(f, columns=["id", "text", "updated_at", "source", "row"])
+    """A unit's committed dead letters of run `unit.source_run`, read from the outcomes table
+    (`unit.shard` is the output URI); the rows keep their original source and row."""
+    from raypipe.outcomes import read_outcomes
+
+    flt_run = unit.source_run or ""
+    dead = read_outcomes(unit.shard, flt_run, columns=["id", "text", "updated_at", "source", "row", "unit", "outcome"])
+    dead = dead.filter(
+        pc.and_(pc.equal(dead.column("unit"), unit.key), pc.equal(dead.column("outcome"), "dead_letter"))
+    )
     n = dead.num_rows
     return pa.table(
         {
-            "id": dead.column("id"),
-            "text": dead.column("text"),
-            "updated_at": dead.column("updated_at"),
-            "_source": dead.column("source"),
-            "_row": dead.column("row"),
+            "id": dead.column("id").cast(pa.string()),
+            "text": dead.column("text").cast(pa.string()),
+            "updated_at": dead.column("updated_at").cast(pa.timestamp("us", tz="UTC")),
+            "_source": dead.column("source").cast(pa.string()),
+            "_row": dead.column("row").cast(pa.int64()),
             "_unit": pa.array([unit.key] * n, pa.string()),
             "_unit_rows": pa.array([n] * n, pa.int64()),
             "_unit_error": pa.nulls(n, pa.string()),
+            "_bad": pa.nulls(n, pa.string()),
         },
-        schema=unit_block_schema(True),
+        schema=unit_block_schema(),
     )
 
 
@@ -490,21 +644,27 @@ def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None =
     """Reads one unit as one table in `unit_block_schema` (rows outside `window` dropped)."""
     if unit.format == "dead_letters":
         return _read_dead_letters(unit)
-    wanted = [columns.id, columns.text] + ([columns.updated_at] if window is not None else [])
+    wanted = [columns.id, columns.text, columns.updated_at]
     raw = _read_raw(unit, columns, wanted, window)
     ids = raw.column(columns.id)
     if not (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
         ids = pc.cast(ids, pa.string())  # integer ids become their decimal strings
+    id_values, bad_ids = _utf8_checked(ids, "id")
+    texts, bad_texts = _utf8_checked(raw.column(columns.text), "text")
     out: dict[str, Any] = {
-        "id": ids.cast(pa.string()),
-        "text": raw.column(columns.text).cast(pa.string()),
+        "id": id_values,
+        "text": texts,
     }
     rows = pa.array(range(unit.row_start, unit.row_start + raw.num_rows), pa.int64())
+    if columns.updated_at in raw.column_names:
+        out["updated_at"] = _as_utc_timestamps(raw.column(columns.updated_at), unit.shard, columns.updated_at)
+    else:
+        out["updated_at"] = pa.nulls(raw.num_rows, pa.timestamp("us", tz="UTC"))
+    line_bad = raw.column(_BAD_JSON_FIELD).to_pylist() if _BAD_JSON_FIELD in raw.column_names else bad_texts
+    out["_bad"] = pa.array([i or t or j for i, t, j in zip(bad_ids, bad_texts, line_bad, strict=True)], pa.string())
     if window is not None:
-        updated = _as_utc_timestamps(raw.column(columns.updated_at), unit.shard, columns.updated_at)
-        keep = _in_window(updated, window)
+        keep = _in_window(out["updated_at"], window)
         out = {k: pc.filter(v, keep) for k, v in out.items()}
-        out["updated_at"] = pc.filter(updated, keep)
         rows = pc.filter(rows, keep)
     n = len(rows)
     out["_source"] = pa.array([unit.shard] * n, pa.string())
@@ -512,12 +672,12 @@ def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None =
     out["_unit"] = pa.array([unit.key] * n, pa.string())
     out["_unit_rows"] = pa.array([n] * n, pa.int64())
     out["_unit_error"] = pa.nulls(n, pa.string())
-    return pa.table(out, schema=unit_block_schema(window is not None))
+    return pa.table({f.name: out[f.name] for f in unit_block_schema()}, schema=unit_block_schema())
 
 
-def marker_block(unit: WorkUnit, *, with_updated_at: bool, error: str | None) -> pa.Table:
+def marker_block(unit: WorkUnit, *, error: str | None) -> pa.Table:
     """One row standing for a unit with no rows to send (empty, filtered out, or unreadable)."""
-    schema = unit_block_schema(with_updated_at)
+    schema = unit_block_schema()
     values: dict[str, Any] = {name: [None] for name in schema.names}
     values.update({"_source": [unit.shard], "_unit": [unit.key], "_unit_rows": [0], "_unit_error": [error]})
     return pa.table(values, schema=schema)

@@ -80,9 +80,11 @@ class ScriptedClient:
         self.poison = poison
         self.calls = 0
         self.paragraphs_ok = 0
+        self.texts_sent: list[str] = []
 
     async def classify(self, ids: Sequence[str], texts: Sequence[str]) -> BatchResult:
         self.calls += 1
+        self.texts_sent += texts
         await asyncio.sleep(0)
         if self.errors:
             raise self.errors.pop(0)

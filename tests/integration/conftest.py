@@ -1,6 +1,6 @@
 """Session fixtures for integration tests: real parts, started once, on 127.0.0.1 only.
 
-- `s3`: moto's S3 server on a free loopback port; the AWS_* environment points at it, so
+- `s3`: moto's S3 server (its own process) on a free loopback port; the AWS_* environment points at it, so
   s3fs (driver, Ray workers, `ray job submit` entrypoints) reaches it with no code change.
 - `ray_cluster`: `ray start --head` with token authentication on (as production runs),
   its workers inheriting the S3 environment; the test process connects as a driver.
@@ -58,12 +58,10 @@ class S3:
 
 @pytest.fixture(scope="session")
 def s3() -> Iterator[S3]:
-    from moto.server import ThreadedMotoServer
+    from bench.s3server import MotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    server = MotoServer().start()
+    endpoint = server.endpoint
     env = {
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": "testing",

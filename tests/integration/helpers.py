@@ -1,4 +1,8 @@
-"""Reading an output location back, for the tests' "nothing lost, nothing twice" checks."""
+"""Reading an output location back, for the tests' "nothing lost, nothing twice" checks.
+
+Everything goes through the outcomes table's log (`raypipe.read_outcomes`), as users read it:
+files of a failed or fenced-off commit are never counted.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +10,32 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.dataset as pads
+import pyarrow.compute as pc
+
+from raypipe.outcomes import read_outcomes
+from raypipe.sinks import OutcomeTable
 
 
-def _table(path: Path, sub: str) -> pa.Table | None:
-    folder = path / sub
-    files = sorted(str(p) for p in folder.rglob("*.parquet")) if folder.exists() else []
-    if not files:
+def _outcome(out: str | Path, outcome: str, run_id: str | None = None) -> pa.Table | None:
+    if not OutcomeTable(str(out)).exists():
         return None
-    return pads.dataset(files, format="parquet", partitioning=pads.partitioning(flavor="hive")).to_table()
+    rows = read_outcomes(str(out), run_id)
+    rows = rows.filter(pc.equal(rows.column("outcome"), outcome))
+    return rows if rows.num_rows else None
 
 
-def results(out: str | Path) -> pa.Table | None:
-    return _table(Path(out), "results")
+def results(out: str | Path, run_id: str | None = None) -> pa.Table | None:
+    return _outcome(out, "result", run_id)
 
 
-def dead_letters(out: str | Path) -> pa.Table | None:
-    return _table(Path(out), "dead_letters")
+def dead_letters(out: str | Path, run_id: str | None = None) -> pa.Table | None:
+    return _outcome(out, "dead_letter", run_id)
+
+
+def committed_units(out: str | Path, run_id: str) -> int:
+    """Units of `run_id` with committed rows (from the table's log)."""
+    table = OutcomeTable(str(out))
+    return len(table.committed_units(run_id)) if table.exists() else 0
 
 
 def ids(table: pa.Table | None) -> list[str]:

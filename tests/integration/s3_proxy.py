@@ -1,6 +1,7 @@
 """An HTTP proxy on 127.0.0.1 in front of moto's S3 server, to imitate S3-compatible stores that
 misbehave: one that ignores conditional writes (`If-None-Match` / `If-Match` headers are dropped
-before they reach moto), and one that refuses our credentials on writes (403 AccessDenied)."""
+before they reach moto), one that refuses our credentials on writes (403 AccessDenied), and one
+that holds writes (a stalled PUT, a partition) while `holding` is set, until `release` is set."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import urlparse
 
-Mode = Literal["strip_conditions", "deny_writes"]
+Mode = Literal["strip_conditions", "deny_writes", "hold_writes"]
 
 _DENIED = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
@@ -32,6 +33,9 @@ class S3Proxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                if proxy.mode == "hold_writes" and proxy.holding and self.command in ("PUT", "POST"):
+                    proxy.held += 1
+                    proxy.release.wait(120)
                 if proxy.mode == "deny_writes" and self.command in ("PUT", "POST", "DELETE"):
                     self.send_response(403)
                     self.send_header("Content-Type", "application/xml")
@@ -61,6 +65,9 @@ class S3Proxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         self.mode = mode
+        self.holding = False
+        self.held = 0
+        self.release = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

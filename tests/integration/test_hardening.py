@@ -15,7 +15,6 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -25,10 +24,11 @@ import raypipe
 from raypipe.errors import OutputPermissionError, UnsafeOutputError
 from raypipe.lease import Lease
 from raypipe.samples import write_sample_corpus
+from raypipe.sinks import OutcomeTable
 from raypipe.store import OutputStore
 from serve_app.settings import FaultInjection, ServerSettings
 from tests.integration.conftest import wait_for
-from tests.integration.helpers import assert_nothing_lost, dead_letters, results
+from tests.integration.helpers import assert_nothing_lost, committed_units, dead_letters, ids, results
 from tests.integration.s3_proxy import S3Proxy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +72,9 @@ def test_a_broken_service_stops_the_run_and_the_same_run_id_completes_once_fixed
     report = json.loads((out / "runs" / "b1.json").read_text())
     assert report["status"] == "failed" and "CircuitOpenError" in report["error"]
     assert report["rows_dead_letters"] == 0
+    # The stopped run's report keeps the calls and statuses that explain why it stopped.
+    assert report["calls"] > 0 and report["status_counts"].get("INTERNAL", 0) > 0, report["status_counts"]
+    assert report["breaker_openings"] >= 1
 
     fixed = cli(*args, env=env)  # the same run id, the healthy app
     assert fixed.returncode == 0, fixed.stderr[-2000:]
@@ -166,9 +169,8 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
               "--set", "actors.max_actors=1", "--set", "output.lease_s=30"]  # fmt: skip
     first = subprocess.Popen([PYTHON, "-m", "raypipe", "backfill", *common], env=env, cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    markers = out / "_raypipe" / "runs" / "twice" / "units"
     try:
-        wait_for(lambda: len(list(markers.glob("*.json"))) >= 3, 180, "the first attempt's first units")
+        wait_for(lambda: committed_units(out, "twice") >= 3, 180, "the first attempt's first units")
         # Without --force the second attempt would wait for the live lease; with it, it takes over now.
         second = cli("backfill", *common, "--force", env=env, timeout=300)
         _, err1 = first.communicate(timeout=120)
@@ -177,12 +179,69 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
             first.send_signal(signal.SIGKILL)
     print("first:", err1[-800:], "\nsecond:", second.stdout[-600:])
     assert first.returncode != 0
-    assert "lost the output lease" in err1
+    assert "LeaseLostError" in err1
     assert second.returncode == 0, second.stderr[-2000:]
     results_ids, dead = assert_nothing_lost(out, corpus.ids)
     assert len(results_ids) == len(corpus.ids) and dead == []
-    generations = {json.loads(p.read_text())["generation"] for p in markers.glob("*.json")}
-    assert generations <= {1, 2} and 2 in generations
+    assert OutcomeTable(str(out)).generation("twice") == 2
+
+
+def _racer(output: str, endpoint: str, version: str, go, results) -> None:
+    """One attempt of run `race` in its own process, its S3 traffic through `endpoint`."""
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    from raypipe.errors import LeaseLostError
+    from raypipe.sinks import OutcomeTable, UnitCommitter
+    from tests.unit.test_commit_protocol import UNIT, rows
+
+    table = OutcomeTable(output)
+    try:
+        fence = table.take_over("race")
+        results.put(("took", fence.generation))
+        assert go.wait(120)
+        answers = {"A": "result", "B": "dead_letter"} if version == "old" else {"A": "result", "B": "result"}
+        results.put(
+            ("committed", UnitCommitter(fence).commit(UNIT, rows(answers, version=version).replace_schema_metadata()))
+        )
+    except LeaseLostError as e:
+        results.put(("fenced", str(e)))
+
+
+@pytest.mark.timeout(240)
+def test_an_older_attempt_whose_writes_are_stalled_past_the_takeover_has_nothing_visible(s3):
+    """Two processes race for one run id on S3. The older one's PUTs are held by a proxy (a
+    stalled S3 request, a partition, a GC pause) until after the newer one took over and
+    committed: the table rejects the older commit, and every id is there once, as the newer
+    attempt answered it."""
+    import multiprocessing
+
+    from raypipe.outcomes import read_outcomes
+    from tests.fakes import LABELS
+
+    out = f"{s3.bucket('race')}/out"
+    OutcomeTable(out).ensure(LABELS)
+    ctx = multiprocessing.get_context("spawn")
+    with S3Proxy(s3.endpoint, "hold_writes") as proxy:
+        go_old, go_new, old_q, new_q = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
+        old = ctx.Process(target=_racer, args=(out, proxy.endpoint, "old", go_old, old_q))
+        old.start()
+        assert old_q.get(timeout=90) == ("took", 1)
+        proxy.holding = True
+        go_old.set()  # the old attempt writes its unit: its first PUT is held
+        wait_for(lambda: proxy.held >= 1, 60, "the old attempt's write to stall")
+        new = ctx.Process(target=_racer, args=(out, s3.endpoint, "new", go_new, new_q))
+        new.start()
+        assert new_q.get(timeout=90) == ("took", 2)
+        go_new.set()
+        assert new_q.get(timeout=90) == ("committed", True)
+        proxy.release.set()  # the stalled writes land now, after the takeover
+        kind, message = old_q.get(timeout=90)
+        old.join(60)
+        new.join(60)
+    assert kind == "fenced" and "generation 2" in message, (kind, message)
+    committed = read_outcomes(out, "race")
+    seen = sorted(zip(committed.column("id").to_pylist(), committed.column("outcome").to_pylist(),
+                      committed.column("model_version").to_pylist(), strict=True))  # fmt: skip
+    assert seen == [("A", "result", "new"), ("B", "result", "new")]
 
 
 def test_a_live_lease_of_another_run_is_refused_and_of_the_same_run_waited_out(s3):
@@ -226,19 +285,6 @@ def test_a_permission_error_says_so(s3):
             Lease(store, "run-a").acquire()
 
 
-LATEST_OUTCOME_SQL = """
-SELECT id, outcome FROM (
-  SELECT id, outcome, row_number() OVER (PARTITION BY id ORDER BY event_at DESC) AS rn FROM (
-    SELECT id, 'result' AS outcome, inferred_at AS event_at
-      FROM read_parquet('{out}/results/*/*.parquet', hive_partitioning = true)
-    UNION ALL
-    SELECT id, 'dead_letter' AS outcome, failed_at AS event_at
-      FROM read_parquet('{out}/dead_letters/*/*.parquet', hive_partitioning = true)
-  )
-) WHERE rn = 1
-"""
-
-
 @pytest.mark.timeout(360)
 def test_a_killed_replay_never_shows_an_id_twice_and_resumes_by_run_id(
     tmp_path, ray_cluster, serve_address, deploy_app
@@ -264,16 +310,21 @@ def test_a_killed_replay_never_shows_an_id_twice_and_resumes_by_run_id(
                  "--set", "actors.units_per_actor=1", "--set", "client.micro_batch_size=4"]  # fmt: skip
     replay = subprocess.Popen([PYTHON, "-m", "raypipe", *args, *slow_args], env=env, cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    markers = out / "_raypipe" / "runs" / "rp.replay-1" / "units"
+
+    def still_dead() -> int:
+        return len(ids(dead_letters(out)))
+
     try:
-        wait_for(lambda: len(list(markers.glob("*.json"))) >= 1, 200, "a first replayed unit")
+        wait_for(lambda: still_dead() <= 100, 200, "a first replayed unit")
     finally:
         replay.send_signal(signal.SIGKILL)
         replay.wait(timeout=30)
-    assert len(list(markers.glob("*.json"))) < 6, "the replay finished before it could be killed"
-    latest = duckdb.sql(LATEST_OUTCOME_SQL.format(out=out)).fetchall()
-    ids = [i for i, _ in latest]
-    assert len(ids) == len(set(ids)) == len(all_ids)
+    assert still_dead() > 0, "the replay finished before it could be killed"
+    # Each replayed unit replaced its dead letters in the same commit: no id twice, none missing,
+    # in the run's committed rows and in the latest view alike.
+    assert_nothing_lost(out, all_ids)
+    latest = raypipe.latest(str(out)).column("id").to_pylist()
+    assert len(latest) == len(set(latest)) == len(all_ids)
 
     time.sleep(2)
     resumed = cli(*args, env=env)  # the same command, no replay id: it resumes the killed replay

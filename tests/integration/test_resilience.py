@@ -18,6 +18,7 @@ from serve_app.deploy import DeploymentOptions
 from serve_app.settings import FaultInjection, ServerSettings
 from tests.integration.conftest import free_port, wait_for
 from tests.integration.helpers import assert_nothing_lost, dead_letters
+from tests.integration.helpers import results as committed_results
 from tests.integration.tcp_proxy import TcpProxy
 
 FAST_RETRY = {"initial_backoff_s": 0.05, "max_backoff_s": 0.5}
@@ -103,8 +104,7 @@ def backfill_in_background(input_uri, out, service, cfg):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    wait_for(lambda: len(list((out / "_raypipe").rglob("units/*.json"))) >= 1 or not thread.is_alive(), 120,
-             "a first committed unit")  # fmt: skip
+    wait_for(lambda: committed_results(out) is not None or not thread.is_alive(), 120, "a first committed unit")
 
     def finish():
         thread.join(timeout=240)

@@ -11,7 +11,6 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,7 +22,7 @@ from raypipe.lease import Lease
 from raypipe.samples import write_sample_corpus
 from raypipe.store import OutputStore
 from tests.integration.conftest import wait_for
-from tests.integration.helpers import assert_nothing_lost, results
+from tests.integration.helpers import assert_nothing_lost, committed_units, dead_letters, results
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -58,8 +57,7 @@ def test_backfill_submitted_with_ray_job_submit(s3, ray_cluster, serve_address):
     fs = s3.fs()
     report = json.loads(fs.cat("jobs/out/runs/job-1.json"))
     assert report["status"] == "completed" and report["rows_in"] == 600
-    files = fs.glob("jobs/out/results/run=job-1/*.parquet")
-    ids = [i for f in files for i in pq.read_table(fs.open(f, "rb")).column("id").to_pylist()]
+    ids = raypipe.read_outcomes(f"{bucket}/out", "job-1").column("id").to_pylist()
     assert sorted(ids) == sorted(corpus.ids)
 
 
@@ -87,13 +85,12 @@ def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cl
     driver = subprocess.Popen([PYTHON, "-m", "raypipe", *args], env=env, cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     units_total = 60
-    markers = out / "_raypipe" / "runs" / "resume-1" / "units"
     try:
-        wait_for(lambda: len(list(markers.glob("*.json"))) >= 0.3 * units_total, 240, "30% of the units committed")
+        wait_for(lambda: committed_units(out, "resume-1") >= 0.3 * units_total, 240, "30% of the units committed")
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
-    committed_at_kill = len(list(markers.glob("*.json")))
+    committed_at_kill = committed_units(out, "resume-1")
     assert committed_at_kill < units_total, "the run finished before it could be killed"
     time.sleep(2)  # let Ray reap the dead driver's actors
 
@@ -105,14 +102,13 @@ def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cl
     assert len(results_ids) == len(corpus.ids) and dead == []
     assert report.units_skipped_committed >= committed_at_kill
     assert report.rows_skipped_committed == 50 * report.units_skipped_committed
-    assert report.rows_redone <= 0.10 * len(corpus.ids)
     assert report.rows_in == len(corpus.ids)  # totals span both attempts
     # The server's own count: every paragraph inferred across both attempts, committed or not.
     served = serve.get_app_handle(app).stats.remote().result()["paragraphs"]["OK"]
     assert len(corpus.ids) <= served <= 1.10 * len(corpus.ids), served
     print(
         f"resume: committed at kill {committed_at_kill}/{units_total} units; skipped "
-        f"{report.rows_skipped_committed} rows; redone {report.rows_redone} rows; server inferred {served}"
+        f"{report.rows_skipped_committed} rows; server inferred {served}"
     )
 
 
@@ -158,24 +154,15 @@ def test_daily_runs_send_only_new_and_changed_rows(tmp_path, serve_address, depl
     assert r3.status == "completed" and r3.rows_in == 0
     assert handle.stats.remote().result()["paragraphs"]["OK"] - after_day1 == sent_day2
 
-    latest = duckdb.sql(LATEST_SQL.format(results=f"{out}/results/*/*.parquet")).arrow().read_all()
+    latest = raypipe.latest(out)  # the README's SQL view, run by DuckDB over the committed files
     rows = {r["id"]: r for r in latest.to_pylist()}
-    assert len(rows) == 500 + len(new)
-    assert all(rows[i]["run"] == r2.run_id for i in changed + new)
+    assert len(rows) == len(latest) == 500 + len(new)
+    assert all(rows[i]["run_id"] == r2.run_id for i in changed + new)
     assert {rows[i]["top_label"] for i in changed} == {"anger"}
-    assert all(rows[i]["run"] == r1.run_id for i in corpus.ids[40:])
+    assert all(rows[i]["run_id"] == r1.run_id for i in corpus.ids[40:])
 
     with pytest.raises(ConfigError, match="not after the watermark"):
         raypipe.daily(input_dir.as_posix(), out, service=serve_address, until=day1, settings=cfg)
-
-
-# The README's "latest result per id" query, verbatim.
-LATEST_SQL = """
-SELECT * EXCLUDE (rn) FROM (
-  SELECT *, row_number() OVER (PARTITION BY id ORDER BY updated_at DESC, inferred_at DESC) AS rn
-  FROM read_parquet('{results}', hive_partitioning = true)
-) WHERE rn = 1
-"""
 
 
 def test_bad_input_outcomes(tmp_path, serve_address):
@@ -193,7 +180,7 @@ def test_bad_input_outcomes(tmp_path, serve_address):
     # Default: a bad shard stops the run before any inference, naming the shard.
     with pytest.raises(InputError, match=r"corrupt\.parquet"):
         raypipe.backfill(str(in_dir), str(out), service=serve_address)
-    assert not (out / "results").exists()
+    assert results(out) is None and dead_letters(out) is None
 
     # on_bad_shard=record: bad shards are listed, the rest is processed, the run is incomplete.
     report = raypipe.backfill(str(in_dir), str(out), service=serve_address, run_id="bad",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute
 import pyarrow.parquet as pq
 import pytest
 
@@ -18,9 +21,9 @@ from raypipe.errors import (
     ServiceOverloaded,
     ServiceUnavailable,
 )
-from raypipe.sinks import committed_units
+from raypipe.outcomes import read_outcomes
+from raypipe.sinks import OutcomeTable
 from raypipe.sources import ColumnNames, list_shards, plan_units, read_unit
-from raypipe.store import OutputStore
 from tests.fakes import LABELS, ScriptedClient, fake_probs
 
 
@@ -37,27 +40,31 @@ def settings(tmp_path, **client):
         "breaker": BreakerConfig(failure_threshold=50),
     }
     cfg = ClientConfig(**{**defaults, **client})
-    return ActorSettings(
-        output_uri=str(tmp_path / "out"), run_id="r1", attempt="a1", service=ServiceConfig(), client=cfg, labels=LABELS
-    )
+    table = OutcomeTable(str(tmp_path / "out"))
+    table.ensure(LABELS)
+    fence = table.take_over("r1")  # a new attempt of run r1: a real local Delta table
+    return ActorSettings(fence=fence, run_id="r1", attempt="a1", service=ServiceConfig(), client=cfg, labels=LABELS)
+
+
+def outcomes(tmp_path):
+    """(results, dead letters) committed for run r1, or None where there are none."""
+    rows = read_outcomes(str(tmp_path / "out"), "r1")
+    results = rows.filter(pa.compute.equal(rows.column("outcome"), "result"))
+    dead = rows.filter(pa.compute.equal(rows.column("outcome"), "dead_letter"))
+    return (results if results.num_rows else None), (dead if dead.num_rows else None)
 
 
 def run_actor(tmp_path, texts, client, **client_cfg):
     unit, block = make_unit(tmp_path, texts)
     actor = InferenceActor(settings(tmp_path, **client_cfg), client_factory=lambda: client)
     summary = asyncio.run(actor(block))
-    store = OutputStore(str(tmp_path / "out"))
-    results = (
-        pq.read_table(store.results_file("r1", unit.key)) if store.exists(store.results_file("r1", unit.key)) else None
-    )
-    dl_path = store.dead_letter_file("r1", unit.key)
-    dead = pq.read_table(dl_path) if store.exists(dl_path) else None
-    return unit, summary, results, dead, store
+    results, dead = outcomes(tmp_path)
+    return unit, summary, results, dead, OutcomeTable(str(tmp_path / "out"))
 
 
 def test_unit_is_inferred_and_committed_with_every_row_accounted(tmp_path):
     texts = [f"paragraph number {i}" + "!" * i for i in range(10)] + [None, "", "  "]
-    unit, summary, results, dead, store = run_actor(tmp_path, texts, ScriptedClient())
+    unit, summary, results, dead, table = run_actor(tmp_path, texts, ScriptedClient())
     assert dead is None
     assert sorted(results.column("id").to_pylist()) == sorted(f"id{i}" for i in range(13))
     rows = {r["id"]: r for r in results.to_pylist()}
@@ -73,7 +80,7 @@ def test_unit_is_inferred_and_committed_with_every_row_accounted(tmp_path):
     stats = json.loads(summary.column("summary")[0].as_py())
     assert (stats["rows"], stats["ok"], stats["empty_text"], stats["dead_letters"]) == (13, 10, 3, 0)
     assert stats["calls"] == 3 and stats["status_counts"] == {"OK": 3}  # 10 sendable rows / 4 per call
-    assert unit.key in committed_units(store, "r1")
+    assert table.committed_units("r1") == {unit.key}
 
 
 def test_transient_failures_send_the_rows_again_instead_of_dead_lettering_them(tmp_path):
@@ -135,14 +142,26 @@ def test_poison_row_is_isolated_by_bisection(tmp_path):
     assert dead.column("attempts").to_pylist() == [1]  # permanent: not retried
 
 
-def test_redo_overwrites_and_removes_stale_files(tmp_path):
-    """A unit redone after a crash replaces its files; a stale dead-letter file is removed."""
-    unit, _, _, dead, store = run_actor(tmp_path, ["x", "y"], ScriptedClient(poison="x"))
-    assert dead is not None
-    unit2, _, results, dead2, _ = run_actor(tmp_path, ["x", "y"], ScriptedClient())
-    assert unit2.key == unit.key
-    assert dead2 is None and not store.exists(store.dead_letter_file("r1", unit.key))
-    assert results.num_rows == 2
+def test_results_and_dead_letters_of_a_unit_are_one_commit(tmp_path):
+    """A unit's results and dead letters appear in the same table version, never one without the other."""
+    unit, _, results, dead, table = run_actor(tmp_path, ["x", "y"], ScriptedClient(poison="x"))
+    assert dead.column("id").to_pylist() == ["id0"] and results.column("id").to_pylist() == ["id1"]
+    dt = table.load()
+    before = dt.version() - 1  # the version before the unit's commit: neither of its rows
+    dt.load_as_version(before)
+    assert dt.to_pyarrow_table().num_rows == 0
+    history = [h for h in table.load().history() if h.get("raypipe.unit") == unit.key]
+    assert len(history) == 1
+
+
+def test_a_unit_committed_twice_in_one_generation_is_written_once(tmp_path):
+    """A Ray task retried after its actor died past the commit: the second commit does nothing."""
+    _, block = make_unit(tmp_path, ["x", "y"])
+    cfg = settings(tmp_path)
+    for _ in range(2):
+        asyncio.run(InferenceActor(cfg, client_factory=lambda: ScriptedClient())(block))
+    results, dead = outcomes(tmp_path)
+    assert sorted(results.column("id").to_pylist()) == ["id0", "id1"] and dead is None
 
 
 def test_successes_close_the_breaker_count(tmp_path):
@@ -181,17 +200,75 @@ def _down_actor(tmp_path, error, rows=40):
     ids=["unavailable", "internal", "unimplemented"],
 )
 def test_a_broken_service_stops_the_unit_without_dead_letters(tmp_path, error):
-    """Every call fails alike: it is the service. The unit raises, commits nothing, in few calls."""
-    unit, block, actor, client = _down_actor(tmp_path, error)
-    with pytest.raises(CircuitOpenError):
-        asyncio.run(actor(block))
-    store = OutputStore(str(tmp_path / "out"))
-    assert not store.exists(store.dead_letter_file("r1", unit.key))
-    assert not store.exists(store.results_file("r1", unit.key))
-    assert committed_units(store, "r1") == {}
+    """Every call fails alike: it is the service. The unit commits nothing, in few calls, and
+    reports the calls it made with the failure (the driver stops the run on it)."""
+    _, block, actor, client = _down_actor(tmp_path, error)
+    summary = asyncio.run(actor(block)).to_pylist()[0]
+    fatal = json.loads(summary["fatal"])
+    assert fatal["kind"] == CircuitOpenError.kind
+    stats = json.loads(summary["summary"])
+    assert stats["committed"] is False and stats["calls"] == client.calls > 0
+    assert sum(stats["status_counts"].values()) == client.calls
+    assert outcomes(tmp_path) == (None, None)
+    assert OutcomeTable(str(tmp_path / "out")).committed_units("r1") == set()
     breaker = actor._breaker.stats()
     assert breaker.openings >= 1
     # What reached the service: the calls in flight when it failed (the initial limit, 4), the
     # calls that opened the breaker (threshold 3), then only probes; each call makes 4 attempts,
     # and on a code that may be the rows' fault a canary of 4 attempts more.
     assert client.calls <= 8 * (4 + 3 + breaker.probes)
+
+
+def test_every_row_gets_a_fate_invalid_utf8_and_missing_ids_become_dead_letters(tmp_path):
+    """One invalid UTF-8 text, a null id and an empty id: each a dead letter with its reason and
+    its shard and row; the rest of the unit is inferred."""
+    texts = pa.array([b"fine one", b"bad \xff\xfe bytes", b"fine two", b"no id", b"empty id"], pa.binary())
+    ids = pa.array(["id0", "id1", "id2", None, ""], pa.string())
+    pq.write_table(pa.table({"id": ids, "text": texts.view(pa.string())}), tmp_path / "in.parquet")
+    units, _ = plan_units(list_shards(str(tmp_path / "in.parquet")), unit_rows=1000, columns=ColumnNames())
+    block = read_unit(units[0], ColumnNames())
+    client = ScriptedClient()
+    summary = asyncio.run(InferenceActor(settings(tmp_path), client_factory=lambda: client)(block))
+    assert summary.column("fatal").to_pylist() == [None]
+    results, dead = outcomes(tmp_path)
+    assert sorted(results.column("id").to_pylist()) == ["id0", "id2"]
+    fates = {r["row"]: r for r in dead.to_pylist()}
+    assert {row: r["error_kind"] for row, r in fates.items()} == {1: "invalid_text", 3: "missing_id", 4: "missing_id"}
+    assert "fffe" in fates[1]["message"] and fates[1]["id"] == "id1"
+    assert all(r["source"].endswith("in.parquet") for r in fates.values())
+    assert client.calls == 1  # only the two good rows were sent
+
+
+def test_an_invalid_utf8_line_of_json_lines_is_a_dead_letter_not_a_replacement_character(tmp_path):
+    (tmp_path / "in.jsonl").write_bytes(b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "bad \xff text"}\n')
+    units, _ = plan_units(list_shards(str(tmp_path / "in.jsonl")), unit_rows=1000, columns=ColumnNames())
+    block = read_unit(units[0], ColumnNames())
+    assert block.column("id").to_pylist() == ["a", "b"]
+    assert block.column("text").to_pylist() == ["ok", None]
+    assert block.column("_bad").to_pylist()[0] is None and block.column("_bad").to_pylist()[1].startswith(
+        "invalid_text"
+    )
+
+
+def test_a_text_with_a_committed_answer_costs_no_call_and_duplicates_are_sent_once(tmp_path):
+    """Rows whose text has an answer of this model in the index are copied, under their own ids;
+    rows of the unit sharing a text are sent once."""
+    from raypipe.dedup import TextIndex, hash_texts
+
+    known = "already answered"
+    probs = np.array([fake_probs(known)], np.float32)
+    index = TextIndex("fake-1", LABELS, hash_texts([known]), probs, np.array([False]))
+    texts = [known, "new text", "new text", "other", known]
+    _, block = make_unit(tmp_path, texts)
+    client = ScriptedClient()
+    cfg = dataclasses.replace(settings(tmp_path), text_index=index)
+    summary = asyncio.run(InferenceActor(cfg, client_factory=lambda: client)(block))
+    results, dead = outcomes(tmp_path)
+    assert dead is None and results.num_rows == 5
+    rows = {r["id"]: r for r in results.to_pylist()}
+    for i, text in enumerate(texts):
+        assert [rows[f"id{i}"][f"prob_{label}"] for label in LABELS] == pytest.approx(fake_probs(text), abs=1e-6)
+    assert rows["id0"]["text_hash"] == rows["id4"]["text_hash"] == int(hash_texts([known])[0])
+    stats = json.loads(summary.column("summary")[0].as_py())
+    assert stats["copied"] == 3  # id0 and id4 from the index, id2 from id1's answer
+    assert sorted(client.texts_sent) == ["new text", "other"]

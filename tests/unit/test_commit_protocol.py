@@ -1,135 +1,198 @@
-"""The unit commit protocol under crashes, the retention rule, and the driver's memory for many units.
+"""The unit commit protocol on a real (local) Delta table: fencing by the table's own
+concurrency control, one commit per unit, crashes, retention, and the report's memory.
 
-A crash is simulated by a store that raises right after a chosen write has completed; the
-unit is then redone from scratch, as a resumed run would, and must end with every row exactly
-once across results and dead letters.
+The interleavings below are the ones that broke the earlier check-then-write protocol: an
+attempt passes its check, stalls, and writes after a newer attempt took over.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+import multiprocessing
+import threading
 import tracemalloc
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
+import deltalake
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raypipe import modes
-from raypipe.actor import ActorSettings, InferenceActor
-from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
 from raypipe.errors import LeaseLostError
-from raypipe.lease import Lease
-from raypipe.report import RunReport, UnitStats
-from raypipe.sinks import committed_keys
+from raypipe.outcomes import read_outcomes, vacuum
+from raypipe.report import AttemptStats, UnitStats
+from raypipe.runstate import drop_finished_state, finished_runs
+from raypipe.sinks import OutcomeTable, UnitCommitter
 from raypipe.store import OutputStore
-from tests.fakes import LABELS, ScriptedClient
-from tests.unit.test_actor import make_unit
+from tests.fakes import LABELS
+
+UNIT = "shard-0-abc"
 
 
-class Crash(Exception):
-    """The process died right here."""
-
-
-def _settings(tmp_path, fence=None) -> ActorSettings:
-    client = ClientConfig(
-        micro_batch_size=4,
-        retry=RetryConfig(max_attempts=2, initial_backoff_s=0.001, max_backoff_s=0.002),
-        breaker=BreakerConfig(failure_threshold=50),
-    )
-    return ActorSettings(
-        output_uri=str(tmp_path / "out"),
-        run_id="r1",
-        attempt="a1",
-        service=ServiceConfig(),
-        client=client,
-        labels=LABELS,
-        fence=fence,
+def rows(outcomes: dict[str, str], *, version: str) -> pa.Table:
+    """A unit's rows: id -> "result" or "dead_letter", answered by model `version`."""
+    ids = sorted(outcomes)
+    return pa.table(
+        {
+            "id": ids,
+            "outcome": [outcomes[i] for i in ids],
+            "unit": [UNIT] * len(ids),
+            "run_id": ["r1"] * len(ids),
+            "status": ["ok" if outcomes[i] == "result" else None for i in ids],
+            "error_kind": [None if outcomes[i] == "result" else "internal" for i in ids],
+            "model_version": [version] * len(ids),
+            "source": ["in.parquet"] * len(ids),
+            "row": list(range(len(ids))),
+        }
     )
 
 
-TEXTS = ["one", "two", "POISON", "four", "five", "six"]  # five results, one dead letter
+def visible(out) -> Counter[tuple[str, str, str]]:
+    t = read_outcomes(str(out), "r1")
+    return Counter(
+        zip(
+            t.column("id").to_pylist(),
+            t.column("outcome").to_pylist(),
+            t.column("model_version").to_pylist(),
+            strict=True,
+        )
+    )
 
 
-def _ids_everywhere(store: OutputStore, unit: str) -> Counter[str]:
-    seen: Counter[str] = Counter()
-    for path in (store.results_file("r1", unit), store.dead_letter_file("r1", unit)):
-        if store.exists(path):
-            seen.update(pq.read_table(path).column("id").to_pylist())
-    return seen
+def table_for(tmp_path) -> OutcomeTable:
+    table = OutcomeTable(str(tmp_path / "out"))
+    table.ensure(LABELS)
+    return table
 
 
-@pytest.mark.parametrize("crash_after", ["results", "dead_letters", "units"])
-def test_a_crash_after_each_commit_step_neither_loses_nor_duplicates_rows(tmp_path, monkeypatch, crash_after):
-    unit, block = make_unit(tmp_path, TEXTS)
-    store = OutputStore(str(tmp_path / "out"))
-    real = OutputStore.write_bytes
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ({"A": "result", "B": "dead_letter"}, {"A": "result", "B": "result"}),  # B would be lost
+        ({"A": "result", "B": "result"}, {"A": "result", "B": "dead_letter"}),  # B would be twice
+    ],
+    ids=["old-dead-lettered", "new-dead-lettered"],
+)
+def test_a_stalled_commit_of_a_fenced_off_attempt_never_becomes_visible(tmp_path, monkeypatch, old, new):
+    """Attempt 1 passes every check, stalls right before its write, attempt 2 takes over and
+    commits the unit, then attempt 1's write goes on: the table rejects it, and every id is
+    there once, as attempt 2 answered it."""
+    table = table_for(tmp_path)
+    first = UnitCommitter(table.take_over("r1"))
+    real = deltalake.write_deltalake
+    entered, release = threading.Event(), threading.Event()
 
-    def crashing(self, path, data):
-        real(self, path, data)
-        if f"/{crash_after}/" in path:
-            raise Crash(path)
+    def stalled(*args, **kwargs):
+        if threading.current_thread().name == "attempt-1":
+            entered.set()
+            assert release.wait(30)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(OutputStore, "write_bytes", crashing)
-    with pytest.raises(Crash):
-        asyncio.run(InferenceActor(_settings(tmp_path), client_factory=ScriptedClient)(block))
-    monkeypatch.setattr(OutputStore, "write_bytes", real)
-    # A resumed run redoes every unit without a marker, and skips the committed ones.
-    if unit.key not in committed_keys(store, "r1"):
-        asyncio.run(InferenceActor(_settings(tmp_path), client_factory=ScriptedClient)(block))
-    seen = _ids_everywhere(store, unit.key)
-    assert sorted(seen) == sorted(f"id{i}" for i in range(len(TEXTS)))
-    assert set(seen.values()) == {1}, seen
-    assert unit.key in committed_keys(store, "r1")
+    monkeypatch.setattr(deltalake, "write_deltalake", stalled)
+    outcome: list[BaseException | bool] = []
 
+    def attempt_1() -> None:
+        try:
+            outcome.append(first.commit(UNIT, rows(old, version="model-A")))
+        except BaseException as e:
+            outcome.append(e)
 
-def test_a_fenced_off_attempt_stops_before_its_next_write(tmp_path):
-    store = OutputStore(str(tmp_path / "out"))
-    old = Lease(store, "r1", duration_s=600)
-    old.acquire()
-    old._stop.set()
-    new = Lease(store, "r1", duration_s=600)
-    new.acquire(force=True)
-    unit, block = make_unit(tmp_path, TEXTS)
-    with pytest.raises(LeaseLostError):
-        asyncio.run(InferenceActor(_settings(tmp_path, fence=old.fence), client_factory=ScriptedClient)(block))
-    assert _ids_everywhere(store, unit.key) == Counter()
-    assert committed_keys(store, "r1") == set()
-    asyncio.run(InferenceActor(_settings(tmp_path, fence=new.fence), client_factory=ScriptedClient)(block))
-    marker = json.loads((tmp_path / "out" / "_raypipe" / "runs" / "r1" / "units" / f"{unit.key}.json").read_text())
-    assert marker["generation"] == 2
-    new.release()
+    thread = threading.Thread(target=attempt_1, name="attempt-1")
+    thread.start()
+    assert entered.wait(30), "attempt 1 never reached its write"
+    second = UnitCommitter(table.take_over("r1"))  # --force, or the lease expired
+    assert second.fence.generation == first.fence.generation + 1
+    assert second.commit(UNIT, rows(new, version="model-B")) is True
+    release.set()
+    thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], LeaseLostError), outcome
+    assert visible(tmp_path / "out") == Counter({(i, o, "model-B"): 1 for i, o in new.items()})
+    assert table.committed_units("r1") == {UNIT}
 
 
-def test_gc_removes_old_committed_runs_state_and_keeps_reports(tmp_path):
+def test_results_and_dead_letters_become_visible_in_the_same_commit(tmp_path):
+    table = table_for(tmp_path)
+    committer = UnitCommitter(table.take_over("r1"))
+    before = table.load().version()
+    committer.commit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))
+    dt = table.load()
+    assert dt.version() == before + 1
+    assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "dead_letter", "m"): 1})
+    dt.load_as_version(before)
+    assert dt.to_pyarrow_table().num_rows == 0
+
+
+def test_a_commit_retried_in_the_same_generation_writes_nothing_twice(tmp_path):
+    table = table_for(tmp_path)
+    fence = table.take_over("r1")
+    assert UnitCommitter(fence).commit(UNIT, rows({"A": "result"}, version="m")) is True
+    assert UnitCommitter(fence).commit(UNIT, rows({"A": "result"}, version="m")) is False
+    assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1})
+
+
+def test_files_a_crashed_writer_left_are_invisible_and_vacuumed(tmp_path):
+    """A writer that died after writing its data file but before its commit: no reader sees the
+    file, a redo commits the unit once, and `vacuum` deletes the orphan."""
+    table = table_for(tmp_path)
+    orphan = tmp_path / "out" / "outcomes" / "run_id=r1" / "part-crashed.parquet"
+    orphan.parent.mkdir(parents=True)
+    pq.write_table(rows({"A": "result", "B": "result"}, version="crashed").drop(["run_id"]), orphan)
+    assert read_outcomes(str(tmp_path / "out")).num_rows == 0
+    UnitCommitter(table.take_over("r1")).commit(UNIT, rows({"A": "result", "B": "result"}, version="m"))
+    assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "result", "m"): 1})
+    done = vacuum(str(tmp_path / "out"), retention_hours=0)
+    assert done["files"] >= 1 and not orphan.exists()
+    assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "result", "m"): 1})
+
+
+def _take_over(out: str, barrier, results) -> None:
+    table = OutcomeTable(out)
+    barrier.wait(30)
+    try:
+        results.put(("won", table.take_over("r1").generation))
+    except LeaseLostError:
+        results.put(("lost", 0))
+
+
+def test_two_processes_taking_over_at_once_never_share_a_generation(tmp_path):
+    table = table_for(tmp_path)
+    table.take_over("r1")
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_take_over, args=(table.output_uri, barrier, results)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    got = [results.get(timeout=5) for _ in procs]
+    generations = [g for kind, g in got if kind == "won"]
+    assert generations and len(set(generations)) == len(generations), got
+    assert table.generation("r1") == max(generations)
+
+
+def test_vacuum_drops_old_finished_runs_state_and_keeps_reports(tmp_path):
     store = OutputStore(str(tmp_path))
-    now = datetime(2026, 6, 1, tzinfo=UTC)
+    now = datetime.now(UTC)
     for run_id, committed_at in (
         ("old", now - timedelta(days=30)),
-        ("recent", now - timedelta(days=1)),
+        ("recent", now - timedelta(hours=1)),
         ("open", None),
     ):
         store.write_json(store.run_state(run_id, "plan.json"), {"units": []})
-        for i in range(3):
-            store.write_json(store.run_state(run_id, "units", f"u{i}.json"), {"rows": 1})
-            store.write_bytes(store.run_state(run_id, "started", f"u{i}"), b"a")
+        store.write_json(store.run_state(run_id, "attempts", "a1.json"), {"calls": 1})
         store.write_json(store.report_file(run_id), {"run_id": run_id, "mode": "backfill", "status": "completed"})
         if committed_at is not None:
             store.write_json(store.run_state(run_id, "COMMITTED.json"), {"at": committed_at.isoformat()})
-    removed = modes.gc(str(tmp_path), older_than_days=7, now=now)
-    assert removed == {"runs": 1, "files": 7}
-    assert committed_keys(store, "old") == set() and not store.exists(store.run_state("old", "plan.json"))
+    assert finished_runs(str(tmp_path)) == ["old", "recent"]
+    assert drop_finished_state(str(tmp_path), before=now - timedelta(days=7)) == 1
+    assert not store.exists(store.run_state("old", "plan.json"))
     assert store.exists(store.report_file("old")) and store.exists(store.run_state("old", "COMMITTED.json"))
-    assert committed_keys(store, "recent") == {"u0", "u1", "u2"}
-    assert committed_keys(store, "open") == {"u0", "u1", "u2"}
-    # A rerun of a collected run id does nothing: it is committed, and says so.
-    again = modes._committed(store, "old")
-    assert again is not None and again.run_id == "old"
+    assert store.exists(store.run_state("recent", "plan.json")) and store.exists(store.run_state("open", "plan.json"))
 
 
 def summaries(n: int):
-    """n unit summaries as read back from their markers, made one at a time."""
+    """n unit summaries as the actors stream them back, made one at a time."""
     u = UnitStats(unit="u", shard="s", attempt="a", actor="actor", rows=2000, ok=2000, calls=63)
     u.status_counts["OK"] = 63
     for ms in (40, 55, 80):
@@ -139,18 +202,19 @@ def summaries(n: int):
         marker["actor_stats"] = {"seq": i, "breaker": {"openings": 0, "time_open_s": 0.0, "probes": 0},
                                  "limiter": {"min": 2, "max": 8, "final": 6}}  # fmt: skip
         marker["actor"] = f"actor{i % 4}"
-        yield UnitStats.from_dict(marker)
+        yield UnitStats.from_dict(json.loads(json.dumps(marker)))
 
 
-def test_the_report_folds_unit_summaries_in_bounded_memory():
-    """Summaries are streamed from markers into the report: memory does not grow with the units."""
+def test_an_attempts_statistics_fold_in_bounded_memory():
+    """Summaries are folded as they stream in: memory does not grow with the units."""
     peaks = {}
     for n in (2_000, 20_000):
-        report = RunReport(run_id="r", mode="backfill")
+        attempt = AttemptStats()
         tracemalloc.start()
-        report.merge_units(summaries(n))
+        for u in summaries(n):
+            attempt.add(u)
         _, peaks[n] = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        assert report.units_committed == n and report.rows_in == 2000 * n
-    print(f"report fold peak: 2k units {peaks[2_000] / 1e6:.2f} MB, 20k units {peaks[20_000] / 1e6:.2f} MB")
+        assert attempt.units == n and attempt.rows == 2000 * n and len(attempt.actors) == 4
+    print(f"attempt fold peak: 2k units {peaks[2_000] / 1e6:.2f} MB, 20k units {peaks[20_000] / 1e6:.2f} MB")
     assert peaks[20_000] < 1.5 * peaks[2_000] + 1_000_000

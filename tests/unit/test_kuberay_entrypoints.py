@@ -63,7 +63,7 @@ def test_job_entrypoints_parse_with_the_real_cli(overlay: str) -> None:
                 ]["BACKFILL_RUN_ID"]
             )
     assert set(commands) == {"backfill", "daily"}
-    assert commands["daily"].until is None
+    assert commands["daily"].since is None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -75,7 +75,7 @@ def test_job_entrypoints_pass_every_entrypoint_check(overlay: str) -> None:
     ("command", "flags"),
     [
         ("backfill", ["--input", "--output", "--service", "--run-id", "--set", "--config"]),
-        ("daily", ["--input", "--output", "--service", "--run-id", "--set", "--until"]),
+        ("daily", ["--input", "--output", "--service", "--run-id", "--set", "--since"]),
         ("replay", ["--output", "--run-id", "--service"]),
         ("report", ["--output", "--run-id", "--json"]),
     ],
@@ -178,9 +178,9 @@ BREAKS: dict[str, tuple[Callable[[list[Resource]], None], str]] = {
         _replace(_daily, '--run-id "$JOB_RUN_ID"', "--run-id daily"),
         "a scheduled run must take its id from its Job's name",
     ),
-    "daily-with-until": (
-        _replace(_daily, "--set", "--until 2026-01-01T00:00:00+00:00 --set"),
-        "--until fixes every run's window",
+    "daily-with-since": (
+        _replace(_daily, "--set", "--since 2026-01-01T00:00:00+00:00 --set"),
+        "--since re-reads every file on every tick",
     ),
     "scheduled-backfill": (_replace(_daily, "raypipe daily", "raypipe backfill"), "expected daily"),
     "bad-output-uri": (

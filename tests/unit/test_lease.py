@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import time
 
 import pytest
 
@@ -129,3 +130,32 @@ def test_two_processes_racing_to_take_over_get_distinct_generations(tmp_path):
     assert holder["token"] == winner[0] and holder["generation"] == 3
     with pytest.raises(LeaseLostError):
         stale.check()
+
+
+class _DownStore(OutputStore):
+    """The object store went away: its client raises what botocore raises (not an OSError)."""
+
+    down = False
+
+    def read_bytes(self, path: str) -> bytes:
+        if self.down:
+            raise RuntimeError("EndpointConnectionError: Could not connect to the endpoint URL")
+        return super().read_bytes(path)
+
+
+def test_a_lease_that_cannot_be_renewed_before_it_expires_is_lost(tmp_path):
+    """Every store exception in the heartbeat is a missed renewal; past expiry the attempt stops."""
+    store = _DownStore(str(tmp_path))
+    lease = Lease(store, "run-a", duration_s=0.6)
+    lease.acquire()
+    try:
+        store.down = True
+        deadline = time.monotonic() + 5
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lease.lost and not lease._thread.is_alive()
+        with pytest.raises(LeaseLostError):
+            lease.check()
+    finally:
+        store.down = False
+        lease.release()

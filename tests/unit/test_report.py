@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from raypipe.report import LATENCY_RELATIVE_ERROR, LatencySketch, RunReport, UnitStats
+from raypipe.report import LATENCY_RELATIVE_ERROR, AttemptStats, LatencySketch, RunReport, UnitStats
 
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -106,7 +106,7 @@ def unit(name, attempt, actor, seq, **kw):
     return s
 
 
-def test_merge_sums_rows_and_keeps_each_actors_latest_snapshot():
+def test_fold_sums_calls_over_attempts_and_keeps_each_actors_latest_snapshot():
     units = [
         unit("u1", "a1", "x", 1, rows=10, ok=9, empty_text=1, status_counts=Counter({"OK": 3})),
         unit(
@@ -126,9 +126,14 @@ def test_merge_sums_rows_and_keeps_each_actors_latest_snapshot():
     units[0].latency.add(0.010)
     units[1].latency.add(0.020)
     units[2].latency.add(0.030)
-    r.merge_units([UnitStats.from_dict(u.to_dict()) for u in units])
+    attempts = {"a1": AttemptStats(attempt="a1"), "a2": AttemptStats(attempt="a2")}
+    for u in units:
+        attempts[u.attempt].add(UnitStats.from_dict(u.to_dict()))
+    saved = [AttemptStats.from_dict(json.loads(json.dumps(a.to_dict()))) for a in attempts.values()]
+    r.fold_attempts(saved)
+    r.apply_ledger({"result:ok": 19, "result:empty_text": 1, "dead_letter:unavailable": 2})
     assert (r.rows_in, r.rows_ok, r.rows_empty_text, r.rows_dead_letters) == (22, 19, 1, 2)
-    assert r.rows_results + r.rows_dead_letters == r.rows_in
+    assert r.dead_letter_kinds == {"unavailable": 2}
     assert r.status_counts == {"OK": 6, "UNAVAILABLE": 4}
     assert r.breaker_openings == 2 + 1  # actor x's latest (seq 2) + actor y's
     assert r.limiter["max"] == 6 and r.limiter["actors"] == 2

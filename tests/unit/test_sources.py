@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raypipe.errors import InputError, NoShardsError, SchemaError
-from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, list_shards, plan_units, read_unit
+from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedError
+from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, list_input, list_shards, plan_units, read_unit
 
 COLS = ColumnNames()
 
@@ -27,6 +27,32 @@ def test_list_shards_skips_hidden_and_unknown_files(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     shards = list_shards(str(tmp_path))
     assert [(p.rsplit("/", 1)[-1], f) for p, f in shards] == [("a.parquet", "parquet"), ("b.jsonl", "jsonl")]
+
+
+def test_every_skipped_file_is_listed_with_its_reason_and_upper_case_extensions_are_read(tmp_path):
+    write_parquet(tmp_path / "A.PARQUET", ["1"], ["x"])
+    (tmp_path / "_SUCCESS").write_text("")
+    (tmp_path / "old.jsonl.gz").write_bytes(b"gz")
+    (tmp_path / "README").write_text("hi")
+    (tmp_path / "_tmp").mkdir()
+    write_parquet(tmp_path / "_tmp" / "part.parquet", ["2"], ["y"])
+    listing = list_input(str(tmp_path), quarantined=frozenset())
+    assert [p.rsplit("/", 1)[-1] for p, _ in listing.shards] == ["A.PARQUET"]
+    reasons = {s["path"].rsplit("/", 1)[-1]: s["reason"] for s in listing.skipped}
+    assert reasons["old.jsonl.gz"] == "unknown extension .gz" and reasons["README"] == "unknown extension (none)"
+    assert reasons["_SUCCESS"].startswith("hidden") and reasons["part.parquet"].startswith("hidden ('_tmp'")
+    with pytest.raises(NoShardsError, match="quarantined"):
+        list_input(str(tmp_path), quarantined=frozenset(p for p, _ in listing.shards))
+
+
+def test_a_shard_rewritten_after_planning_is_not_read(tmp_path):
+    write_parquet(tmp_path / "a.parquet", ["1", "2"], ["x", "y"])
+    listing = list_input(str(tmp_path))
+    units, _ = plan_units(listing.shards, unit_rows=10, columns=COLS, fingerprints=listing.fingerprints)
+    assert read_unit(units[0], COLS).num_rows == 2
+    write_parquet(tmp_path / "a.parquet", ["1", "2", "3"], ["x", "y", "z"])  # rewritten in place
+    with pytest.raises(ShardChangedError, match="rewritten since it was planned"):
+        read_unit(units[0], COLS)
 
 
 def test_no_shards_is_an_error(tmp_path):

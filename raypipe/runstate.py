@@ -1,0 +1,352 @@
+"""One owner of a run's state on its output: table, plan, lease, watermark, report.
+
+`RunState` is what the run modes (`raypipe.modes`) call, once per step:
+
+    state = RunState(config, mode, run_id)
+    state.committed_report()      # None, or the report of a run id already committed
+    state.begin(labels)           # lease (one run id at a time), table ready, take over: fence
+    plan = state.plan(make_plan)  # the stored plan, or a new one (stored once)
+    todo = state.pending(plan)    # units without committed rows in the table
+    ... the pipeline commits units through `raypipe.sinks.UnitCommitter(state.fence)` ...
+    state.finish(plan, report)    # ledger from the table; run committed; watermark; report
+
+What lives where under OUTPUT:
+
+    outcomes/                              the Delta table (results and dead letters; the truth)
+    runs/<run_id>.json                     the run report
+    _raypipe/lease.json                    who runs here now (liveness; not the fence)
+    _raypipe/watermark.json                the latest updated_at read (informational; never backwards)
+    _raypipe/files_seen.parquet            every input file read whole: path, size and ETag
+    _raypipe/quarantine.json               shards an operator set aside (skipped, reported)
+    _raypipe/runs/<run_id>/plan.json       the run's units, fixed at its first start
+    _raypipe/runs/<run_id>/attempts/*.json each attempt's call statistics (for the report)
+    _raypipe/runs/<run_id>/COMMITTED.json  when the run was committed (for `vacuum`)
+
+The fence is the table's (`raypipe.sinks`): `begin` commits a new generation of the run id,
+after which no commit of an older attempt can land. The lease only keeps a second run id
+from starting on the same output and lets a retried attempt wait for a live one to expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+
+from raypipe.config import PipelineConfig
+from raypipe.errors import ConfigError
+from raypipe.lease import Lease
+from raypipe.outcomes import Ledger, ledger
+from raypipe.report import AttemptStats, RunReport
+from raypipe.sinks import OutcomeTable, TableFence
+from raypipe.sources import DeltaWindow, WorkUnit
+from raypipe.store import STATE_DIR, OutputStore
+
+__all__ = [
+    "LegacyLayout",
+    "Plan",
+    "RunState",
+    "drop_finished_state",
+    "finished_runs",
+    "quarantine",
+    "read_files_seen",
+]
+
+logger = logging.getLogger("raypipe")
+
+COMMITTED = "COMMITTED.json"
+WATERMARK = "watermark.json"
+FILES_SEEN = "files_seen.parquet"
+QUARANTINE = "quarantine.json"
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return None if ts is None else ts.isoformat()
+
+
+def _parse(ts: str | None) -> datetime | None:
+    return None if ts is None else datetime.fromisoformat(ts)
+
+
+@dataclass
+class Plan:
+    mode: str
+    input: str | None
+    units: list[WorkUnit]
+    bad_shards: list[dict[str, str]]
+    window: DeltaWindow | None = None
+    replay_of: str | None = None
+    observations: dict[str, Any] | None = None
+    """What planning saw in the footers (`PlanObservations`), and a backfill's `read_as_of`."""
+    model_version: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "input": self.input,
+            "units": [u.to_dict() for u in self.units],
+            "bad_shards": self.bad_shards,
+            "window": None
+            if self.window is None
+            else {"after": _iso(self.window.after), "until": _iso(self.window.until)},
+            "replay_of": self.replay_of,
+            "observations": self.observations,
+            "model_version": self.model_version,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        w = d.get("window")
+        window = None if w is None else DeltaWindow(_parse(w["after"]), _parse(w["until"]))  # type: ignore[arg-type]
+        return cls(
+            d["mode"],
+            d["input"],
+            [WorkUnit.from_dict(u) for u in d["units"]],
+            d["bad_shards"],
+            window,
+            d.get("replay_of"),
+            d.get("observations"),
+            d.get("model_version"),
+        )
+
+
+class RunState:
+    """A run's on-output state and the steps that change it (see the module docstring)."""
+
+    def __init__(self, config: PipelineConfig, mode: str, run_id: str) -> None:
+        self.config = config
+        self.mode = mode
+        self.run_id = run_id
+        self.store = OutputStore(config.output.uri)
+        self.table = OutcomeTable(config.output.uri)
+        self.attempt = uuid.uuid4().hex[:8]
+        self.lease = Lease(self.store, run_id, duration_s=config.output.lease_s)
+        self._fence: TableFence | None = None
+
+    # -- steps ---------------------------------------------------------------------------------
+    def committed_report(self) -> RunReport | None:
+        """The stored report if this run id is committed already (then there is nothing to do)."""
+        if not self.table.is_committed(self.run_id):
+            return None
+        stored = self.store.read_json_or_none(self.store.report_file(self.run_id))
+        report = RunReport.from_dict(stored) if stored else RunReport(run_id=self.run_id, mode=self.mode)
+        report.status = "completed"
+        logger.info(
+            "run %s is already committed: nothing to do (report %s)", self.run_id, self.store.report_file(self.run_id)
+        )
+        return report
+
+    def begin(self, labels: tuple[str, ...]) -> TableFence:
+        """Takes the lease, makes the table ready for `labels`, and takes the run over: from
+        here on no commit of an earlier attempt of this run id can land."""
+        if self.config.output.require_conditional_writes:
+            self.lease.check_conditional_writes()
+        self.lease.acquire(force=self.config.output.take_over_lease)
+        try:
+            self.table.ensure(labels)
+            self._fence = self.table.take_over(self.run_id, holder=f"{self.attempt}")
+        except BaseException:
+            self.lease.release()
+            raise
+        self.lease.generation = self._fence.generation
+        logger.info("run %s: attempt %s holds generation %d", self.run_id, self.attempt, self._fence.generation)
+        return self._fence
+
+    @property
+    def fence(self) -> TableFence:
+        assert self._fence is not None, "begin() first"
+        return self._fence
+
+    def plan(self, make_plan: Callable[[], Plan], *, input_uri: str | None, model_version: str) -> tuple[Plan, bool]:
+        """The run's plan: stored at its first start, read back on every later one.
+
+        Returns (plan, resumed). A run id cannot be resumed as another mode or input.
+        """
+        path = self.store.run_state(self.run_id, "plan.json")
+        stored = self.store.read_json_or_none(path)
+        if stored is not None:
+            plan = Plan.from_dict(stored)
+            if plan.mode != self.mode or plan.input != input_uri:
+                raise ConfigError(
+                    f"run {self.run_id} was started as a {plan.mode} of {plan.input}; "
+                    f"it cannot be resumed as a {self.mode} of {input_uri}"
+                )
+            if plan.model_version not in (None, model_version):
+                logger.warning(
+                    "run %s was started with model %s and resumes with %s: its rows will carry both versions",
+                    self.run_id,
+                    plan.model_version,
+                    model_version,
+                )
+            return plan, True
+        plan = make_plan()
+        plan.model_version = model_version
+        self.save_plan(plan)
+        return plan, False
+
+    def save_plan(self, plan: Plan) -> None:
+        self.lease.check()
+        self.store.write_json(self.store.run_state(self.run_id, "plan.json"), plan.to_dict())
+
+    def pending(self, plan: Plan) -> list[WorkUnit]:
+        """Units of the plan without committed rows (read after the takeover, so final)."""
+        done = self.table.committed_units(self.run_id)
+        return [u for u in plan.units if u.key not in done]
+
+    def watermark(self) -> datetime | None:
+        mark = self.store.read_json_or_none(self.store.state(WATERMARK))
+        return _parse(mark["updated_at"]) if mark else None
+
+    def earlier_attempts(self) -> list[AttemptStats]:
+        folder = self.store.run_state(self.run_id, "attempts")
+        paths = [p for p in self.store.list_files(folder, ".json") if not p.endswith(f"/{self.attempt}.json")]
+        return [AttemptStats.from_dict(d) for _, d in self.store.read_many_json(paths)]
+
+    def save_attempt(self, stats: AttemptStats) -> None:
+        """This attempt's call statistics, so a later attempt's report still counts them."""
+        self.store.write_json(self.store.run_state(self.run_id, "attempts", f"{self.attempt}.json"), stats.to_dict())
+
+    def ledger(self) -> Ledger:
+        return ledger(self.config.output.uri, self.run_id)
+
+    def commit_run(self, *, watermark_to: datetime | None) -> None:
+        """Records the run as committed (fenced by the table), then moves the watermark."""
+        self.table.mark_committed(self.fence, {"raypipe.attempt": self.attempt})
+        self.store.write_json(
+            self.store.run_state(self.run_id, COMMITTED), {"run_id": self.run_id, "at": _iso(datetime.now(UTC))}
+        )
+        if watermark_to is not None:
+            self._advance_watermark(watermark_to)
+
+    def _advance_watermark(self, to: datetime) -> None:
+        """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps it)."""
+        current = self.watermark()
+        if current is not None and to <= current:
+            logger.info("watermark stays at %s (this run reached %s)", current.isoformat(), to.isoformat())
+            return
+        self.lease.check()
+        self.store.write_json(self.store.state(WATERMARK), {"updated_at": _iso(to), "run_id": self.run_id})
+        logger.info("watermark advanced to %s", to.isoformat())
+
+    def files_seen(self) -> dict[str, str]:
+        """Input files a run of this output read whole (every unit committed): URI -> fingerprint."""
+        return read_files_seen(self.store)
+
+    def record_files_seen(self, plan: Plan, committed: set[str]) -> int:
+        """Adds the plan's files whose every unit is committed (also in an incomplete run: its
+        healthy files are not read again); returns how many were added or updated."""
+        by_shard: dict[str, list[WorkUnit]] = {}
+        for u in plan.units:
+            by_shard.setdefault(u.shard, []).append(u)
+        bad = {b["shard"] for b in plan.bad_shards}
+        done = {
+            shard: units[0].fingerprint
+            for shard, units in by_shard.items()
+            if shard not in bad and units[0].fingerprint and all(u.key in committed for u in units)
+        }
+        if not done:
+            return 0
+        seen = self.files_seen()
+        changed = {f: fp for f, fp in done.items() if seen.get(f) != fp}
+        if changed:
+            seen.update(changed)
+            self.lease.check()
+            files = sorted(seen)
+            table = pa.table({"path": files, "fingerprint": [seen[f] for f in files]})
+            self.store.write_parquet(self.store.state(FILES_SEEN), table)
+        return len(changed)
+
+    def quarantined(self) -> frozenset[str]:
+        return frozenset((self.store.read_json_or_none(self.store.state(QUARANTINE)) or {}).get("shards", {}))
+
+    def write_report(self, report: RunReport) -> None:
+        self.store.write_json(self.store.report_file(self.run_id), report.to_dict())
+
+    def release(self) -> None:
+        self.lease.release()
+
+
+def read_files_seen(store: OutputStore) -> dict[str, str]:
+    path = store.state(FILES_SEEN)
+    if not store.exists(path):
+        return {}
+    t = store.read_parquet(path)
+    return dict(zip(t.column("path").to_pylist(), t.column("fingerprint").to_pylist(), strict=True))
+
+
+def quarantine(output: str, shards: list[str], *, reason: str, release: bool = False) -> dict[str, Any]:
+    """Adds shards to (or with `release`, removes them from) the output's quarantine: planning
+    skips a quarantined shard and lists it in the report, so a shard that stays bad stops
+    making every run incomplete once an operator has decided so."""
+    store = OutputStore(output)
+    current = (store.read_json_or_none(store.state(QUARANTINE)) or {}).get("shards", {})
+    for shard in shards:
+        if release:
+            current.pop(shard, None)
+        else:
+            current[shard] = {"reason": reason, "at": _iso(datetime.now(UTC))}
+    store.write_json(store.state(QUARANTINE), {"shards": current})
+    return {"quarantined": sorted(current)}
+
+
+def finished_runs(output: str) -> list[str]:
+    """Run ids whose completion was recorded (`_raypipe/runs/<id>/COMMITTED.json`)."""
+    store = OutputStore(output)
+    runs = store.path(STATE_DIR, "runs")
+    try:
+        store.fs.invalidate_cache(runs)
+        names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if store.read_json_or_none(store.run_state(n, COMMITTED)) is not None)
+
+
+def drop_finished_state(output: str, *, before: datetime) -> int:
+    """Removes plans and attempt statistics of runs committed before `before` (reports stay)."""
+    store = OutputStore(output)
+    removed = 0
+    for run_id in finished_runs(output):
+        mark = store.read_json_or_none(store.run_state(run_id, COMMITTED))
+        at = _parse(mark.get("at")) if mark else None
+        if at is None or at > before:
+            continue
+        doomed = [
+            p
+            for sub in ("attempts", "units", "started", "inputs")
+            for p in store.list_files(store.run_state(run_id, sub))
+        ]
+        doomed.append(store.run_state(run_id, "plan.json"))
+        for path in doomed:
+            store.delete(path)
+        removed += 1
+    return removed
+
+
+class LegacyLayout:
+    """An output written by raypipe's earlier layout (read by `raypipe migrate`)."""
+
+    def __init__(self, output: str) -> None:
+        self.store = OutputStore(output)
+
+    def runs(self) -> list[str]:
+        runs = self.store.path(STATE_DIR, "runs")
+        try:
+            self.store.fs.invalidate_cache(runs)
+            return sorted(p.rsplit("/", 1)[-1] for p in self.store.fs.ls(runs, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def committed_units(self, run_id: str) -> set[str]:
+        folder = self.store.run_state(run_id, "units")
+        return {p.rsplit("/", 1)[-1].removesuffix(".json") for p in self.store.list_files(folder, ".json")}
+
+    def results_file(self, run_id: str, unit: str) -> str:
+        return self.store.path("results", f"run={run_id}", f"{unit}.parquet")
+
+    def dead_file(self, run_id: str, unit: str) -> str:
+        return self.store.path("dead_letters", f"run={run_id}", f"{unit}.parquet")

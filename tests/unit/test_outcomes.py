@@ -1,0 +1,86 @@
+"""The readers users script against (`raypipe.read_outcomes`, `raypipe.latest`) and `migrate`,
+on a real local Delta table."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import raypipe
+from raypipe.outcomes import migrate
+from raypipe.sinks import OutcomeTable, UnitCommitter
+from raypipe.store import OutputStore
+from tests.fakes import LABELS
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def commit(out, run_id: str, unit: str, ids: list[str], *, version: str, updated: datetime | None, outcome="result"):
+    table = OutcomeTable(str(out))
+    table.ensure(LABELS)
+    n = len(ids)
+    rows = pa.table(
+        {
+            "id": ids,
+            "outcome": [outcome] * n,
+            "unit": [unit] * n,
+            "run_id": [run_id] * n,
+            "status": ["ok" if outcome == "result" else None] * n,
+            "model_version": [version] * n,
+            "updated_at": pa.array([updated] * n, pa.timestamp("us", tz="UTC")),
+            "inferred_at": pa.array([datetime.now(UTC)] * n, pa.timestamp("us", tz="UTC")),
+            "source": ["in.parquet"] * n,
+            "row": list(range(n)),
+        }
+    )
+    assert UnitCommitter(table.take_over(run_id)).commit(unit, rows)
+
+
+def test_latest_after_a_rebackfill_with_a_new_model_shows_the_new_model_for_every_id(tmp_path):
+    """Backfill with model A, a daily that touched 10 rows, a backfill of the same input with
+    model B: every id's latest row is model B's (the bug: backfill rows had no updated_at, and
+    nulls sorted last put the daily's model-A rows first)."""
+    ids = [f"p{i}" for i in range(30)]
+    touched = ids[:10]
+    commit(tmp_path, "backfill-a", "u1", ids, version="A", updated=T0)
+    commit(tmp_path, "daily-1", "u1", touched, version="A", updated=T0 + timedelta(days=1))
+    for chunk, unit in ((touched, "u1"), (ids[10:], "u2")):  # the input now has the daily's timestamps
+        when = T0 + timedelta(days=1) if chunk is touched else T0
+        commit(tmp_path, "backfill-b", unit, chunk, version="B", updated=when)
+    latest = raypipe.latest(str(tmp_path))
+    assert sorted(latest.column("id").to_pylist()) == sorted(ids)
+    assert set(latest.column("model_version").to_pylist()) == {"B"}
+    assert raypipe.read_outcomes(str(tmp_path)).num_rows == 30 + 10 + 30
+    assert raypipe.read_outcomes(str(tmp_path), "daily-1").num_rows == 10
+
+
+def test_a_dead_lettered_id_appears_once_with_its_outcome(tmp_path):
+    commit(tmp_path, "r1", "u1", ["a", "b"], version="A", updated=None)
+    commit(tmp_path, "r2", "u1", ["b"], version="A", updated=None, outcome="dead_letter")
+    latest = {r["id"]: r["outcome"] for r in raypipe.latest(str(tmp_path)).to_pylist()}
+    assert latest == {"a": "result", "b": "dead_letter"}
+
+
+def test_migrate_copies_committed_units_of_the_earlier_layout_once(tmp_path):
+    store = OutputStore(str(tmp_path))
+    base = {"status": ["ok"], "prob_joy": [0.9], "top_label": ["joy"], "model_version": ["m"], "run_id": ["old"]}
+    for unit, committed in (("u1", True), ("u2", False)):  # u2: an attempt died before its marker
+        path = tmp_path / "results" / "run=old" / f"{unit}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": [f"id-{unit}"], **base}), path)
+        if committed:
+            store.write_json(store.run_state("old", "units", f"{unit}.json"), {"rows": 1})
+    dead = tmp_path / "dead_letters" / "run=old" / "u1.parquet"
+    dead.parent.mkdir(parents=True)
+    failed_at = pa.array([T0], pa.timestamp("us", tz="UTC"))
+    pq.write_table(
+        pa.table({"id": ["id-dead"], "error_kind": ["internal"], "text": ["x"], "failed_at": failed_at}), dead
+    )
+    assert migrate(str(tmp_path)) == {"runs": 1, "rows": 2}
+    assert migrate(str(tmp_path)) == {"runs": 0, "rows": 0}  # rerunnable
+    rows = {r["id"]: r for r in raypipe.read_outcomes(str(tmp_path), "old").to_pylist()}
+    assert set(rows) == {"id-u1", "id-dead"}
+    assert rows["id-dead"]["outcome"] == "dead_letter" and rows["id-dead"]["inferred_at"] == T0
+    assert OutcomeTable(str(tmp_path)).is_committed("old")
