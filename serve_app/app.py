@@ -162,24 +162,33 @@ def batch_weight(jobs: list[_Job]) -> int:
 class EmotionClassifier:
     def __init__(self, model_dir: str, settings: dict[str, Any] | None = None) -> None:
         from serve_app.model import EmotionModel, configure_precision, configure_tf_threads
+        from serve_app.runtimes import resolve
 
         self._settings = ServerSettings.from_dict(settings)
         self._threads = thread_layout(self._settings, _replica_cpus())
         configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
-        # Before the model's graph first runs (warmup): Grappler rewrites it then.
-        self._precision = configure_precision(self._settings.precision)  # type: ignore[arg-type]
+        # The runtime x precision the settings, the measured record and this CPU allow (or a GateError).
+        serving = resolve(model_dir, self._settings)
+        if serving.runtime == "tensorflow":
+            # Before the model's graph first runs (warmup): Grappler rewrites it then.
+            configure_precision(serving.precision)
+        self._precision = serving.precision
         self._model = EmotionModel.load(
             model_dir,
             max_sequence_length=self._settings.max_sequence_length,
             token_budget=self._settings.token_budget,
-            precision=self._precision,
-            threads=self._threads.intra_op,  # int8 runs in ONNX Runtime: a pass's threads, as TensorFlow's
+            precision=serving.precision,
+            runtime=serving.runtime,
+            threads=self._threads.intra_op,
+            streams=self._threads.model,  # OpenVINO: one stream per model thread, as TensorFlow's passes
         )
         self._model.warmup()
         self._labels = list(self._model.card.labels)
-        # Answers computed in bf16 or int8 may differ from fp32 ones: the version says which they are.
-        self._version = self._model.card.version + ("" if self._precision == "fp32" else f"+{self._precision}")
-        logger.info("EmotionClassifier %s ready, precision %s", self._version, self._precision)
+        # Answers not computed by TensorFlow fp32 may differ from its: the version says what made them.
+        self._version = self._model.card.version + serving.version_suffix
+        logger.info(
+            "EmotionClassifier %s ready: %s %s (%s)", self._version, serving.runtime, serving.precision, serving.reason
+        )
         # `model_threads` batches compute at once, each on its own thread (and, by default,
         # on one core: see ServerSettings.model_threads). Tokenizing has its own thread, so
         # it overlaps the forward passes.
