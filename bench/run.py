@@ -349,6 +349,18 @@ class Bench:
             entry["profile"] = line["profile"]
         return result
 
+    def _demo_eval_corpus(self) -> Path:
+        """In domain: generated emotion paragraphs of a seed no model (nor the default sample) used."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from serve_app.demo_data import paragraphs
+
+        path = self.work / "demo-eval.parquet"
+        texts = [t for t, _ in paragraphs(2000, seed=902)]
+        pq.write_table(pa.table({"id": [f"e{i}" for i in range(len(texts))], "text": texts}), path)
+        return path
+
     def _out_of_domain_corpus(self) -> Path:
         """Prose unrelated to emotions: paragraphs of Python's standard-library docstrings."""
         import importlib

@@ -117,7 +117,9 @@ def test_damaged_cache_entry_is_rebuilt(model_dir: Path, private_cache: Path, co
     # The rebuilt IR is whole again: it answers as TensorFlow does.
     model = EmotionModel.load(model_dir, runtime="openvino", threads=1)
     np.testing.assert_allclose(
-        model.predict(TEXTS[:20]).probabilities, EmotionModel.load(model_dir).predict(TEXTS[:20]).probabilities, atol=1e-4
+        model.predict(TEXTS[:20]).probabilities,
+        EmotionModel.load(model_dir).predict(TEXTS[:20]).probabilities,
+        atol=1e-4,
     )
 
 
