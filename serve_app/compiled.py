@@ -9,8 +9,9 @@ float32[n, labels]``. TensorFlow stays the reference: export, ``raypipe model ch
 
 What is compiled, and where it lives:
 
-1. ``ov.convert_model(saved_model/)`` reads the SavedModel directly into an OpenVINO model with
-   dynamic batch and length axes (no ONNX step); `openvino.save_model` writes it as IR
+1. OpenVINO's TensorFlow frontend (what ``ov.convert_model(saved_model/)`` runs) reads the
+   SavedModel directly into an OpenVINO model with dynamic batch and length axes (no ONNX
+   step); `openvino.save_model` writes it as IR
    (``model.xml`` + ``model.bin``, fp32 weights). The IR does not depend on the CPU.
 2. The OpenVINO CPU plugin compiles the IR at load, for the precision asked (``fp32``; ``bf16``
    as ``INFERENCE_PRECISION_HINT`` where the CPU has native bf16; an ``int8`` IR is one NNCF
@@ -64,7 +65,7 @@ _FP32 = "model.xml"
 _META = "ir.json"
 _FORMAT = "raypipe-openvino/1"
 #: Bump when the conversion changes: every cached IR is then made again.
-_RECIPE = {"recipe": 1, "convert": "ov.convert_model(saved_model)", "weights": "fp32"}
+_RECIPE = {"recipe": 1, "convert": "tf frontend (saved_model)", "weights": "fp32"}
 _CACHE_ENV = "RAYPIPE_CACHE"
 _INPUTS = ("input_ids", "attention_mask")
 _OUTPUT = "probabilities"
@@ -204,10 +205,15 @@ def export_ir(model_dir: Path | str, *, force: bool = False) -> Path:
 def convert(saved_model: Path, out: Path) -> dict[str, Any]:
     """Write the fp32 IR of ``saved_model`` to ``out`` (``model.xml``, ``model.bin``)."""
     import openvino as ov
+    from openvino.frontend import FrontEndManager
 
     started = time.monotonic()
     try:
-        model = ov.convert_model(str(saved_model))
+        # The TensorFlow frontend `ov.convert_model` itself calls, without its wrapper: that
+        # wrapper sends usage telemetry over the network from a forked process unless the
+        # user opted out, and a replica must not reach out (nor fork beside the tokenizer).
+        frontend = FrontEndManager().load_by_framework("tf")
+        model = frontend.convert(frontend.load(str(saved_model)))
     except (RuntimeError, ValueError, OSError) as e:  # OpenVINO's conversion errors are RuntimeErrors
         raise OpenVinoError(saved_model, f"OpenVINO cannot convert the SavedModel: {e}") from e
     # compress_to_fp16=False: the IR must answer as the SavedModel does; precision is chosen at compile.

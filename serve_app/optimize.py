@@ -8,7 +8,8 @@
 3. int8: NNCF post-training quantization of that IR with accuracy control
    (`nncf.quantize_with_accuracy_control`), calibrated on the calibration texts, its metric the
    top-label agreement with TensorFlow fp32 on them; NNCF reverts the layers that cost the most
-   agreement to fp32 until the drop is within ``1 - threshold`` or `INT8_MAX_REVERTS`. Written as
+   agreement to fp32 until the drop is within ``1 - threshold`` or it has reverted
+   ``int8_max_reverts`` groups. Written as
    ``DIR/openvino/int8.xml`` (+ ``int8.json``: the IR key it was built from, what was reverted).
 4. Every setting this CPU supports (`serve_app.runtimes.supported_settings`) is run on the
    held-out texts against TensorFlow fp32: speed, top-label agreement, largest probability
@@ -59,11 +60,6 @@ DEFAULT_ROWS = 1200
 _CALIBRATION_SHARE = 0.3
 _MAX_CALIBRATION = 300
 _SEED = 19
-#: NNCF's accuracy-control iterations (each reverts one more group of ops to fp32 and re-ranks
-#: the rest, ~1 min on 2 cores for MiniLM). Its default is unbounded; past a handful of reverts
-#: int8 has lost its speed-up anyway. When the drop still exceeds the goal, the best model found
-#: is written, its held-out agreement recorded, and the gate keeps it from being served.
-INT8_MAX_REVERTS = 6
 _Runner = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
@@ -153,6 +149,7 @@ def optimize(
     threshold: float = 0.99,
     threads: int = 2,
     int8: bool = True,
+    int8_max_reverts: int = 6,
     flags: frozenset[str] | None = None,
 ) -> OptimizeResult:
     """Steps 2-4 of the module docstring; returns the record written."""
@@ -170,7 +167,7 @@ def optimize(
     export_ir(model_dir)
     int8_info: dict[str, Any] = {"skipped": "not asked (--no-int8)"}
     if int8:
-        int8_info = build_int8(model_dir, model, calibration, max_drop=1 - threshold)
+        int8_info = build_int8(model_dir, model, calibration, max_drop=1 - threshold, max_reverts=int8_max_reverts)
     measurements = [Measurement(*REFERENCE, para_per_s=reference_rate, agreement=1.0, max_abs_dp=0.0)]
     for runtime, precision in supported_settings(flags, openvino=True):
         if (runtime, precision) == REFERENCE or runtime != "openvino":
@@ -205,14 +202,19 @@ def optimize(
     return OptimizeResult(record, write_record(model_dir, record), int8_info)
 
 
-def build_int8(model_dir: Path, model: EmotionModel, calibration: Tokenized, *, max_drop: float) -> dict[str, Any]:
+def build_int8(
+    model_dir: Path, model: EmotionModel, calibration: Tokenized, *, max_drop: float, max_reverts: int = 6
+) -> dict[str, Any]:
     """Quantize ``DIR/openvino/model.xml`` with NNCF's accuracy control; write ``DIR/openvino/int8.xml``.
 
     ``model`` is the TensorFlow reference (its ``_run``), loaded from the directory to build.
     The calibration texts serve both as NNCF's calibration set and as its validation set (the
-    gate is decided on other, held-out texts). NNCF stops after `INT8_MAX_REVERTS` reverts
-    even when ``max_drop`` is not reached; that build is still written (the gate reads its
-    held-out agreement). Returns what was done, or ``{"error": ...}`` when NNCF fails outright.
+    gate is decided on other, held-out texts). NNCF stops after ``max_reverts`` iterations
+    (each reverts one more group of ops to fp32, then ranks the rest again: ~2 min each on 2
+    cores for MiniLM; NNCF's own default is unbounded, and past a handful of reverts int8 has
+    lost its speed-up anyway) even when ``max_drop`` is not reached. That build is still
+    written; the gate reads its held-out agreement and keeps it from being served.
+    Returns what was done, or ``{"error": ...}`` when NNCF fails outright.
     """
     import nncf
     import openvino as ov
@@ -247,9 +249,7 @@ def build_int8(model_dir: Path, model: EmotionModel, calibration: Tokenized, *, 
             drop_type=nncf.DropType.ABSOLUTE,
             model_type=nncf.ModelType.TRANSFORMER,
             subset_size=len(items),
-            advanced_accuracy_restorer_parameters=AdvancedAccuracyRestorerParameters(
-                max_num_iterations=INT8_MAX_REVERTS
-            ),
+            advanced_accuracy_restorer_parameters=AdvancedAccuracyRestorerParameters(max_num_iterations=max_reverts),
         )
     except (RuntimeError, ValueError) as e:  # NNCF's own failures (no quantizable op, bad data)
         logger.warning("int8: NNCF could not build a model within the agreement drop: %s", e)
