@@ -2,7 +2,8 @@
 
 - ``inproc``: the compute ceiling, `serve_app.model.EmotionModel` called in this process on the
   whole sample at once (it sorts by length, pads per bucket, keeps each pass under the token
-  budget: the best batching the model offers), TensorFlow on all the cores; no Ray, no network.
+  budget: the best batching the model offers) on all the cores; no Ray, no network. ``runtime``
+  and ``precision`` are resolved as a replica resolves them (``auto``: the measured record).
 - ``async``: the reference build's final client, one Classify RPC per paragraph under an
   asyncio semaphore of 50 (grpc.aio), against an unbatched server.
 - ``sync``: the reference build's start, blocking calls one paragraph at a time.
@@ -59,12 +60,20 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
     workers = args["threads"] if layout == "passes" else 1
     intra_op = 1 if layout == "passes" else args["threads"]
     model_mod.configure_tf_threads(intra_op, workers)
-    precision = "fp32"
-    if args.get("precision") is not None:
+    # The runtime x precision as a replica resolves it: "auto" reads the model's measured record.
+    from serve_app.runtimes import resolve
+    from serve_app.settings import ServerSettings
+
+    settings = ServerSettings(runtime=args.get("runtime", "tensorflow"), precision=args.get("precision") or "fp32")
+    serving = resolve(args["model_dir"], settings)
+    precision, runtime = serving.precision, serving.runtime
+    if runtime == "tensorflow":
         # The server's own switch, process-wide, set before any graph runs (as a replica does).
-        precision = model_mod.configure_precision(args["precision"])  # type: ignore[attr-defined, unused-ignore]
-    # int8 converts on first use (the bench builds DIR/int8 first, so not here); not timed.
-    model = model_mod.EmotionModel.load(args["model_dir"], precision=precision, threads=intra_op)
+        model_mod.configure_precision(precision)
+    # OpenVINO converts on first use (the bench runs `raypipe model optimize` first); not timed.
+    model = model_mod.EmotionModel.load(
+        args["model_dir"], precision=precision, runtime=runtime, threads=intra_op, streams=workers
+    )
     _, texts = _read_corpus(args["corpus"], args["n"])
     counts = {"padded": 0, "real": 0, "passes": 0}
     run = model._run
@@ -98,10 +107,12 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
         "max_sequence_length": model.card.max_sequence_length,
         "retries": 0,
         "precision": precision,
+        "runtime": runtime,
         "layout": layout,
     }
     if args.get("return_top"):
         out["top"] = predictions.probabilities.argmax(axis=1).tolist()
+        out["probabilities"] = np.round(predictions.probabilities, 6).tolist()
     return out
 
 

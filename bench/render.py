@@ -87,6 +87,10 @@ def _model_table(name: str, model: dict[str, Any]) -> list[str]:
         shown = ", ".join(f"{k} {v:.1f} para/s" for k, v in layouts.items())
         out += ["", f"(a) is the faster thread layout in process: {shown} (intra: one pass on all threads; "
                 "passes: one single-threaded pass per thread, side by side)."]  # fmt: skip
+    a = model["lines"].get("a", {})
+    if a.get("runtime"):
+        out += ["", f"(a) and (d) serve `precision: auto`, here {a['runtime']} {a['precision']} "
+                "(the fastest setting `raypipe model optimize` measured at >= 99% agreement)."]  # fmt: skip
     return out
 
 
@@ -174,43 +178,67 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def _precision_tables(precision: dict[str, Any]) -> list[str]:
+    out = [f"CPU flags: {' '.join(precision.get('cpu_flags', [])) or '?'}", ""]
     agreement: dict[str, dict[str, Any]] = precision.get("agreement", {})
-    trained = list(dict.fromkeys(k for entry in agreement.values() for k in entry if not k.endswith(" error")))
-    out = [
-        "Top-label agreement with fp32 on 2,000 held-out demo-data texts:",
-        "",
-        "| precision | " + " | ".join(trained) + " |",
-        "|---|" + "---:|" * len(trained),
-    ]
-    for mode, entry in agreement.items():
-        out.append(f"| {mode} | " + " | ".join(_f(entry.get(k), "{:.2%}") for k in trained) + " |")
-    for mode, entry in agreement.items():
-        for k, v in entry.items():
-            if k.endswith(" error"):
-                out += ["", f"{mode}, {k}: {v}"]
+    if agreement:
+        domains = list(agreement)
+        out += [
+            "Real-weights MiniLM against TensorFlow fp32: top-label agreement (max |Δp|), "
+            + ", ".join(f"{d}: {agreement[d].get('texts', '?')} texts" for d in domains),
+            "",
+            "| setting | " + " | ".join(domains) + " |",
+            "|---|" + "---:|" * len(domains),
+        ]
+        settings = list(dict.fromkeys(k for d in domains for k in agreement[d] if k != "texts"))
+        for setting in settings:
+            cells = []
+            for d in domains:
+                entry = agreement[d].get(setting, {})
+                cells.append(
+                    "error"
+                    if "error" in entry
+                    else f"{_f(entry.get('agreement'), '{:.2%}')} ({_f(entry.get('max_abs_dp'), '{:.4f}')})"
+                )
+            out.append(f"| {setting} | " + " | ".join(cells) + " |")
     if precision.get("agreement_skipped"):
         out += ["", f"skipped: {precision['agreement_skipped']}"]
     out += [
         "",
-        "Speed against fp32 on each shape (in process: the faster thread layout of each; end to end: "
-        "`raypipe backfill` against `raypipe serve` with the precision setting):",
+        "Speed against TensorFlow fp32 (in process: the faster thread layout; end to end: `raypipe backfill` "
+        "against `raypipe serve` with the setting; auto: what `precision: auto` resolved to):",
         "",
-        "| model | precision | in-process speed-up | e2e speed-up | in-process para/s | e2e para/s |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | setting | in-process ×TF fp32 | in-process para/s | e2e ×TF fp32 | e2e para/s | (d)/(a) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for name, model in precision.get("models", {}).items():
-        rates = model.get("inproc_para_per_s", {})
-        fp32 = max(rates.get("fp32", {}).values(), default=None)
-        out.append(
-            f"| {name} | fp32 | 1.00 | 1.00 | {_f(fp32, '{:.1f}')} | {_f(model.get('e2e_fp32_para_per_s'), '{:.1f}')} |"
-        )
-        for mode, p in model.get("modes", {}).items():
-            if p.get("error"):
-                out.append(f"| {name} | {mode} | error | | | |")
-                continue
-            rate = max(rates.get(mode, {}).values(), default=None)
+        resolved = model.get("resolved", {})
+        for setting, p in model.get("settings", {}).items():
+            shown = f"auto → {resolved.get(setting, '?')}" if setting == "auto:auto" else setting
             out.append(
-                f"| {name} | {mode} | {_f(p.get('inproc_speedup'))} | {_f(p.get('e2e_speedup'))} "
-                f"| {_f(rate, '{:.1f}')} | {_f(p.get('e2e_para_per_s'), '{:.1f}')} |"
+                f"| {name} | {shown} | {_f(p.get('inproc_speedup'))} | {_f(p.get('inproc_para_per_s'), '{:.1f}')} "
+                f"| {_f(p.get('e2e_speedup'))} | {_f(p.get('e2e_para_per_s'), '{:.1f}')} | {_f(p.get('d_over_a'))} |"
+            )
+        for setting, error in model.get("errors", {}).items():
+            out.append(f"| {name} | {setting} | error: {error.splitlines()[0][:80]} | | | | |")
+    profiles = [
+        (name, setting, p["profile"])
+        for name, model in precision.get("models", {}).items()
+        for setting, p in model.get("settings", {}).items()
+        if isinstance(p.get("profile"), dict) and "shares" in p["profile"]
+    ]
+    if profiles:
+        parts = list(profiles[0][2]["shares"])
+        out += [
+            "",
+            "Where an end-to-end call's time goes (replica's mean timing; proxy/other = client p50 less replica):",
+            "",
+            "| model | setting | call ms | " + " | ".join(parts) + " |",
+            "|---|---|---:|" + "---:|" * len(parts),
+        ]
+        for name, setting, profile in profiles:
+            out.append(
+                f"| {name} | {setting} | {profile['call_ms']} | "
+                + " | ".join(f"{profile['shares'][k]:.0%}" for k in parts)
+                + " |"
             )
     return out

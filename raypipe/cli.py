@@ -3,7 +3,7 @@
     raypipe model build-demo DIR
     raypipe model export (--from-hf DIR | --from-savedmodel DIR --labels A,B --tokenizer DIR) OUT
     raypipe model check DIR
-    raypipe model int8 DIR [--force]
+    raypipe model optimize DIR [--sample URI] [--threshold 0.99] [--no-int8]
     raypipe serve --model DIR [--grpc-port 9000] [--detach]
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
@@ -61,7 +61,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, with_input: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from serve_app.settings import PRECISION_SETTINGS
+    from serve_app.settings import PRECISION_SETTINGS, RUNTIME_SETTINGS
 
     parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -84,15 +84,37 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--output", help="SavedModel signature output to serve (default: probabilities or logits)")
     export.add_argument("--output-kind", choices=("auto", "logits", "probabilities"), default="auto")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    int8 = model.add_parser(
-        "int8",
-        help="build DIR/int8/, the ONNX model `precision: int8` serves (else converted on first use)",
+    optimize = model.add_parser(
+        "optimize",
+        help="compile DIR for OpenVINO (DIR/openvino/), build int8, and measure every runtime x precision "
+        "against TensorFlow fp32 on a sample of your text (DIR/runtimes.json, read by precision: auto)",
     )
-    int8.add_argument("dir")
-    int8.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    optimize.add_argument("dir")
+    optimize.add_argument(
+        "--sample",
+        metavar="URI",
+        help="Parquet or JSON-lines file or glob, local or s3:// "
+        "(default: the check texts and generated demo paragraphs)",
+    )
+    optimize.add_argument("--text-column", default="text")
+    optimize.add_argument(
+        "--rows", type=int, default=1200, help="most sample texts to read (30%% calibrate, the rest held out)"
+    )
+    optimize.add_argument(
+        "--threshold", type=float, default=0.99, help="agreement the int8 build aims for (default 0.99)"
+    )
+    optimize.add_argument("--threads", type=int, default=0, help="threads per forward pass (default: the CPUs)")
+    optimize.add_argument("--no-int8", action="store_true", help="skip the int8 build (NNCF)")
+    optimize.add_argument(
+        "--int8-max-reverts",
+        type=int,
+        default=6,
+        help="most NNCF accuracy-control iterations, each reverting ops to fp32 (~2 min each for MiniLM on 2 cores)",
+    )
     check = model.add_parser("check", help="load a model directory as the server does; show its card and predictions")
     check.add_argument("dir")
     check.add_argument("--text", action="append", help="a text to classify (repeatable; default: a few samples)")
+    check.add_argument("--threshold", type=float, default=0.99, help="the agreement gate the runtime table marks")
 
     serve = sub.add_parser("serve", help="deploy the EmotionClassifier Serve app")
     serve.add_argument("--model", required=True, help="model directory")
@@ -111,8 +133,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--precision",
         choices=PRECISION_SETTINGS,
-        help="compute precision (overrides --settings); bf16 needs AVX512_BF16 or AMX, auto picks it when present; "
-        "int8 (ONNX Runtime) needs VNNI and is never picked by auto",
+        help="compute precision (overrides --settings); bf16 needs AVX512_BF16 or AMX; int8 runs on OpenVINO; "
+        "auto serves the fastest setting `raypipe model optimize` measured at >= min_agreement (else fp32)",
+    )
+    serve.add_argument(
+        "--runtime",
+        choices=RUNTIME_SETTINGS,
+        help="tensorflow (the reference), openvino, or auto (overrides --settings)",
+    )
+    serve.add_argument(
+        "--force-precision",
+        action="store_true",
+        help="serve --precision even if its recorded agreement is under min_agreement",
     )
     serve.add_argument("--detach", action="store_true", help="deploy and return (needs a running cluster)")
 
@@ -210,22 +242,49 @@ def _model(args: argparse.Namespace) -> int:
             print(build_demo_model(args.dir, force=args.force))
         elif args.model_command == "export":
             print(_export(args))
-        elif args.model_command == "int8":
-            from serve_app.int8 import export_int8
-
-            out = export_int8(args.dir, force=args.force)
-            meta = json.loads((out / "int8.json").read_text(encoding="utf-8"))
-            print(f"{out / 'model.onnx'}  ({meta['quantized_matmuls']} MatMuls int8, {meta['fp32_matmuls']} fp32)")
+        elif args.model_command == "optimize":
+            _optimize(args)
         else:
             from serve_app.export import check_model_dir
+            from serve_app.runtimes import read_record
 
             print(check_model_dir(args.dir, texts=args.text).render())
+            record = read_record(args.dir)
+            if record is not None:
+                from serve_app.optimize import render_table
+
+                print()
+                print(render_table(record, threshold=args.threshold))
     # ModelDirError (and ExportError, a subclass) names the file at fault; ValueError is a bad
     # argument (a version name, a label list).
     except (ModelDirError, ValueError) as e:
         print(f"raypipe: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     return EXIT_OK
+
+
+def _optimize(args: argparse.Namespace) -> None:
+    import os
+
+    from serve_app.optimize import default_sample, optimize, read_sample, render_table, split_sample
+
+    if args.sample:
+        texts, source = read_sample(args.sample, text_column=args.text_column, rows=args.rows), args.sample
+    else:
+        texts, source = default_sample(args.rows), "default sample (check texts, generated demo paragraphs)"
+    sample = split_sample(texts, source=source)
+    result = optimize(
+        args.dir,
+        sample,
+        threshold=args.threshold,
+        threads=args.threads or os.cpu_count() or 1,
+        int8=not args.no_int8,
+        int8_max_reverts=args.int8_max_reverts,
+    )
+    if "error" in result.int8:
+        print(f"int8: not built, NNCF could not hold the agreement: {result.int8['error']}")
+    print(render_table(result.record, threshold=args.threshold))
+    print(f"written: {result.record_path}")
 
 
 def _export(args: argparse.Namespace) -> Any:
@@ -268,6 +327,10 @@ def _serve(args: argparse.Namespace) -> int:
             settings = ServerSettings.from_dict(yaml.safe_load(f))
     if args.precision:
         settings = dataclasses.replace(settings, precision=args.precision)
+    if args.runtime:
+        settings = dataclasses.replace(settings, runtime=args.runtime)
+    if args.force_precision:
+        settings = dataclasses.replace(settings, force_precision=True)
     if args.detach:
         ray.init(address="auto", logging_level=logging.WARNING)
     else:

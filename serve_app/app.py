@@ -162,24 +162,33 @@ def batch_weight(jobs: list[_Job]) -> int:
 class EmotionClassifier:
     def __init__(self, model_dir: str, settings: dict[str, Any] | None = None) -> None:
         from serve_app.model import EmotionModel, configure_precision, configure_tf_threads
+        from serve_app.runtimes import resolve
 
         self._settings = ServerSettings.from_dict(settings)
         self._threads = thread_layout(self._settings, _replica_cpus())
         configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
-        # Before the model's graph first runs (warmup): Grappler rewrites it then.
-        self._precision = configure_precision(self._settings.precision)  # type: ignore[arg-type]
+        # The runtime x precision the settings, the measured record and this CPU allow (or a GateError).
+        serving = resolve(model_dir, self._settings)
+        if serving.runtime == "tensorflow":
+            # Before the model's graph first runs (warmup): Grappler rewrites it then.
+            configure_precision(serving.precision)
+        self._precision = serving.precision
         self._model = EmotionModel.load(
             model_dir,
             max_sequence_length=self._settings.max_sequence_length,
             token_budget=self._settings.token_budget,
-            precision=self._precision,
-            threads=self._threads.intra_op,  # int8 runs in ONNX Runtime: a pass's threads, as TensorFlow's
+            precision=serving.precision,
+            runtime=serving.runtime,
+            threads=self._threads.intra_op,
+            streams=self._threads.model,  # OpenVINO: one stream per model thread, as TensorFlow's passes
         )
         self._model.warmup()
         self._labels = list(self._model.card.labels)
-        # Answers computed in bf16 or int8 may differ from fp32 ones: the version says which they are.
-        self._version = self._model.card.version + ("" if self._precision == "fp32" else f"+{self._precision}")
-        logger.info("EmotionClassifier %s ready, precision %s", self._version, self._precision)
+        # Answers not computed by TensorFlow fp32 may differ from its: the version says what made them.
+        self._version = self._model.card.version + serving.version_suffix
+        logger.info(
+            "EmotionClassifier %s ready: %s %s (%s)", self._version, serving.runtime, serving.precision, serving.reason
+        )
         # `model_threads` batches compute at once, each on its own thread (and, by default,
         # on one core: see ServerSettings.model_threads). Tokenizing has its own thread, so
         # it overlaps the forward passes.
@@ -196,6 +205,7 @@ class EmotionClassifier:
         self._calls: Counter[str] = Counter()
         self._paragraphs: Counter[str] = Counter()
         self._model_counts: Counter[str] = Counter()
+        self._timing_us: Counter[str] = Counter()
         if self._fault.enabled:
             logger.warning("fault injection is ON for this replica: %s", self._fault)
         self._metrics = ServerMetrics.build(
@@ -219,7 +229,9 @@ class EmotionClassifier:
             return self._fail(grpc_context, code, "injected fault", len(request.paragraphs))
         texts = [p.text for p in request.paragraphs]
         loop = asyncio.get_running_loop()
+        tokenize_started = time.monotonic()
         tokenized = await loop.run_in_executor(self._tokenize_executor, self._model.tokenize, texts)
+        tokenize_s = time.monotonic() - tokenize_started
         tokens = min(tokenized.tokens, self._settings.batch_max_tokens)
         job = _Job(tokenized, max(1.0, tokens / self._tokens_per_call), self._batches_started)
         done: _Done = await self._infer(job)
@@ -232,6 +244,10 @@ class EmotionClassifier:
         metadata = [(TIMING_KEYS[k], f"{v * 1000:.1f}") for k, v in timing.items()]
         metadata.append((TIMING_KEYS["batches_ahead"], str(done.batch_index - job.batches_at_arrival - 1)))
         grpc_context.set_trailing_metadata(metadata)
+        # Sums over answered calls, for the bench's profile of where a call's time goes.
+        self._timing_us.update(
+            calls=1, tokenize=round(tokenize_s * 1e6), **{k: round(v * 1e6) for k, v in timing.items()}
+        )
         self._metrics.timing(queue_s=timing["queue_s"], replica_s=timing["replica_s"])
         return emotion_pb2.ClassifyResponse(
             predictions=[
@@ -276,9 +292,16 @@ class EmotionClassifier:
         )
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """This replica's own counts of answered calls and paragraphs per status code, and
-        of its forward passes (`model`: batches, tokens, busy_ms)."""
-        return {"calls": dict(self._calls), "paragraphs": dict(self._paragraphs), "model": dict(self._model_counts)}
+        """This replica's own counts of answered calls and paragraphs per status code, of its
+        forward passes (`model`: batches, tokens, busy_ms), and the summed timing of answered
+        calls in microseconds (`timing_us`: calls, tokenize, queue_s (tokenize included),
+        compute_s, replica_s; the `TIMING_KEYS` names)."""
+        return {
+            "calls": dict(self._calls),
+            "paragraphs": dict(self._paragraphs),
+            "model": dict(self._model_counts),
+            "timing_us": dict(self._timing_us),
+        }
 
     def _count(self, status: str, paragraphs: int) -> None:
         self._calls[status] += 1

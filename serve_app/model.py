@@ -22,10 +22,11 @@ corpus (lognormal lengths, median 60 tokens) buckets padded ~25% more tokens tha
 hold; TensorFlow's signature takes any shape, so a new length costs no retracing. Multiples
 of 8 keep oneDNN's kernels on aligned shapes and bound the distinct shapes to max_len / 8.
 
-`configure_precision` optionally turns on TensorFlow's oneDNN bf16 auto mixed precision, on
-CPUs with native bf16 (AVX512_BF16 or AMX); it must run before the model's graph first runs.
-``precision="int8"`` in `EmotionModel.load` runs the SavedModel converted to int8 ONNX by
-ONNX Runtime instead of TensorFlow (`serve_app.int8`), on CPUs with int8 dot products (VNNI).
+The forward pass runs on a *runtime*: TensorFlow (the SavedModel's signature, the reference)
+or OpenVINO (`serve_app.compiled`: the SavedModel compiled for this CPU, fp32, bf16 or an NNCF
+int8 build). Which one a replica serves is `serve_app.runtimes.choose`'s call.
+`configure_precision` turns on TensorFlow's oneDNN bf16 auto mixed precision, on CPUs with
+native bf16 (AVX512_BF16 or AMX); it must run before the model's graph first runs.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from serve_app._tf import tensorflow
 __all__ = [
     "MODEL_FORMAT",
     "PRECISIONS",
+    "RUNTIMES",
     "EmotionModel",
     "ModelCard",
     "ModelDirError",
@@ -56,7 +58,6 @@ __all__ = [
     "configure_precision",
     "configure_tf_threads",
     "cpu_flags",
-    "has_int8_dot",
     "has_native_bf16",
     "load_serving_signature",
     "padded_length",
@@ -197,8 +198,10 @@ def padded_length(longest: int, max_sequence_length: int) -> int:
 
 
 Precision = Literal["fp32", "bf16", "int8", "auto"]
-#: The precisions `EmotionModel.load` runs (`configure_precision` resolves ``auto``).
+#: The precisions `EmotionModel.load` runs (`serve_app.runtimes.choose` resolves ``auto``).
 PRECISIONS = ("fp32", "bf16", "int8")
+#: The runtimes `EmotionModel.load` runs a model on.
+RUNTIMES = ("tensorflow", "openvino")
 
 
 def cpu_flags() -> frozenset[str]:
@@ -217,39 +220,22 @@ def has_native_bf16(flags: frozenset[str]) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def has_int8_dot(flags: frozenset[str]) -> bool:
-    """VNNI (AVX512 or AVX) or AMX-INT8: the u8 x s8 dot products ONNX Runtime's int8 kernels use."""
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+def configure_precision(precision: str, flags: frozenset[str] | None = None) -> str:
+    """Sets TensorFlow's compute precision for this process; returns it.
 
-
-def configure_precision(precision: Precision, flags: frozenset[str] | None = None) -> str:
-    """Chooses the compute precision for this process; returns the one in effect.
-
-    ``bf16`` turns on TensorFlow's oneDNN bf16 auto mixed precision (matmuls in bf16,
-    softmax and layer norms kept in fp32); it needs a CPU with native bf16, since emulated
-    bf16 is slower than fp32. ``auto`` picks bf16 when the CPU has it. Call before any graph
-    runs: Grappler rewrites a function when it is first instantiated.
-
-    ``int8`` changes nothing process-wide: it is checked here (the CPU needs VNNI or AMX-INT8;
-    without them ONNX Runtime's u8s8 kernels are slower and can saturate) and then chosen by
-    passing it to `EmotionModel.load`. ``auto`` never picks int8: 8-bit activations move
-    answers more than bf16 does, by an amount that depends on the model (measure it first).
+    ``bf16`` turns on TensorFlow's oneDNN bf16 auto mixed precision (matmuls in bf16, softmax
+    and layer norms kept in fp32); it needs a CPU with native bf16, since emulated bf16 is
+    slower than fp32. Call before any graph runs: Grappler rewrites a function when it is first
+    instantiated. ``int8`` is not a TensorFlow precision (it runs on OpenVINO), and ``auto`` is
+    resolved by `serve_app.runtimes.choose` from measured agreement, not here.
     """
     flags = cpu_flags() if flags is None else flags
-    if precision == "auto":
-        precision = "bf16" if has_native_bf16(flags) else "fp32"
     if precision == "bf16":
         if not has_native_bf16(flags):
             raise ValueError("precision 'bf16' needs a CPU with AVX512_BF16 or AMX; this one has neither")
         tensorflow().config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": True})
-    elif precision == "int8":
-        if not has_int8_dot(flags):
-            raise ValueError(
-                "precision 'int8' needs a CPU with int8 dot products (AVX512_VNNI, AVX_VNNI or AMX-INT8); "
-                "this one has none, and ONNX Runtime's int8 kernels are slower than fp32 without them"
-            )
     elif precision != "fp32":
-        raise ValueError(f"precision must be fp32, bf16, int8 or auto, not {precision!r}")
+        raise ValueError(f"TensorFlow precision must be fp32 or bf16, not {precision!r} (int8 runs on OpenVINO)")
     return precision
 
 
@@ -313,19 +299,26 @@ class EmotionModel:
         max_sequence_length: int | None = None,
         token_budget: int = 2048,
         precision: str = "fp32",
+        runtime: str = "tensorflow",
         threads: int = 0,
+        streams: int = 1,
     ) -> EmotionModel:
         """Load ``model_dir`` without touching the network.
 
         ``max_sequence_length`` may lower the card's value (cheaper, less context), never
         raise it: the model has no position embeddings beyond it. ``token_budget`` caps
-        rows x padded length per call to the model, bounding peak memory. ``precision``
-        (as `configure_precision` returned it): ``int8`` runs the int8 ONNX build of the
-        SavedModel (`serve_app.int8`, converted on first use) on ``threads`` intra-op threads
-        (0: one per physical core); ``fp32`` and ``bf16`` run the SavedModel in TensorFlow.
+        rows x padded length per call to the model, bounding peak memory. ``runtime``
+        ``tensorflow`` runs the SavedModel (``precision`` fp32, or bf16 once
+        `configure_precision` set it); ``openvino`` runs it compiled by OpenVINO
+        (`serve_app.compiled`; fp32, bf16, or the int8 build of ``raypipe model optimize``)
+        with ``streams`` forward passes at once, each on ``threads`` threads (0: 1).
         """
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
+        if runtime == "tensorflow" and precision == "int8":
+            raise ValueError("precision 'int8' runs on OpenVINO only (runtime='openvino')")
         model_dir = Path(model_dir)
         card = read_model_card(model_dir)
         if max_sequence_length is not None:
@@ -340,10 +333,17 @@ class EmotionModel:
         _check_token_budget(token_budget, card.max_sequence_length)
         tokenizer = _load_tokenizer(model_dir / "tokenizer")
         run: _Runner
-        if precision == "int8":
-            from serve_app.int8 import load_int8_runner
+        if runtime == "openvino":
+            from serve_app.compiled import load_openvino_runner
 
-            run = load_int8_runner(model_dir, n_labels=len(card.labels), threads=threads)
+            run = load_openvino_runner(
+                model_dir,
+                n_labels=len(card.labels),
+                precision=precision,
+                threads=max(1, threads),
+                streams=streams,
+                flags=cpu_flags(),
+            )
         else:
             run = _load_signature(model_dir / "saved_model", n_labels=len(card.labels))
         return cls(card=card, tokenizer=tokenizer, run=run, token_budget=token_budget)

@@ -14,10 +14,12 @@ import grpc
 
 from serve_app.metrics import ServerMetricsSettings
 
-__all__ = ["PRECISION_SETTINGS", "FaultInjection", "ServerSettings"]
+__all__ = ["PRECISION_SETTINGS", "RUNTIME_SETTINGS", "FaultInjection", "ServerSettings"]
 
 #: Values of `ServerSettings.precision` (and `raypipe serve --precision`).
 PRECISION_SETTINGS = ("fp32", "bf16", "int8", "auto")
+#: Values of `ServerSettings.runtime` (and `raypipe serve --runtime`).
+RUNTIME_SETTINGS = ("tensorflow", "openvino", "auto")
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,21 @@ class ServerSettings:
     """TensorFlow inter-op threads; default: `model_threads` (each concurrent pass runs its
     ops on one)."""
     precision: str = "fp32"
-    """`fp32`; `bf16` (TensorFlow's oneDNN auto mixed precision; needs AVX512_BF16 or AMX);
-    `int8` (the SavedModel converted to ONNX, weights int8 per channel, activations quantized
-    per call, run by ONNX Runtime; needs VNNI or AMX-INT8; converted once per machine, or
-    ahead with `raypipe model int8 DIR`); or `auto` (bf16 where the CPU has it, else fp32;
-    never int8, whose agreement with fp32 depends on the model). Speed and agreement measured
-    on 2 AMD EPYC cores: README "Performance". Check agreement on your model first (`bench/`)."""
+    """`fp32`; `bf16` (needs AVX512_BF16 or AMX); `int8` (OpenVINO only: the NNCF build of
+    `raypipe model optimize DIR`); or `auto`: the fastest setting `raypipe model optimize`
+    measured on this model whose top-label agreement with TensorFlow fp32 is at least
+    `min_agreement` (fp32 when nothing was measured). See `serve_app.runtimes` and README
+    "Performance"."""
+    runtime: str = "tensorflow"
+    """`tensorflow` (the SavedModel as exported: the reference), `openvino` (the SavedModel
+    compiled by OpenVINO for this CPU; converted once per model, OpenVINO version and machine,
+    or ahead by `raypipe model optimize DIR`), or `auto` (whichever the measured record says
+    is faster for the precision)."""
+    min_agreement: float = 0.99
+    """The gate: a precision whose recorded held-out top-label agreement with TensorFlow fp32
+    (``DIR/runtimes.json``) is under this is never served, unless `force_precision`."""
+    force_precision: bool = False
+    """Serve the asked precision even when its recorded agreement is under `min_agreement`."""
     fault: FaultInjection = field(default_factory=FaultInjection)
     metrics: ServerMetricsSettings = field(default_factory=ServerMetricsSettings)
     """Where the replica's metrics go (DogStatsD when a host is set or `DD_AGENT_HOST` is, Ray metrics)."""
@@ -109,6 +120,10 @@ class ServerSettings:
             raise ValueError("batch_wait_timeout_s must be >= 0")
         if self.precision not in PRECISION_SETTINGS:
             raise ValueError(f"precision must be fp32, bf16, int8 or auto, not {self.precision!r}")
+        if self.runtime not in RUNTIME_SETTINGS:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIME_SETTINGS)}, not {self.runtime!r}")
+        if not 0.0 <= self.min_agreement <= 1.0:
+            raise ValueError(f"min_agreement must be in [0, 1], not {self.min_agreement}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ServerSettings:

@@ -5,7 +5,7 @@ tokenizer files and weights, as TF (``tf_model.h5``, TF safetensors) or PyTorch 
 (single or sharded), the latter written the way PyTorch's ``save_pretrained`` names them.
 No torch is needed: TF weights are renamed and transposed with transformers' own mapping.
 
-`minilm_emotion` builds the real-weights checkpoint the BYOM and int8 tests (and the bench's
+`minilm_emotion` builds the real-weights checkpoint the BYOM and OpenVINO tests (and the bench's
 precision section) share: MiniLM-L6's pretrained weights with a trained emotion head.
 """
 

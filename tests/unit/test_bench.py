@@ -104,28 +104,40 @@ def test_markdown_names_the_cpu_the_lines_and_the_targets():
     assert "**met**" in md and "skipped: no precision setting" in md
 
 
-def test_markdown_shows_precision_agreement_per_trained_model_and_speed_per_shape():
+def test_markdown_shows_agreement_per_domain_speed_per_setting_and_the_profile():
     results = _results()
     results["precision"] = {
-        "setting": "precision",
+        "cpu_flags": ["avx2"],
         "agreement": {
-            "bf16": {"demo": 1.0, "real-weights MiniLM": 0.995},
-            "int8": {"demo": 1.0, "real-weights MiniLM": 0.9525},
+            "in domain": {"texts": 2000, "openvino:fp32": {"agreement": 1.0, "max_abs_dp": 2e-6}},
+            "out of domain": {"texts": 900, "openvino:fp32": {"agreement": 0.9989, "max_abs_dp": 0.0123}},
         },
         "models": {
             "tiny": {
-                "inproc_para_per_s": {"fp32": {"intra": 10.0, "passes": 12.0}, "int8": {"intra": 30.0, "passes": 24.0}},
-                "e2e_fp32_para_per_s": 8.0,
-                "modes": {
-                    "int8": {"inproc_speedup": 2.5, "e2e_speedup": 2.0, "e2e_para_per_s": 16.0},
-                    "bf16": {"error": "bf16 failed"},
+                "resolved": {"auto:auto": "openvino:fp32"},
+                "errors": {"openvino:int8": "no int8 build\nmore"},
+                "settings": {
+                    "tensorflow:fp32": {
+                        "inproc_speedup": 1.0,
+                        "inproc_para_per_s": 10.0,
+                        "e2e_speedup": 1.0,
+                        "e2e_para_per_s": 8.0,
+                        "d_over_a": 0.8,
+                        "profile": {
+                            "calls": 10,
+                            "call_ms": 100.0,
+                            "shares": {"tokenize": 0.05, "batching wait": 0.25, "model": 0.5, "proxy/other": 0.2},
+                        },
+                    },
+                    "auto:auto": {"inproc_speedup": 1.3, "inproc_para_per_s": 13.0, "e2e_speedup": 1.25},
                 },
             }
         },
     }
     md = render_markdown(results)
-    assert "| precision | demo | real-weights MiniLM |" in md
-    assert "| int8 | 100.00% | 95.25% |" in md
-    assert "| tiny | fp32 | 1.00 | 1.00 | 12.0 | 8.0 |" in md
-    assert "| tiny | int8 | 2.50 | 2.00 | 30.0 | 16.0 |" in md
-    assert "| tiny | bf16 | error |" in md
+    assert "| setting | in domain | out of domain |" in md
+    assert "| openvino:fp32 | 100.00% (0.0000) | 99.89% (0.0123) |" in md
+    assert "| tiny | tensorflow:fp32 | 1.00 | 10.0 | 1.00 | 8.0 | 0.80 |" in md
+    assert "| tiny | auto → openvino:fp32 | 1.30 | 13.0 | 1.25 |" in md
+    assert "| tiny | openvino:int8 | error: no int8 build |" in md
+    assert "| tiny | tensorflow:fp32 | 100.0 | 5% | 25% | 50% | 20% |" in md

@@ -1,0 +1,380 @@
+"""``raypipe model optimize DIR [--sample URI]``: build the compiled runtimes and measure them on the user's text.
+
+1. A sample of the user's corpus (`read_sample`: a Parquet or JSON-lines file, or a glob of them,
+   local or ``s3://``; without one, `default_sample`: the check texts and generated demo
+   paragraphs) is shuffled with a fixed seed and split into a *calibration* part and a
+   *held-out* part (`split_sample`). The held-out texts are never used to build anything.
+2. The fp32 OpenVINO IR is written to ``DIR/openvino/`` (`serve_app.compiled.export_ir`).
+3. int8: NNCF post-training quantization of that IR with accuracy control
+   (`nncf.quantize_with_accuracy_control`), calibrated on the calibration texts, its metric the
+   top-label agreement with TensorFlow fp32 on them; NNCF reverts the layers that cost the most
+   agreement to fp32 until the drop is within ``1 - threshold`` or it has reverted
+   ``int8_max_reverts`` groups. Written as
+   ``DIR/openvino/int8.xml`` (+ ``int8.json``: the IR key it was built from, what was reverted).
+4. Every setting this CPU supports (`serve_app.runtimes.supported_settings`) is run on the
+   held-out texts against TensorFlow fp32: speed, top-label agreement, largest probability
+   difference. The table goes to ``DIR/runtimes.json`` (`serve_app.runtimes.RuntimeRecord`),
+   which ``precision: auto`` and the gate read, and ``raypipe model check`` prints.
+
+TensorFlow bf16 is not measured here: its oneDNN rewrite is process-wide (it would change the
+reference run), and OpenVINO bf16 is the faster bf16 path where the CPU has it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serve_app.model import EmotionModel, Tokenized, configure_tf_threads, cpu_flags
+from serve_app.runtimes import REFERENCE, Measurement, RuntimeRecord, supported_settings, write_record
+
+__all__ = [
+    "OptimizeResult",
+    "Sample",
+    "build_int8",
+    "default_sample",
+    "int8_ir",
+    "optimize",
+    "read_sample",
+    "render_table",
+    "split_sample",
+]
+
+logger = logging.getLogger(__name__)
+
+_INT8_XML = "int8.xml"
+_INT8_META = "int8.json"
+_INT8_FORMAT = "raypipe-openvino-int8/1"
+#: Most texts read from a sample, and most held out (more only costs time).
+DEFAULT_ROWS = 1200
+_CALIBRATION_SHARE = 0.3
+_MAX_CALIBRATION = 300
+_SEED = 19
+_Runner = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Texts to measure on: ``calibration`` builds int8, ``held_out`` decides the gate."""
+
+    source: str
+    calibration: tuple[str, ...]
+    held_out: tuple[str, ...]
+
+    def describe(self) -> dict[str, Any]:
+        digest = hashlib.sha256("\0".join((*self.calibration, "\1", *self.held_out)).encode()).hexdigest()
+        return {
+            "source": self.source,
+            "calibration": len(self.calibration),
+            "held_out": len(self.held_out),
+            "sha256": digest,
+        }
+
+
+def read_sample(uri: str, *, text_column: str = "text", rows: int = DEFAULT_ROWS) -> list[str]:
+    """Up to ``rows`` non-empty texts from a Parquet or JSON-lines file or glob, local or ``s3://``
+    (S3 through fsspec/s3fs, so the standard AWS environment applies)."""
+    import fsspec
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    files = fsspec.open_files(uri, mode="rb")
+    if not files:
+        raise FileNotFoundError(f"no files match {uri!r}")
+    texts: list[str] = []
+    for f in sorted(files, key=lambda f: f.path):
+        with f as handle:
+            if f.path.endswith(".parquet"):
+                parquet = pq.ParquetFile(handle)
+                names = parquet.schema_arrow.names
+                table = parquet.read(columns=[text_column] if text_column in names else names[:1])
+            elif f.path.endswith((".json", ".jsonl", ".ndjson")):
+                table = pj.read_json(handle)
+            else:
+                raise ValueError(
+                    f"{f.path}: a sample must be Parquet (.parquet) or JSON lines (.json, .jsonl, .ndjson)"
+                )
+        if text_column not in table.column_names:
+            raise ValueError(f"{f.path}: no {text_column!r} column (columns: {', '.join(table.column_names)})")
+        texts += [t for t in table.column(text_column).to_pylist() if isinstance(t, str) and t.strip()]
+        if len(texts) >= rows:
+            break
+    if not texts:
+        raise ValueError(f"{uri}: no non-empty texts in column {text_column!r}")
+    return texts[:rows]
+
+
+def default_sample(rows: int = DEFAULT_ROWS) -> list[str]:
+    """The model check's texts and generated demo paragraphs and sentences (seeds the demo model
+    did not train on): a stand-in for a user sample, in the demo's domain."""
+    from serve_app import demo_data
+    from serve_app.export.check import SAMPLE_TEXTS
+
+    generated = demo_data.paragraphs(rows // 2, seed=1901) + demo_data.sentences(rows // 2, seed=1902)
+    return [*SAMPLE_TEXTS, *(t for t, _ in generated)][:rows]
+
+
+def split_sample(texts: Sequence[str], *, source: str, seed: int = _SEED) -> Sample:
+    """Shuffle (fixed seed) and split: ~30% (at most 300) calibration, the rest held out."""
+    shuffled = list(texts)
+    random.Random(seed).shuffle(shuffled)
+    n_cal = min(_MAX_CALIBRATION, max(1, round(len(shuffled) * _CALIBRATION_SHARE)))
+    if len(shuffled) - n_cal < 20:
+        raise ValueError(f"a sample needs at least {n_cal + 20} texts to hold 20 out; got {len(shuffled)}")
+    return Sample(source, tuple(shuffled[:n_cal]), tuple(shuffled[n_cal:]))
+
+
+@dataclass(frozen=True)
+class OptimizeResult:
+    record: RuntimeRecord
+    record_path: Path
+    int8: dict[str, Any]
+    """What the int8 build did (or why it was skipped)."""
+
+
+def optimize(
+    model_dir: Path | str,
+    sample: Sample,
+    *,
+    threshold: float = 0.99,
+    threads: int = 2,
+    int8: bool = True,
+    int8_max_reverts: int = 6,
+    flags: frozenset[str] | None = None,
+) -> OptimizeResult:
+    """Steps 2-4 of the module docstring; returns the record written."""
+    from serve_app.compiled import export_ir, load_openvino_runner, openvino_version, saved_model_digest
+
+    model_dir = Path(model_dir)
+    flags = cpu_flags() if flags is None else flags
+    configure_tf_threads(threads, 1)
+    model = EmotionModel.load(model_dir)
+    n_labels = len(model.card.labels)
+    held = model.tokenize(sample.held_out)
+    calibration = model.tokenize(sample.calibration)
+    export_ir(model_dir)
+    int8_info: dict[str, Any] = {"skipped": "not asked (--no-int8)"}
+    if int8:
+        int8_info = build_int8(model_dir, model, calibration, max_drop=1 - threshold, max_reverts=int8_max_reverts)
+    runners: dict[tuple[str, str], _Runner] = {REFERENCE: model._run}
+    for runtime, precision in supported_settings(flags, openvino=True):
+        if runtime != "openvino" or (precision == "int8" and (not int8 or "error" in int8_info)):
+            continue
+        runners[runtime, precision] = load_openvino_runner(
+            model_dir, n_labels=n_labels, precision=precision, threads=threads, flags=flags
+        )
+    results = _measure_all(model, runners, held)
+    reference, reference_rate = results[REFERENCE]
+    measurements = []
+    for (runtime, precision), (probabilities, rate) in results.items():
+        top = probabilities.argmax(axis=1) == reference.argmax(axis=1)
+        note = f"NNCF: {int8_info.get('accuracy_control', '?')}" if precision == "int8" else ""
+        measurements.append(
+            Measurement(
+                runtime,
+                precision,
+                para_per_s=rate,
+                agreement=float(top.mean()),
+                max_abs_dp=float(np.abs(probabilities - reference).max()),
+                speedup=rate / reference_rate,
+                note=note,
+            )
+        )
+    import tensorflow as tf  # already imported by the model; for its version
+
+    record = RuntimeRecord(
+        saved_model=saved_model_digest(model_dir / "saved_model"),
+        measurements=tuple(measurements),
+        cpu_flags=tuple(sorted(f for f in flags if f.startswith(("avx", "amx")))),
+        sample=sample.describe(),
+        versions={"openvino": openvino_version(), "tensorflow": tf.__version__, **_nncf_version()},
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    return OptimizeResult(record, write_record(model_dir, record), int8_info)
+
+
+def build_int8(
+    model_dir: Path, model: EmotionModel, calibration: Tokenized, *, max_drop: float, max_reverts: int = 6
+) -> dict[str, Any]:
+    """Quantize ``DIR/openvino/model.xml`` with NNCF's accuracy control; write ``DIR/openvino/int8.xml``.
+
+    ``model`` is the TensorFlow reference (its ``_run``), loaded from the directory to build.
+    The calibration texts serve both as NNCF's calibration set and as its validation set (the
+    gate is decided on other, held-out texts). NNCF stops after ``max_reverts`` iterations
+    (each reverts one more group of ops to fp32, then ranks the rest again: ~2 min each on 2
+    cores for MiniLM; NNCF's own default is unbounded, and past a handful of reverts int8 has
+    lost its speed-up anyway) even when ``max_drop`` is not reached. That build is still
+    written; the gate reads its held-out agreement and keeps it from being served.
+    Returns what was done, or ``{"error": ...}`` when NNCF fails outright.
+    """
+    import nncf
+    import openvino as ov
+    from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
+
+    from serve_app.compiled import OPENVINO_DIR, ir_key
+
+    directory = model_dir / OPENVINO_DIR
+    chunks = _recorded_chunks(model, calibration)
+    # Each validation item carries the reference's top labels, so the metric is agreement.
+    items = [(inputs, model._run(inputs["input_ids"], inputs["attention_mask"]).argmax(axis=1)) for inputs in chunks]
+
+    def agreement(compiled: Any, data: Any) -> float:
+        output = compiled.output("probabilities")
+        same = total = 0
+        for inputs, top in data:
+            got = np.asarray(compiled(inputs)[output]).argmax(axis=1)
+            same += int((got == top).sum())
+            total += len(top)
+        return same / total
+
+    started = time.monotonic()
+    core = ov.Core()
+    fp32 = core.read_model(str(directory / "model.xml"))
+    outcome = _NncfOutcome()
+    logging.getLogger("nncf").addHandler(outcome)
+    try:
+        quantized = nncf.quantize_with_accuracy_control(
+            fp32,
+            calibration_dataset=nncf.Dataset(items, lambda item: item[0]),
+            validation_dataset=nncf.Dataset(items),
+            validation_fn=agreement,
+            max_drop=max_drop,
+            drop_type=nncf.DropType.ABSOLUTE,
+            model_type=nncf.ModelType.TRANSFORMER,
+            subset_size=len(items),
+            advanced_accuracy_restorer_parameters=AdvancedAccuracyRestorerParameters(max_num_iterations=max_reverts),
+        )
+    except (RuntimeError, ValueError) as e:  # NNCF's own failures (no quantizable op, bad data)
+        logger.warning("int8: NNCF could not build a model within the agreement drop: %s", e)
+        return {"error": str(e), "seconds": time.monotonic() - started}
+    finally:
+        logging.getLogger("nncf").removeHandler(outcome)
+    ov.save_model(quantized, str(directory / _INT8_XML), compress_to_fp16=False)
+    info = {
+        "format": _INT8_FORMAT,
+        "key": ir_key(model_dir / "saved_model"),
+        "calibration_texts": len(calibration),
+        "max_drop": max_drop,
+        "accuracy_control": outcome.summary(),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    (directory / _INT8_META).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return info
+
+
+def int8_ir(model_dir: Path) -> Path:
+    """``DIR/openvino/int8.xml`` when it was built from the current SavedModel and OpenVINO; else raise."""
+    from serve_app.compiled import OPENVINO_DIR, OpenVinoError, ir_key
+
+    directory = model_dir / OPENVINO_DIR
+    try:
+        meta = json.loads((directory / _INT8_META).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise OpenVinoError(directory, f"no int8 build ({e}): run `raypipe model optimize {model_dir}`") from e
+    if meta.get("format") != _INT8_FORMAT or meta.get("key") != ir_key(model_dir / "saved_model"):
+        raise OpenVinoError(
+            directory / _INT8_META, f"the int8 build is stale: run `raypipe model optimize {model_dir}`"
+        )
+    return directory / _INT8_XML
+
+
+def render_table(record: RuntimeRecord, *, threshold: float) -> str:
+    """The record as a table, one line per setting, marking those under ``threshold``."""
+    lines = [
+        f"measured {record.measured_at or '?'} on {record.sample.get('held_out', '?')} held-out texts "
+        f"({record.sample.get('source', '?')}); gate {threshold:.0%}",
+        "runtime     precision  para/s   speed-up  agreement  max |dp|  gate",
+    ]
+    for m in record.measurements:
+        passed = m.setting == REFERENCE or m.agreement >= threshold
+        lines.append(
+            f"{m.runtime:<11} {m.precision:<10} {m.para_per_s:>6.1f}  {m.speedup:>7.2f}x  {m.agreement:>8.2%}  "
+            f"{m.max_abs_dp:>8.4f}  {'pass' if passed else 'FAIL'}{'  ' + m.note if m.note else ''}"
+        )
+    return "\n".join(lines)
+
+
+# -- internals ------------------------------------------------------------------------------
+
+
+def _measure_all(
+    model: EmotionModel, runners: dict[tuple[str, str], _Runner], tokenized: Tokenized, *, rounds: int = 3
+) -> dict[tuple[str, str], tuple[np.ndarray, float]]:
+    """Probabilities of the tokenized texts through each runner, and its paragraphs/s.
+
+    The runners take turns, round after round, and each keeps its best round: a neighbour's
+    burst of CPU then slows every runner's worst round, not one runner's whole measurement.
+    """
+    original = model._run
+    best = dict.fromkeys(runners, float("inf"))
+    probabilities: dict[tuple[str, str], np.ndarray] = {}
+    try:
+        for run in runners.values():
+            model._run = run
+            model.warmup()
+        for _ in range(rounds):
+            for setting, run in runners.items():
+                model._run = run
+                started = time.perf_counter()
+                probabilities[setting] = model.infer(tokenized).probabilities
+                best[setting] = min(best[setting], time.perf_counter() - started)
+    finally:
+        model._run = original
+    return {setting: (probabilities[setting], len(tokenized) / best[setting]) for setting in runners}
+
+
+def _recorded_chunks(model: EmotionModel, tokenized: Tokenized) -> list[dict[str, np.ndarray]]:
+    """The (input_ids, attention_mask) chunks `EmotionModel.infer` runs for these texts."""
+    chunks: list[dict[str, np.ndarray]] = []
+    original = model._run
+
+    def record(input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        chunks.append({"input_ids": input_ids, "attention_mask": attention_mask})
+        return np.zeros((len(input_ids), len(model.card.labels)), dtype=np.float32)
+
+    model._run = record
+    try:
+        model.infer(tokenized)
+    finally:
+        model._run = original
+    return chunks
+
+
+class _NncfOutcome(logging.Handler):
+    """What NNCF's accuracy control did, read from its log: it returns only the model, and
+    says only there how many ops it reverted and whether the drop was reached."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.reverted = 0
+        self.reached = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        match = re.match(r"Reverted (\d+) operations", message)
+        if match:
+            self.reverted += int(match.group(1))
+        elif "could not achieve the required accuracy drop" in message:
+            self.reached = False
+
+    def summary(self) -> str:
+        return f"{self.reverted} ops reverted to fp32, drop {'reached' if self.reached else 'not reached'}"
+
+
+def _nncf_version() -> dict[str, str]:
+    try:
+        import nncf
+    except ImportError:
+        return {}
+    return {"nncf": str(nncf.__version__)}

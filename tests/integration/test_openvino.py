@@ -1,0 +1,84 @@
+"""``runtime: openvino`` on real pretrained weights and through the real Serve app.
+
+- The fine-tuned real-weights MiniLM (`tests.hf_checkpoints.minilm_emotion`), exported and
+  compiled by OpenVINO in fp32, answers as TensorFlow fp32 does (probabilities within 1e-4).
+- A replica deployed with ``runtime: openvino`` serves the model directory's own IR, says so
+  in its model version (``+ov-fp32``), and answers as the TensorFlow app does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from serve_app import demo_data
+from serve_app.compiled import export_ir
+from serve_app.model import EmotionModel
+from tests import hf_checkpoints as ck
+
+pytest.importorskip("openvino")
+
+TEXTS = [t for t, _ in demo_data.sentences(200, seed=4901) + demo_data.paragraphs(200, seed=4902)]
+
+
+@pytest.mark.skipif(not ck.minilm_package_version(), reason=f"{ck.MINILM_PACKAGE} is not installed")
+def test_real_weights_minilm_on_openvino_answers_as_tensorflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from serve_app.export import export_hf_checkpoint
+
+    monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path / "cache"))
+    model_dir = export_hf_checkpoint(ck.minilm_emotion().tf_dir, tmp_path / "minilm", max_sequence_length=128)
+    fp32 = EmotionModel.load(model_dir).predict(TEXTS).probabilities
+    export_ir(model_dir)
+    model = EmotionModel.load(model_dir, runtime="openvino", threads=2)
+    assert model._run.path == model_dir / "openvino" / "model.xml"  # type: ignore[attr-defined]
+    got = model.predict(TEXTS).probabilities
+    np.testing.assert_allclose(got, fp32, atol=1e-4)
+    assert (got.argmax(axis=1) == fp32.argmax(axis=1)).all()
+    assert not list((tmp_path / "cache").glob("openvino/*/model.xml"))  # the directory's own IR was used
+
+
+def test_served_openvino_reports_its_runtime(
+    serve_address: str, grpc_port: int, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    from ray import serve
+
+    from raypipe.client import GrpcModelClient
+    from serve_app.deploy import DeploymentOptions, deploy
+    from serve_app.settings import ServerSettings
+
+    model_dir = tmp_path / "demo"
+    model_dir.mkdir()
+    for part in ("model.json", "saved_model", "tokenizer"):
+        (model_dir / part).symlink_to(demo_model_dir / part)
+    export_ir(model_dir)  # so the replica loads it instead of converting into its own cache
+    version = json.loads((demo_model_dir / "model.json").read_text(encoding="utf-8"))["version"]
+    app = "openvino"
+    address = deploy(
+        model_dir,
+        app_name=app,
+        grpc_port=grpc_port,
+        settings=ServerSettings(runtime="openvino"),
+        options=DeploymentOptions(num_cpus=1.0),
+    )
+    texts = TEXTS[:64]
+
+    async def classify(application: str) -> Any:
+        client = GrpcModelClient(address, application=application, timeout_s=60)
+        try:
+            return await client.classify([f"t{i}" for i in range(len(texts))], texts)
+        finally:
+            await client.close()
+
+    try:
+        ov_answer = asyncio.run(classify(app))
+    finally:
+        serve.delete(app)
+    tf_answer = asyncio.run(classify("raypipe"))
+    assert ov_answer.model_version == f"{version}+ov-fp32"
+    assert tf_answer.model_version == version
+    np.testing.assert_allclose(ov_answer.probabilities, tf_answer.probabilities, atol=1e-4)

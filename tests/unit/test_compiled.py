@@ -1,0 +1,185 @@
+"""Unit tests for ``runtime: openvino`` (`serve_app.compiled`) and ``raypipe model optimize``.
+
+Real OpenVINO on the demo model: the compiled SavedModel must answer as TensorFlow fp32 does;
+the IR cache converts once under concurrent callers, rebuilds a damaged entry, ignores a stale
+model-directory copy; ``raypipe model optimize`` writes a record the gate reads and ``raypipe
+model check`` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from raypipe.cli import main
+from serve_app import compiled, demo_data
+from serve_app.model import EmotionModel, cpu_flags
+from serve_app.optimize import default_sample, optimize, read_sample, split_sample
+from serve_app.runtimes import read_record
+
+pytest.importorskip("openvino")
+
+# Held-out generated sentences and paragraphs (the demo model trained on other seeds).
+TEXTS = [t for t, _ in demo_data.sentences(100, seed=4901) + demo_data.paragraphs(100, seed=4902)]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No test writes to the real per-user cache."""
+    cache = tmp_path / "raypipe-cache"
+    monkeypatch.setenv("RAYPIPE_CACHE", str(cache))
+    return cache / "openvino"
+
+
+@pytest.fixture
+def model_dir(demo_model_dir: Path, tmp_path: Path) -> Path:
+    """A writable model directory whose parts link to the demo model's."""
+    target = tmp_path / "model"
+    target.mkdir()
+    for part in ("model.json", "saved_model", "tokenizer"):
+        (target / part).symlink_to(demo_model_dir / part)
+    return target
+
+
+@pytest.fixture
+def counted_convert(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Counts real conversions."""
+    calls: list[Path] = []
+    real = compiled.convert
+
+    def convert(saved_model: Path, out: Path) -> dict[str, Any]:
+        calls.append(out)
+        return real(saved_model, out)
+
+    monkeypatch.setattr(compiled, "convert", convert)
+    return calls
+
+
+def test_openvino_answers_as_tensorflow_fp32(model_dir: Path) -> None:
+    reference = EmotionModel.load(model_dir).predict(TEXTS)
+    model = EmotionModel.load(model_dir, runtime="openvino", threads=1)
+    got = model.predict(TEXTS)
+    np.testing.assert_allclose(got.probabilities, reference.probabilities, atol=1e-4)
+    assert (got.probabilities.argmax(1) == reference.probabilities.argmax(1)).all()
+    assert got.truncated.tolist() == reference.truncated.tolist()
+
+
+def test_openvino_runner_is_safe_across_model_threads(model_dir: Path) -> None:
+    # A replica's model threads run passes at once: one infer request per thread.
+    model = EmotionModel.load(model_dir, runtime="openvino", threads=1, streams=2)
+    expected = model.predict(TEXTS).probabilities
+    results: list[np.ndarray] = []
+    workers = [threading.Thread(target=lambda: results.append(model.predict(TEXTS).probabilities)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert len(results) == 3
+    for r in results:
+        np.testing.assert_array_equal(r, expected)
+
+
+def test_concurrent_loads_convert_once(model_dir: Path, private_cache: Path, counted_convert: list[Path]) -> None:
+    start = threading.Barrier(4)
+    found: list[Path] = []
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            start.wait(timeout=30)
+            found.append(compiled.ensure_ir(model_dir, cache_dir=private_cache))
+        except BaseException as e:  # reported below, not lost in the thread
+            errors.append(e)
+
+    workers = [threading.Thread(target=load) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=300)
+    assert not errors
+    assert len(counted_convert) == 1
+    assert len(set(found)) == 1 and found[0].parent == private_cache
+    # No temporary or half-written entries are left beside it.
+    assert sorted(p.name for p in private_cache.iterdir() if not p.name.endswith(".lock")) == [found[0].name]
+
+
+def test_damaged_cache_entry_is_rebuilt(model_dir: Path, private_cache: Path, counted_convert: list[Path]) -> None:
+    entry = compiled.ensure_ir(model_dir, cache_dir=private_cache)
+    with (entry / "model.bin").open("r+b") as f:
+        f.write(b"\0\0\0\0")
+    assert compiled.ensure_ir(model_dir, cache_dir=private_cache) == entry
+    assert len(counted_convert) == 2
+    # The rebuilt IR is whole again: it answers as TensorFlow does.
+    model = EmotionModel.load(model_dir, runtime="openvino", threads=1)
+    np.testing.assert_allclose(
+        model.predict(TEXTS[:20]).probabilities,
+        EmotionModel.load(model_dir).predict(TEXTS[:20]).probabilities,
+        atol=1e-4,
+    )
+
+
+def test_model_dir_copy_is_used_unless_stale(model_dir: Path, private_cache: Path, counted_convert: list[Path]) -> None:
+    own = compiled.export_ir(model_dir)
+    assert own == model_dir / "openvino"
+    assert compiled.ensure_ir(model_dir, cache_dir=private_cache) == own
+    assert len(counted_convert) == 1
+    meta = json.loads((own / "ir.json").read_text())
+    (own / "ir.json").write_text(json.dumps({**meta, "key": "another model"}))
+    assert compiled.ensure_ir(model_dir, cache_dir=private_cache).parent == private_cache
+    assert len(counted_convert) == 2
+
+
+def test_compiled_blobs_are_kept_per_cpu(model_dir: Path, private_cache: Path) -> None:
+    EmotionModel.load(model_dir, runtime="openvino", threads=1)
+    blobs = private_cache / "compiled" / compiled.cpu_cache_tag(cpu_flags())
+    assert any(blobs.iterdir())
+    assert compiled.cpu_cache_tag(frozenset({"avx2"})) != compiled.cpu_cache_tag(frozenset({"avx2", "avx512_bf16"}))
+
+
+def test_sample_reads_parquet_and_json_lines_globs(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a", "b"], "body": ["one", ""]}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"id": ["c"], "body": ["three"]}), tmp_path / "part-1.parquet")
+    assert read_sample(str(tmp_path / "*.parquet"), text_column="body") == ["one", "three"]
+    (tmp_path / "rows.jsonl").write_text('{"id": "x", "text": "four"}\n{"id": "y", "text": "five"}\n')
+    assert read_sample(str(tmp_path / "rows.jsonl"), rows=1) == ["four"]
+    with pytest.raises(ValueError, match="no 'text' column"):
+        read_sample(str(tmp_path / "part-0.parquet"))
+    with pytest.raises(FileNotFoundError):
+        read_sample(str(tmp_path / "none-*.parquet"))
+
+
+def test_split_is_repeatable_and_keeps_held_out_texts_apart() -> None:
+    texts = default_sample(200)
+    a, b = split_sample(texts, source="x"), split_sample(texts, source="x")
+    assert a == b
+    assert len(a.calibration) == 60 and len(a.held_out) == 140
+    assert sorted(a.calibration + a.held_out) == sorted(texts)
+    with pytest.raises(ValueError, match="at least"):
+        split_sample(texts[:10], source="x")
+
+
+def test_optimize_records_openvino_against_tensorflow(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sample = split_sample(default_sample(240), source="default")
+    result = optimize(model_dir, sample, threads=1, int8=False, flags=frozenset({"avx2"}))
+    record = read_record(model_dir)
+    assert record == result.record
+    settings = {(m.runtime, m.precision): m for m in record.measurements}
+    assert set(settings) == {("tensorflow", "fp32"), ("openvino", "fp32")}
+    assert settings["openvino", "fp32"].agreement == 1.0
+    assert settings["openvino", "fp32"].max_abs_dp < 1e-4
+    assert record.sample["held_out"] == len(sample.held_out)
+    assert (model_dir / "openvino" / "model.xml").is_file()
+    # `raypipe model check` prints the table beside the card.
+    assert main(["model", "check", str(model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "openvino    fp32" in out and "pass" in out

@@ -1,0 +1,202 @@
+"""Unit tests for the runtime x precision choice and the agreement gate (`serve_app.runtimes`).
+
+Records are written by hand (fakes of what ``raypipe model optimize`` measures), so every CPU
+class can be checked on this one: AVX2 only, VNNI only, AVX512_BF16, AMX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serve_app.model import ModelDirError
+from serve_app.runtimes import (
+    GateError,
+    Measurement,
+    RuntimeRecord,
+    Serving,
+    choose,
+    read_record,
+    resolve,
+    supported_settings,
+    write_record,
+)
+from serve_app.settings import ServerSettings
+
+AVX2 = frozenset({"avx", "avx2", "fma"})
+VNNI = AVX2 | {"avx512f", "avx512_vnni"}
+BF16 = VNNI | {"avx512_bf16"}
+AMX = BF16 | {"amx_bf16", "amx_int8", "amx_tile"}
+
+
+def _m(runtime: str, precision: str, rate: float, agreement: float) -> Measurement:
+    return Measurement(runtime, precision, para_per_s=rate, agreement=agreement, max_abs_dp=0.0, speedup=rate / 10)
+
+
+def _record(*measurements: Measurement, saved_model: str = "abc") -> RuntimeRecord:
+    return RuntimeRecord(saved_model=saved_model, measurements=(_m("tensorflow", "fp32", 10, 1.0), *measurements))
+
+
+# Figures in the shape DESIGN.md's measurements have: OpenVINO fp32 1.3x at 100%, bf16 2.4x at
+# 99.4%, int8 3.2x at 95%.
+MEASURED = _record(
+    _m("openvino", "fp32", 13, 1.0),
+    _m("openvino", "bf16", 24, 0.994),
+    _m("openvino", "int8", 32, 0.95),
+    _m("tensorflow", "bf16", 14, 0.995),
+)
+
+
+def _choose(precision: str, flags: frozenset[str], record: RuntimeRecord | None = MEASURED, **kw: object) -> Serving:
+    args: dict[str, object] = {"runtime": "auto", "saved_model": "abc", "min_agreement": 0.99, "force": False}
+    args.update(kw)
+    return choose(precision=precision, flags=flags, record=record, **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (AVX2, ("openvino", "fp32")),
+        (VNNI, ("openvino", "fp32")),
+        (BF16, ("openvino", "bf16")),
+        (AMX, ("openvino", "bf16")),
+    ],
+)
+def test_auto_serves_the_fastest_setting_that_passes_the_gate(flags: frozenset[str], expected: tuple[str, str]) -> None:
+    # int8 is fastest everywhere but under 99%; bf16 only where the CPU has native bf16.
+    chosen = _choose("auto", flags)
+    assert (chosen.runtime, chosen.precision) == expected
+    assert chosen.reason.startswith("auto: fastest measured")
+
+
+def test_auto_picks_int8_when_it_passes_and_is_fastest() -> None:
+    record = _record(_m("openvino", "fp32", 13, 1.0), _m("openvino", "int8", 32, 0.993))
+    assert (_choose("auto", VNNI, record).runtime, _choose("auto", VNNI, record).precision) == ("openvino", "int8")
+    # A stricter gate drops it again.
+    assert _choose("auto", VNNI, record, min_agreement=0.995).precision == "fp32"
+
+
+def test_auto_without_a_record_changes_no_answers() -> None:
+    for flags in (AVX2, VNNI, BF16, AMX):
+        chosen = _choose("auto", flags, record=None)
+        assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
+        assert "no measured record" in chosen.reason
+
+
+def test_auto_ignores_a_record_of_other_savedmodel_files() -> None:
+    chosen = _choose("auto", BF16, saved_model="other")
+    assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
+
+
+def test_auto_stays_on_the_asked_runtime() -> None:
+    assert (
+        _choose("auto", BF16, runtime="tensorflow").runtime,
+        _choose("auto", BF16, runtime="tensorflow").precision,
+    ) == (
+        "tensorflow",
+        "bf16",
+    )
+    chosen = _choose("auto", AVX2, runtime="tensorflow")
+    assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
+
+
+def test_auto_without_openvino_installed_uses_tensorflow() -> None:
+    chosen = _choose("auto", BF16, openvino=False)
+    assert (chosen.runtime, chosen.precision) == ("tensorflow", "bf16")
+
+
+def test_gate_refuses_a_precision_recorded_under_the_threshold() -> None:
+    with pytest.raises(GateError, match=r"95\.00%.*99\.00%.*force_precision") as caught:
+        _choose("int8", VNNI)
+    assert (caught.value.runtime, caught.value.precision) == ("openvino", "int8")
+
+
+def test_gate_serves_it_when_forced_and_says_so() -> None:
+    chosen = _choose("int8", VNNI, force=True)
+    assert (chosen.runtime, chosen.precision, chosen.agreement) == ("openvino", "int8", 0.95)
+    assert chosen.reason.startswith("forced")
+    assert chosen.version_suffix == "+ov-int8"
+
+
+def test_int8_with_nothing_measured_is_refused() -> None:
+    with pytest.raises(GateError, match="optimize"):
+        _choose("int8", VNNI, record=None)
+
+
+def test_bf16_needs_native_bf16_on_every_runtime() -> None:
+    for runtime in ("tensorflow", "openvino", "auto"):
+        with pytest.raises(GateError, match="AVX512_BF16"):
+            _choose("bf16", VNNI, runtime=runtime)
+
+
+def test_int8_is_not_a_tensorflow_setting() -> None:
+    with pytest.raises(GateError, match="OpenVINO only"):
+        _choose("int8", VNNI, runtime="tensorflow")
+
+
+def test_explicit_precision_on_runtime_auto_takes_the_faster_measured_runtime() -> None:
+    chosen = _choose("bf16", BF16)
+    assert (chosen.runtime, chosen.precision) == ("openvino", "bf16")
+    chosen = _choose("fp32", AVX2)
+    assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
+    # Nothing measured: fp32 stays on the reference.
+    assert _choose("fp32", AVX2, record=None).runtime == "tensorflow"
+
+
+def test_explicit_fp32_on_tensorflow_is_the_reference_whatever_the_record() -> None:
+    chosen = _choose("fp32", AVX2, runtime="tensorflow", record=_record(saved_model="abc"))
+    assert (chosen.runtime, chosen.precision, chosen.version_suffix) == ("tensorflow", "fp32", "")
+
+
+@pytest.mark.parametrize(
+    ("runtime", "precision", "suffix"),
+    [
+        ("tensorflow", "fp32", ""),
+        ("tensorflow", "bf16", "+bf16"),
+        ("openvino", "fp32", "+ov-fp32"),
+        ("openvino", "bf16", "+ov-bf16"),
+        ("openvino", "int8", "+ov-int8"),
+    ],
+)
+def test_version_suffix_names_what_produced_the_answers(runtime: str, precision: str, suffix: str) -> None:
+    assert Serving(runtime, precision, reason="").version_suffix == suffix
+
+
+def test_supported_settings_follow_the_flags() -> None:
+    assert supported_settings(AVX2, openvino=False) == [("tensorflow", "fp32")]
+    assert ("openvino", "bf16") not in supported_settings(VNNI, openvino=True)
+    assert ("openvino", "bf16") in supported_settings(AMX, openvino=True)
+
+
+def test_record_round_trips_and_a_damaged_one_names_the_file(tmp_path: Path) -> None:
+    assert read_record(tmp_path) is None
+    write_record(tmp_path, MEASURED)
+    assert read_record(tmp_path) == MEASURED
+    (tmp_path / "runtimes.json").write_text('{"format": "raypipe-runtimes/1"}')
+    with pytest.raises(ModelDirError, match=r"runtimes\.json"):
+        read_record(tmp_path)
+
+
+def test_resolve_reads_the_record_beside_the_model(tmp_path: Path) -> None:
+    saved = tmp_path / "saved_model"
+    saved.mkdir()
+    (saved / "saved_model.pb").write_bytes(b"weights")
+    from serve_app.compiled import saved_model_digest
+
+    write_record(tmp_path, _record(_m("openvino", "int8", 32, 0.95), saved_model=saved_model_digest(saved)))
+    with pytest.raises(GateError, match="int8"):
+        resolve(tmp_path, ServerSettings(precision="int8", runtime="openvino"), flags=VNNI)
+    forced = resolve(tmp_path, ServerSettings(precision="int8", runtime="openvino", force_precision=True), flags=VNNI)
+    assert forced.precision == "int8"
+    # The SavedModel changes: the record no longer speaks for it.
+    (saved / "saved_model.pb").write_bytes(b"retrained")
+    assert resolve(tmp_path, ServerSettings(precision="auto", runtime="auto"), flags=VNNI).runtime == "tensorflow"
+
+
+def test_settings_reject_unknown_runtime_and_bad_threshold() -> None:
+    with pytest.raises(ValueError, match="runtime"):
+        ServerSettings(runtime="onnx")
+    with pytest.raises(ValueError, match="min_agreement"):
+        ServerSettings(min_agreement=1.5)
+    assert ServerSettings.from_dict({"runtime": "openvino", "force_precision": True}).runtime == "openvino"
