@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-protos: $(STAMP)  ## regenerate raypipe/v1/*_pb2*.py from protos/
+protos: $(STAMP)  ## regenerate protos/raypipe/v1/*_pb2*.py from the .proto files
 	$(PY) protos/codegen.py
 
 demo-model: $(STAMP)  ## build (or reuse) the offline demo model in .cache/demo-model

@@ -152,7 +152,7 @@ def _predict(model: Any, texts: list[str], workers: int) -> Any:
 async def _async_client(args: dict[str, Any]) -> dict[str, Any]:
     import grpc
 
-    from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
+    from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 
     ids, texts = _read_corpus(args["corpus"], args["n"])
     metadata = (("application", args["app"]),)
@@ -191,7 +191,7 @@ async def _async_client(args: dict[str, Any]) -> dict[str, Any]:
 def _sync_client(args: dict[str, Any]) -> dict[str, Any]:
     import grpc
 
-    from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
+    from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 
     ids, texts = _read_corpus(args["corpus"], args["n"])
     metadata = (("application", args["app"]),)

@@ -1,10 +1,11 @@
 """The one codegen command: `python protos/codegen.py [OUT_DIR]`.
 
-Compiles every `.proto` under `protos/` into `_pb2.py`, `_pb2_grpc.py` and `.pyi` files. The
-proto package path decides the Python module path, so `protos/raypipe/v1/emotion.proto`
-becomes the importable `raypipe.v1.emotion_pb2`. Without OUT_DIR it writes into the repo
-root (the one place generated code lives); the drift test passes a temporary dir and
-compares.
+Compiles every `.proto` under `protos/` into `_pb2.py`, `_pb2_grpc.py` and `.pyi` files beside
+it: `protos/raypipe/v1/emotion.proto` becomes the importable `protos.raypipe.v1.emotion_pb2`
+(the proto package, and so the service's wire name, stays `raypipe.v1`). `protos` is the one
+package below both `raypipe` (the client) and `serve_app` (the server). Without OUT_DIR it
+writes into the repo root (the one place generated code lives); the drift test passes a
+temporary dir and compares.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ def generate(out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
-    files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
+    files = [str(p.relative_to(REPO_ROOT)) for p in proto_files()]
     args = [
         "protoc",
-        f"-I{PROTO_ROOT}",
+        f"-I{REPO_ROOT}",
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",

@@ -10,8 +10,8 @@ breaker and retries, and commit results and dead letters to a Delta Lake table, 
     raypipe.latest("s3://out/emotions/")         # one row per id (pyarrow Table)
     raypipe.read_outcomes("s3://out/emotions/")  # every committed row, results and dead letters
 
-Names are imported on first use, so `import raypipe` (and the generated `raypipe.v1`
-protos, which Serve replicas import) stays cheap and starts nothing.
+Names are imported on first use, so `import raypipe` stays cheap and starts nothing. The wire
+contract with the model service (`protos`) lies below both raypipe and `serve_app`.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from typing import Protocol
 import grpc
 import numpy as np
 
+from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
+from protos.wire import APPLICATION_KEY, TIMING_KEYS
 from raypipe.errors import (
     ModelServiceError,
     RequestRejected,
@@ -35,7 +37,6 @@ from raypipe.errors import (
     ServiceTimeout,
     ServiceUnavailable,
 )
-from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 
 __all__ = [
     "BatchResult",
@@ -76,16 +77,6 @@ _CHANNEL_OPTIONS = (
 )
 
 
-# Trailing-metadata keys of the replica's timing (serve_app.app.TIMING_KEYS; a unit test
-# keeps the two equal, since the client must not import the server's Ray code).
-_TIMING_KEYS = {
-    "queue_s": "raypipe-queue-ms",
-    "compute_s": "raypipe-compute-ms",
-    "replica_s": "raypipe-replica-ms",
-    "batches_ahead": "raypipe-batches-ahead",
-}
-
-
 @dataclass(frozen=True)
 class ServerTiming:
     """The replica's view of one answered call (from its trailing metadata)."""
@@ -104,8 +95,8 @@ class ServerTiming:
         """Parses trailing metadata; None when the server sent no (or malformed) timing."""
         values = {k: v for k, v in metadata or () if isinstance(v, str)}
         try:
-            ms = {name: float(values[key]) for name, key in _TIMING_KEYS.items() if name != "batches_ahead"}
-            ahead = int(values[_TIMING_KEYS["batches_ahead"]])
+            ms = {name: float(values[key]) for name, key in TIMING_KEYS.items() if name != "batches_ahead"}
+            ahead = int(values[TIMING_KEYS["batches_ahead"]])
         except (KeyError, ValueError):
             return None
         return cls(ms["queue_s"] / 1000, ms["compute_s"] / 1000, ms["replica_s"] / 1000, ahead)
@@ -229,7 +220,7 @@ class GrpcModelClient:
             safety=deadline_safety,
             clock=clock,
         )
-        self._metadata = (("application", application),)
+        self._metadata = ((APPLICATION_KEY, application),)
         self._channel: grpc.aio.Channel | None = None
         self._stub: emotion_pb2_grpc.EmotionClassifierStub | None = None
         self._interceptors = list(interceptors)
@@ -304,7 +295,7 @@ def check_service(address: str, *, application: str = "raypipe", timeout_s: floa
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
             info = stub.ModelInfo(
-                emotion_pb2.ModelInfoRequest(), timeout=timeout_s, metadata=(("application", application),)
+                emotion_pb2.ModelInfoRequest(), timeout=timeout_s, metadata=((APPLICATION_KEY, application),)
             )
         except grpc.FutureTimeoutError as e:
             raise ServiceUnavailable(

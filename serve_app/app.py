@@ -37,7 +37,8 @@ import numpy as np
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
-from raypipe.v1 import emotion_pb2
+from protos.raypipe.v1 import emotion_pb2
+from protos.wire import TIMING_KEYS
 from serve_app.metrics import ServerMetrics
 from serve_app.model import Tokenized
 from serve_app.settings import ServerSettings
@@ -53,14 +54,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Trailing-metadata keys of a successful Classify answer (values are decimal strings).
-TIMING_KEYS = {
-    "queue_s": "raypipe-queue-ms",  # arrival in the replica -> its batch started
-    "compute_s": "raypipe-compute-ms",  # the forward passes of its batch
-    "replica_s": "raypipe-replica-ms",  # arrival in the replica -> answer
-    "batches_ahead": "raypipe-batches-ahead",  # batches started after its arrival, before its own
-}
 
 
 def validate_request(request: emotion_pb2.ClassifyRequest, *, max_batch_size: int) -> str | None:

@@ -17,11 +17,10 @@ from typing import Any, cast
 from ray import serve
 from ray.serve.config import gRPCOptions
 
+from protos.wire import SERVICER_FUNCTION
 from serve_app.settings import ServerSettings
 
 __all__ = ["SERVICER_FUNCTION", "DeploymentOptions", "build_app", "deploy", "fit_replicas", "start_grpc_proxy"]
-
-SERVICER_FUNCTION = "raypipe.v1.emotion_pb2_grpc.add_EmotionClassifierServicer_to_server"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@
     raypipe.server.model_ms      distribution  the batch's forward passes
 
 Every metric is tagged `app` (the Serve application) and `model_version`. The sinks are
-raypipe's (`raypipe.metrics`: DogStatsD with an absent agent logged once, Ray metrics); this
+raypipe's (`protos.telemetry`: DogStatsD with an absent agent logged once, Ray metrics); this
 module knows nothing of the client's pipeline. Settings come from `ServerSettings.metrics`.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from raypipe.metrics import Metrics, MetricsSpec, NullMetrics
+from protos.telemetry import Metrics, MetricsSpec, NullMetrics
 
 __all__ = ["ServerMetrics", "ServerMetricsSettings"]
 

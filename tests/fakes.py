@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
+from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 from raypipe.client import BatchResult, ModelInfo
 from raypipe.errors import ModelServiceError
-from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 
 LABELS = ("sadness", "joy", "love", "anger", "fear", "surprise")
 

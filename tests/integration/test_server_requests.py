@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
+from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 
 META = (("application", "raypipe"),)
 

@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
+from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 from raypipe.client import Deadlines, GrpcModelClient, ServerTiming, check_service
 from raypipe.errors import (
     RequestRejected,
@@ -17,7 +18,6 @@ from raypipe.errors import (
     ServiceTimeout,
     ServiceUnavailable,
 )
-from raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 from tests.fakes import LABELS, fake_probs, start_fake_server
 
 
@@ -136,13 +136,6 @@ def test_channel_is_created_lazily_and_reused():
 
 
 # --- server timing and deadlines ------------------------------------------------------------
-
-
-def test_timing_keys_match_the_server() -> None:
-    from raypipe.client import _TIMING_KEYS
-    from serve_app.app import TIMING_KEYS
-
-    assert _TIMING_KEYS == TIMING_KEYS
 
 
 def test_server_timing_parses_trailing_metadata_and_tolerates_its_absence() -> None:

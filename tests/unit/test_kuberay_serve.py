@@ -129,7 +129,7 @@ BREAKS: dict[str, tuple[Callable[[list[Resource]], None], str]] = {
     ),
     "bad-servicer-function": (
         _edit("add_EmotionClassifierServicer_to_server", "add_EmotionServicer_to_server"),
-        "grpc servicer function raypipe.v1.emotion_pb2_grpc.add_EmotionServicer_to_server does not import",
+        "grpc servicer function protos.raypipe.v1.emotion_pb2_grpc.add_EmotionServicer_to_server does not import",
     ),
     "grpc-options-typo": (_edit("grpc_options:", "grpc_option:"), "grpc_option: ServeDeploySchema has no such field"),
     "autoscaling-typo": (

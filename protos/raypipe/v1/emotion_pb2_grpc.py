@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from raypipe.v1 import emotion_pb2 as raypipe_dot_v1_dot_emotion__pb2
+from protos.raypipe.v1 import emotion_pb2 as protos_dot_raypipe_dot_v1_dot_emotion__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in raypipe/v1/emotion_pb2_grpc.py depends on'
+        + ' but the generated code in protos/raypipe/v1/emotion_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class EmotionClassifierStub:
         """
         self.Classify = channel.unary_unary(
                 '/raypipe.v1.EmotionClassifier/Classify',
-                request_serializer=raypipe_dot_v1_dot_emotion__pb2.ClassifyRequest.SerializeToString,
-                response_deserializer=raypipe_dot_v1_dot_emotion__pb2.ClassifyResponse.FromString,
+                request_serializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ClassifyResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/raypipe.v1.EmotionClassifier/ModelInfo',
-                request_serializer=raypipe_dot_v1_dot_emotion__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=raypipe_dot_v1_dot_emotion__pb2.ModelInfoResponse.FromString,
+                request_serializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -69,13 +69,13 @@ def add_EmotionClassifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Classify': grpc.unary_unary_rpc_method_handler(
                     servicer.Classify,
-                    request_deserializer=raypipe_dot_v1_dot_emotion__pb2.ClassifyRequest.FromString,
-                    response_serializer=raypipe_dot_v1_dot_emotion__pb2.ClassifyResponse.SerializeToString,
+                    request_deserializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ClassifyRequest.FromString,
+                    response_serializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ClassifyResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=raypipe_dot_v1_dot_emotion__pb2.ModelInfoRequest.FromString,
-                    response_serializer=raypipe_dot_v1_dot_emotion__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ModelInfoRequest.FromString,
+                    response_serializer=protos_dot_raypipe_dot_v1_dot_emotion__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class EmotionClassifier:
             request,
             target,
             '/raypipe.v1.EmotionClassifier/Classify',
-            raypipe_dot_v1_dot_emotion__pb2.ClassifyRequest.SerializeToString,
-            raypipe_dot_v1_dot_emotion__pb2.ClassifyResponse.FromString,
+            protos_dot_raypipe_dot_v1_dot_emotion__pb2.ClassifyRequest.SerializeToString,
+            protos_dot_raypipe_dot_v1_dot_emotion__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class EmotionClassifier:
             request,
             target,
             '/raypipe.v1.EmotionClassifier/ModelInfo',
-            raypipe_dot_v1_dot_emotion__pb2.ModelInfoRequest.SerializeToString,
-            raypipe_dot_v1_dot_emotion__pb2.ModelInfoResponse.FromString,
+            protos_dot_raypipe_dot_v1_dot_emotion__pb2.ModelInfoRequest.SerializeToString,
+            protos_dot_raypipe_dot_v1_dot_emotion__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
