@@ -238,7 +238,7 @@ def test_an_older_attempt_whose_writes_are_stalled_past_the_takeover_has_nothing
         old.join(60)
         new.join(60)
     assert kind == "fenced" and "generation 2" in message, (kind, message)
-    committed = read_outcomes(out, "race")
+    committed = read_outcomes(out)
     seen = sorted(zip(committed.column("id").to_pylist(), committed.column("outcome").to_pylist(),
                       committed.column("model_version").to_pylist(), strict=True))  # fmt: skip
     assert seen == [("A", "result", "new"), ("B", "result", "new")]
