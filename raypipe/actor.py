@@ -4,9 +4,10 @@ Ray Data hands the actor whole blocks, one per work unit (`raypipe.sources`). Fo
 actor splits the sendable rows into length-sorted micro-batches and sends them all at once.
 Each micro-batch is one *call*, and a call goes through, in this order:
 
-    breaker (one permit per call; waits while the service is down)
-      -> retry (`raypipe.retry`: transient codes, a few attempts with backoff)
-        -> limiter (one in-flight slot per attempt) -> gRPC client
+    limiter (one in-flight slot, held for the whole call, retries and backoff included)
+      -> breaker (one permit per call; waits while the service is down)
+        -> retry (`raypipe.retry`: transient codes, a few attempts with backoff)
+          -> each attempt: does the breaker still admit the permit? -> gRPC client
 
 The breaker sees one outcome per call, after its retries, never one per attempt. An attempt
 whose permit went stale while it waited for a slot (the breaker opened meanwhile) does not

@@ -1,7 +1,9 @@
 """A circuit breaker that makes callers wait while the model service is down.
 
-Every attempt to call the model service first asks the breaker for a `Permit` and, when the
-attempt is over, reports its outcome with `record`. After `failure_threshold` consecutive
+Every call to the model service (`raypipe.actor.InferenceActor._call`: after it holds its
+in-flight slot, before its retries) asks the breaker for a `Permit`, and reports the call's
+outcome once, after its retries, with `record`; each attempt checks `admits(permit)` right
+before it goes out. After `failure_threshold` consecutive
 transient failures the breaker opens: the service is presumed down (a replica restarting,
 the proxy redeploying) and hammering it would only slow the restart. Unlike a classic
 breaker, an open circuit does not fail calls at once: `acquire` *waits*, so the job pauses

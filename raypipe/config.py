@@ -104,7 +104,9 @@ class BreakerConfig(_Frozen):
     max_reset_timeout_s: float = Field(30.0, gt=0)
     """Cap of the doubled reset timeout."""
     max_wait_s: float = Field(600.0, gt=0)
-    """Total time a micro-batch may wait on an open breaker before its rows are dead-lettered."""
+    """Total time a call may wait on an open breaker; past it the run stops (`CircuitOpenError`,
+    exit 1) with its rows still to do, and rerunning the same run id resumes it. Nothing is
+    dead-lettered for a service that is down."""
 
 
 class LimiterConfig(_Frozen):

@@ -8,9 +8,11 @@ Between attempts it sleeps with exponential backoff and full jitter (AWS's "Full
 attempt n waits uniformly in [0, min(max_backoff_s, initial_backoff_s × 2^(n-1))]), so
 many actors retrying after the same outage do not come back in lockstep.
 
-Where it sits: breaker (one permit per call) → **retry** → limiter (a slot per attempt) →
-client. The breaker sees the call's outcome after its retries; gRPC's channel-level retry
-policy stays off, so that no failure is retried by two layers.
+Where it sits (`raypipe.actor.InferenceActor._call`): limiter (one in-flight slot, held for
+the whole call, retries and backoff included) → breaker (one permit per call) → **retry** →
+each attempt checks that its permit is still admitted → client. The breaker sees the call's
+outcome once, after its retries; gRPC's channel-level retry policy stays off, so that no
+failure is retried by two layers.
 """
 
 from __future__ import annotations

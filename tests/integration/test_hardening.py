@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -81,75 +80,6 @@ def test_a_broken_service_stops_the_run_and_the_same_run_id_completes_once_fixed
     results_ids, dead = assert_nothing_lost(out, corpus.ids)
     assert dead == [] and len(results_ids) == len(corpus.ids)
     print(f"broken service: {sum(calls.values())} calls before stopping; rerun: {fixed.stdout.splitlines()[0]}")
-
-
-def _daily_table(ids: list[str], texts: list[str], when: datetime) -> pa.Table:
-    return pa.table({"id": ids, "text": texts, "updated_at": pa.array([when] * len(ids), pa.timestamp("us", tz="UTC"))})
-
-
-@pytest.mark.timeout(300)
-def test_watermark_waits_for_every_shard_and_never_moves_backwards(tmp_path, serve_address):
-    day = datetime(2026, 3, 1, tzinfo=UTC)
-    in_dir = tmp_path / "in"
-    in_dir.mkdir()
-    pq.write_table(_daily_table([f"a{i}" for i in range(50)], ["a calm day"] * 50, day), in_dir / "a.parquet")
-    (in_dir / "b.parquet").write_bytes(b"PAR1 not parquet at all PAR1")  # corrupt: its rows are unknown
-    out = str(tmp_path / "out")
-    cfg = {"input": {"on_bad_shard": "record", "unit_rows": 100}}
-    store = OutputStore(out)
-
-    first = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", until=day + timedelta(days=1),
-                          settings=cfg)  # fmt: skip
-    assert first.status == "incomplete"
-    assert store.read_json_or_none(store.state("watermark.json")) is None  # not advanced past b's rows
-
-    # b is mended; a newer daily covers both days and advances the watermark.
-    pq.write_table(_daily_table([f"b{i}" for i in range(30)], ["a joyful day"] * 30, day), in_dir / "b.parquet")
-    second = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", until=day + timedelta(days=2),
-                           settings=cfg)  # fmt: skip
-    assert second.status == "completed" and second.rows_in == 80  # b's rows were not lost behind the bad shard
-    assert store.read_json(store.state("watermark.json"))["updated_at"] == (day + timedelta(days=2)).isoformat()
-
-    # The older run finishes late: it completes, and the watermark stays where the newer one put it.
-    again = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", settings=cfg)
-    assert again.status == "completed"
-    assert store.read_json(store.state("watermark.json"))["updated_at"] == (day + timedelta(days=2)).isoformat()
-
-
-@pytest.mark.timeout(300)
-def test_first_daily_after_a_backfill_infers_only_the_delta_and_skips_old_row_groups(
-    tmp_path, serve_address, deploy_app
-):
-    app = deploy_app("delta")
-    day = datetime(2026, 4, 1, tzinfo=UTC)
-    in_dir = tmp_path / "in"
-    in_dir.mkdir()
-    old = _daily_table([f"o{i}" for i in range(400)], [f"an ordinary paragraph {i}" for i in range(400)], day)
-    pq.write_table(old, in_dir / "old.parquet", row_group_size=50)
-    nulls = pa.table({"id": ["n1", "n2"], "text": ["no date", "none"],
-                      "updated_at": pa.nulls(2, pa.timestamp("us", tz="UTC"))})  # fmt: skip
-    pq.write_table(nulls, in_dir / "nulls.parquet")
-    out = str(tmp_path / "out")
-    cfg = {"service": {"application": app}, "input": {"unit_rows": 100}}
-
-    back = raypipe.backfill(str(in_dir), out, service=serve_address, run_id="bf", settings=cfg)
-    assert back.status == "completed" and back.rows_in == 402  # a backfill infers null-dated rows too
-    assert back.planning["read_as_of"] == day.isoformat()
-    after_backfill = served(app)["paragraphs"]["OK"]
-
-    # New and changed rows arrive in a new file; the old file's row groups are all older.
-    delta = _daily_table(
-        ["o1", "o2", "new1"], ["I am so angry", "I am so angry", "what a joy"], day + timedelta(hours=5)
-    )
-    pq.write_table(delta, in_dir / "delta.parquet")
-    first_daily = raypipe.daily(str(in_dir), out, service=serve_address, run_id="dd1",
-                                until=day + timedelta(days=1), settings=cfg)  # fmt: skip
-    assert first_daily.status == "completed"
-    assert served(app)["paragraphs"]["OK"] - after_backfill == 3 == first_daily.rows_in  # not 402 + 3
-    assert first_daily.window["after"] == day.isoformat()
-    assert first_daily.planning["row_groups_pruned"] >= 8  # old.parquet's 8 row groups: no unit, no read
-    assert first_daily.planning["null_updated_at_rows"] == 2  # documented: dailies skip them
-    assert first_daily.units_total == 1
 
 
 @pytest.mark.timeout(360)
