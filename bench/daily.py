@@ -139,6 +139,7 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     as read (with a stale fingerprint when the layout rewrote them since), and committed answers
     for their texts, of the demo model's version (made up: only their text hashes matter here)."""
     import pyarrow as pa
+    import pyarrow.compute
 
     from raypipe.runstate import FILES_SEEN
     from raypipe.sinks import OutcomeTable, UnitCommitter, text_hashes
@@ -171,8 +172,32 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
         committer.commit(f"seed-{k}", rows)
     paths = sorted(direct.ls(f"{root.removeprefix('s3://')}/input/"))[:files]
     fps = ["0:before-the-rewrite" if rewritten else fingerprint(direct.info(p)) for p in paths]
+    read_up_to = pa.compute.max(old.column("updated_at")).as_py().isoformat()
     store = OutputStore(f"{root}/out-daily")
-    store.write_parquet(store.state(FILES_SEEN), pa.table({"path": [f"s3://{p}" for p in paths], "fingerprint": fps}))
+    seen = {"path": [f"s3://{p}" for p in paths], "fingerprint": fps, "max_updated_at": [read_up_to] * len(paths)}
+    store.write_parquet(store.state(FILES_SEEN), pa.table(seen))
+
+
+def _lookup_bytes(fs: Any, table_dir: str) -> int:
+    """What the text-hash lookup reads of the outcomes table the seed wrote: the footers and the
+    column chunks of `text_hash`, `truncated` and the probabilities (from the Parquet metadata)."""
+    import pyarrow.parquet as pq
+
+    wanted = ("text_hash", "truncated", "prob_")
+    total = 0
+    for path in fs.find(f"{table_dir}/run_id=seed-backfill/"):
+        if not path.endswith(".parquet"):
+            continue
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+        total += meta.serialized_size + 8
+        for g in range(meta.num_row_groups):
+            rg = meta.row_group(g)
+            for c in range(rg.num_columns):
+                col = rg.column(c)
+                if col.path_in_schema.startswith(wanted):
+                    total += col.total_compressed_size
+    return total
 
 
 def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
@@ -208,8 +233,10 @@ def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
         env = {**creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
         # The daily starts as if a backfill had covered the older rows: their files recorded as
         # read, their answers committed (answers made up: only their text hashes matter here).
+        # Seeded straight into moto: delta-rs holds the GIL through some calls, so it cannot go
+        # through the counting proxy, a thread of this process (the measured runs do: their own).
         saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        os.environ.update({**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}"})
         try:
             _seed_backfill(
                 f"s3://{_BUCKET}", old_table, _SHARDS, demo, direct, rewritten=args.daily_layout != "appended"
@@ -248,9 +275,10 @@ def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
                     "bytes_sent": proxy.up,
                     "cpu_s": usage.cpu_s,
                 }
+        lookup_bytes = _lookup_bytes(direct, f"{_BUCKET}/out-daily/outcomes")
     finally:
         server.stop()
-    share = runs["daily"]["bytes_read"] / input_bytes
+    share = (runs["daily"]["bytes_read"] - lookup_bytes) / input_bytes
     ratio = runs["daily"]["wall_s"] / runs["delta_backfill"]["wall_s"]
     return {
         "input_rows": args.daily_rows,
@@ -262,7 +290,13 @@ def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
         "delta_backfill": runs["delta_backfill"],
         "daily": runs["daily"],
         "bytes_share": share,
+        "lookup_bytes": lookup_bytes,
+        "bytes_share_with_lookup": runs["daily"]["bytes_read"] / input_bytes,
         "wall_ratio": ratio,
         "calls_ratio": runs["daily"]["calls"] / max(1, runs["delta_backfill"]["calls"]),
-        "met": share <= 0.05 and ratio <= 3.0 and runs["daily"]["rows"] == delta_rows,
+        # Half the delta's texts are unchanged: half the calls (0.55 leaves room for batch rounding).
+        "met": share <= 0.05
+        and ratio <= 3.0
+        and runs["daily"]["rows"] == delta_rows
+        and runs["daily"]["calls"] <= 0.55 * runs["delta_backfill"]["calls"],
     }

@@ -154,7 +154,9 @@ def _run(
             plan = _retry_bad_shards(config, plan)
             state.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
-        report.planning = {k: v for k, v in (plan.observations or {}).items() if k != "skipped_files"}
+        report.planning = {
+            k: v for k, v in (plan.observations or {}).items() if k not in ("skipped_files", "shard_max")
+        }
         report.skipped_files = list((plan.observations or {}).get("skipped_files") or [])
         if plan.window is not None:
             report.window = {"after": _iso(plan.window.after), "until": _iso(plan.window.until)}
@@ -295,15 +297,28 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
     listing = list_input(config.input.uri, format=config.input.format, quarantined=state.quarantined())
     seen = PlanObservations(limit=datetime.now(UTC) + timedelta(seconds=config.input.max_future_skew_s))
     whole, windowed = listing.shards, list[tuple[str, ShardFormat]]()
+    rewritten: dict[datetime, list[tuple[str, ShardFormat]]] = {}
     files: Counter[str] = Counter()
     if mode == "daily":
         read_before = state.files_seen()
         whole = []
         for shard, fmt in listing.shards:
-            before = read_before.get(shard)
-            kind = "new" if before is None else "changed" if before != listing.fingerprints[shard] else "unchanged"
+            fingerprint, read_up_to = read_before.get(shard, (None, None))
+            kind = (
+                "new"
+                if fingerprint is None
+                else "changed"
+                if fingerprint != listing.fingerprints[shard]
+                else "unchanged"
+            )
             files[kind] += 1
-            (windowed if kind == "unchanged" else whole).append((shard, fmt))
+            if kind == "unchanged":
+                windowed.append((shard, fmt))
+            elif kind == "changed" and read_up_to is not None and fmt == "parquet":
+                # Rewritten in place: its rows updated after what was read of it last time.
+                rewritten.setdefault(datetime.fromisoformat(read_up_to), []).append((shard, fmt))
+            else:
+                whole.append((shard, fmt))
         if since is not None and config.input.updated_at_partition:
             windowed = prune_partitions(
                 windowed, config.input.updated_at_partition, DeltaWindow(since, _FAR_FUTURE), seen
@@ -318,6 +333,11 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
         "fingerprints": listing.fingerprints,
     }
     units, bad = plan_units(whole, **common)
+    for upto, shards in sorted(rewritten.items()):
+        after = upto if since is None else min(since, upto)
+        more, more_bad = plan_units(shards, need_updated_at=True, window=DeltaWindow(after, _FAR_FUTURE), **common)
+        units += [dataclasses.replace(u, since=after.isoformat()) for u in more]
+        bad += more_bad
     if since is not None and windowed:
         more, more_bad = plan_units(windowed, need_updated_at=True, window=DeltaWindow(since, _FAR_FUTURE), **common)
         units += [dataclasses.replace(u, since=since.isoformat()) for u in more]

@@ -233,8 +233,9 @@ class RunState:
         self.store.write_json(self.store.state(WATERMARK), {"updated_at": _iso(to), "run_id": self.run_id})
         logger.info("watermark advanced to %s", to.isoformat())
 
-    def files_seen(self) -> dict[str, str]:
-        """Input files a run of this output read whole (every unit committed): URI -> fingerprint."""
+    def files_seen(self) -> dict[str, tuple[str, str | None]]:
+        """Input files a run of this output read (every unit committed): URI -> (fingerprint,
+        the latest updated_at read in it, if its footers said)."""
         return read_files_seen(self.store)
 
     def record_files_seen(self, plan: Plan, committed: set[str]) -> int:
@@ -244,20 +245,25 @@ class RunState:
         for u in plan.units:
             by_shard.setdefault(u.shard, []).append(u)
         bad = {b["shard"] for b in plan.bad_shards}
+        latest = (plan.observations or {}).get("shard_max") or {}
+        seen = self.files_seen()
         done = {
-            shard: units[0].fingerprint
+            shard: (units[0].fingerprint, _later(latest.get(shard), seen.get(shard, (None, None))[1]))
             for shard, units in by_shard.items()
             if shard not in bad and units[0].fingerprint and all(u.key in committed for u in units)
         }
-        if not done:
-            return 0
-        seen = self.files_seen()
-        changed = {f: fp for f, fp in done.items() if seen.get(f) != fp}
+        changed = {f: v for f, v in done.items() if seen.get(f) != v}
         if changed:
             seen.update(changed)
             self.lease.check()
             files = sorted(seen)
-            table = pa.table({"path": files, "fingerprint": [seen[f] for f in files]})
+            table = pa.table(
+                {
+                    "path": files,
+                    "fingerprint": [seen[f][0] for f in files],
+                    "max_updated_at": pa.array([seen[f][1] for f in files], pa.string()),
+                }
+            )
             self.store.write_parquet(self.store.state(FILES_SEEN), table)
         return len(changed)
 
@@ -271,12 +277,20 @@ class RunState:
         self.lease.release()
 
 
-def read_files_seen(store: OutputStore) -> dict[str, str]:
+def _later(a: str | None, b: str | None) -> str | None:
+    return max((x for x in (a, b) if x is not None), default=None)
+
+
+def read_files_seen(store: OutputStore) -> dict[str, tuple[str, str | None]]:
     path = store.state(FILES_SEEN)
     if not store.exists(path):
         return {}
     t = store.read_parquet(path)
-    return dict(zip(t.column("path").to_pylist(), t.column("fingerprint").to_pylist(), strict=True))
+    latest = t.column("max_updated_at").to_pylist() if "max_updated_at" in t.column_names else [None] * t.num_rows
+    return {
+        p: (fp, m)
+        for p, fp, m in zip(t.column("path").to_pylist(), t.column("fingerprint").to_pylist(), latest, strict=True)
+    }
 
 
 def quarantine(output: str, shards: list[str], *, reason: str, release: bool = False) -> dict[str, Any]:

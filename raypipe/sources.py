@@ -99,6 +99,9 @@ class PlanObservations:
     """Latest updated_at in the input up to `limit` (row-group statistics): what it was read as of."""
     future_row_groups: int = 0
     """Row groups whose updated_at reaches beyond `limit` (a 9999-12-31 sentinel, a clock ahead)."""
+    shard_max: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Shard -> its latest updated_at up to `limit` (ISO): recorded with the files seen, so a
+    file rewritten later is read for its rows updated after it."""
     null_updated_at_rows: int = 0
     """Rows with a null updated_at in the shards planned (statistics); dailies skip them."""
     row_groups_total: int = 0
@@ -115,6 +118,7 @@ class PlanObservations:
             "row_groups_total": self.row_groups_total,
             "row_groups_pruned": self.row_groups_pruned,
             "shards_pruned": self.shards_pruned,
+            "shard_max": self.shard_max,
         }
 
 
@@ -388,6 +392,8 @@ def _plan_parquet(
             hi = lo if lo is not None and lo <= seen.limit else None
         if hi is not None and (seen.max_updated_at is None or hi > seen.max_updated_at):
             seen.max_updated_at = hi
+        if hi is not None and (shard not in seen.shard_max or hi.isoformat() > seen.shard_max[shard]):
+            seen.shard_max[shard] = hi.isoformat()
         skip = window is not None and (not window.may_hold(lo, hi) or (n > 0 and nulls == n))
         if skip:
             seen.row_groups_pruned += 1

@@ -155,3 +155,23 @@ def test_invalid_utf8_in_one_text_is_a_dead_letter_and_the_rest_is_inferred(tmp_
     assert len(ids(results(out))) == 999
     assert [Path(s["path"]).name for s in report.skipped_files] == ["notes.txt"]
     assert "unknown extension .txt" in report.render()
+
+
+def test_a_file_rewritten_in_place_is_read_for_its_rows_updated_since(tmp_path, serve_address, deploy_app):
+    """A producer rewrites a file with 10 rows changed among 200: the daily infers those 10 (the
+    rows updated after what was read of the file before), not 200."""
+    app = deploy_app("rewrite")
+    t = datetime.now(UTC) - timedelta(days=1)
+    in_dir = tmp_path / "in"
+    in_dir.mkdir()
+    ids_, texts = [f"w{i}" for i in range(200)], _texts("w", 200)
+    pq.write_table(_table(ids_, texts, t), in_dir / "w.parquet")
+    out = str(tmp_path / "out")
+    cfg = {"service": {"application": app}}
+    assert raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", settings=cfg).rows_in == 200
+    later = t + timedelta(hours=3)
+    texts = [f"rewritten, a furious paragraph {i}" if i < 10 else x for i, x in enumerate(texts)]
+    pq.write_table(_table(ids_, texts, [later] * 10 + [t] * 190), in_dir / "w.parquet")
+    d2 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", settings=cfg)
+    assert d2.status == "completed" and d2.rows_in == 10 and d2.planning["files"] == {"changed": 1}
+    assert inferred(app) == 210
