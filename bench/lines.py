@@ -64,7 +64,14 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
     from serve_app.runtimes import resolve
     from serve_app.settings import ServerSettings
 
-    settings = ServerSettings(runtime=args.get("runtime", "tensorflow"), precision=args.get("precision") or "fp32")
+    precision = args.get("precision") or "fp32"
+    # A setting named explicitly is measured even where the gate would refuse to serve it (that
+    # is what is being measured); ``auto`` is never forced, so it picks as a replica does.
+    settings = ServerSettings(
+        runtime=args.get("runtime", "tensorflow"),
+        precision=precision,
+        force_precision=args.get("force", precision != "auto"),
+    )
     serving = resolve(args["model_dir"], settings)
     precision, runtime = serving.precision, serving.runtime
     if runtime == "tensorflow":

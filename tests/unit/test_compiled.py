@@ -183,3 +183,27 @@ def test_optimize_records_openvino_against_tensorflow(
     assert main(["model", "check", str(model_dir)]) == 0
     out = capsys.readouterr().out
     assert "openvino    fp32" in out and "pass" in out
+
+
+def test_int8_is_built_measured_and_gated(model_dir: Path) -> None:
+    from serve_app.runtimes import GateError, resolve
+    from serve_app.settings import ServerSettings
+
+    sample = split_sample(default_sample(240), source="default")
+    result = optimize(model_dir, sample, threads=1, int8_max_reverts=1, flags=frozenset({"avx2"}))
+    assert "error" not in result.int8, result.int8
+    assert "ops reverted to fp32" in result.int8["accuracy_control"]
+    int8 = result.record.get("openvino", "int8")
+    assert int8 is not None and 0.5 < int8.agreement <= 1.0 and int8.note.startswith("NNCF:")
+    model = EmotionModel.load(model_dir, runtime="openvino", precision="int8", threads=1)
+    assert model._run.path == model_dir / "openvino" / "int8.xml"  # type: ignore[attr-defined]
+    assert model.predict(TEXTS[:8]).probabilities.shape == (8, len(demo_data.LABELS))
+    # The gate reads what was just measured: a threshold above it refuses int8, unless forced.
+    at_record = ServerSettings(runtime="openvino", precision="int8", min_agreement=int8.agreement)
+    assert resolve(model_dir, at_record, flags=frozenset({"avx2"})).precision == "int8"
+    if int8.agreement < 1.0:
+        above = ServerSettings(runtime="openvino", precision="int8", min_agreement=1.0)
+        with pytest.raises(GateError):
+            resolve(model_dir, above, flags=frozenset({"avx2"}))
+    forced = ServerSettings(runtime="openvino", precision="int8", min_agreement=1.0, force_precision=True)
+    assert resolve(model_dir, forced, flags=frozenset({"avx2"})).version_suffix == "+ov-int8"
