@@ -20,7 +20,7 @@ import pytest
 from ray import serve
 
 import raypipe
-from raypipe.errors import OutputPermissionError, UnsafeOutputError
+from raypipe.errors import LeaseLostError, OutputPermissionError, UnsafeOutputError
 from raypipe.lease import Lease
 from raypipe.samples import write_sample_corpus
 from raypipe.sinks import OutcomeTable
@@ -262,3 +262,28 @@ def test_a_killed_replay_never_shows_an_id_twice_and_resumes_by_run_id(
     assert "rp.replay-1" in resumed.stdout
     results_ids, dead = assert_nothing_lost(out, all_ids)
     assert dead == [] and len(results_ids) == len(all_ids)
+
+
+@pytest.mark.timeout(120)
+def test_a_lease_whose_store_went_away_is_lost_before_it_expires():
+    """The real lease on a real S3 endpoint that stops answering (its own moto server, stopped):
+    botocore raises `EndpointConnectionError`, not an `OSError`; every such renewal counts as
+    missed, and once the lease would have expired the attempt knows it lost it."""
+    from bench.s3server import MotoServer
+
+    server = MotoServer().start()
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(endpoint_url=server.endpoint, key="testing", secret="testing", skip_instance_cache=True)
+        fs.mkdir("gone")
+        store = OutputStore("s3://gone/out")
+        store._fs = fs
+        lease = Lease(store, "run-a", duration_s=3)
+        lease.acquire()
+        server.stop()
+        wait_for(lambda: lease.lost, 30, "the lease to be lost")
+        with pytest.raises(LeaseLostError):
+            lease.check()
+    finally:
+        server.stop()
