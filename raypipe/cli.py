@@ -9,7 +9,10 @@
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
     raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
     raypipe report   --output URI --run-id ID
-    raypipe gc       --output URI [--older-than-days 7]
+    raypipe compact  --output URI [--run-id ID]          (Delta optimize of finished runs)
+    raypipe vacuum   --output URI [--retention-hours H]  (Delta vacuum, old runs' state)
+    raypipe migrate  --output URI                        (the earlier layout -> the table)
+    raypipe shards quarantine|release --output URI SHARD...
     raypipe demo
 
 Run commands also take `--config FILE` and `--set section.key=value` (repeatable); the
