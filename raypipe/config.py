@@ -267,7 +267,7 @@ class PipelineConfig(_Frozen):
     dedup: DedupConfig = DedupConfig()
     metrics: MetricsConfig = MetricsConfig()
     run_id: str | None = None
-    """Names the run; the same id resumes it. Default: `<mode>-<UTC timestamp>`."""
+    """Names the run; the same id resumes it. Default: `<mode>-<UTC timestamp>-<6 random hex digits>` (a new run)."""
     progress_interval_s: float = Field(10.0, gt=0)
     """How often progress is logged."""
 

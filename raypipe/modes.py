@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -119,7 +120,9 @@ def _run(
     results_run_id: Callable[[str, Plan], str] = lambda run_id, plan: run_id,
     watermark_to: Callable[[Plan], datetime | None] = lambda plan: None,
 ) -> RunReport:
-    run_id = config.run_id or f"{mode}-{_stamp()}"
+    # A default id names a new run: two runs started in the same second must not share one (the
+    # second would find the first committed and do nothing).
+    run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
     state = RunState(config, mode, run_id)
     done = state.committed_report()
     if done is not None:
