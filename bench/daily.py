@@ -139,7 +139,7 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     as read (with a stale fingerprint when the layout rewrote them since), and committed answers
     for their texts, of the demo model's version (made up: only their text hashes matter here)."""
     import pyarrow as pa
-    import pyarrow.compute
+    import pyarrow.compute as pc
 
     from raypipe.runstate import FILES_SEEN
     from raypipe.sinks import OutcomeTable, UnitCommitter, text_hashes
@@ -172,7 +172,7 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
         committer.commit(f"seed-{k}", rows)
     paths = sorted(direct.ls(f"{root.removeprefix('s3://')}/input/"))[:files]
     fps = ["0:before-the-rewrite" if rewritten else fingerprint(direct.info(p)) for p in paths]
-    read_up_to = pa.compute.max(old.column("updated_at")).as_py().isoformat()
+    read_up_to = pc.max(old.column("updated_at")).as_py().isoformat()
     store = OutputStore(f"{root}/out-daily")
     seen = {"path": [f"s3://{p}" for p in paths], "fingerprint": fps, "max_updated_at": [read_up_to] * len(paths)}
     store.write_parquet(store.state(FILES_SEEN), pa.table(seen))

@@ -9,7 +9,7 @@ the row's own id, `updated_at` and run (a paragraph whose metadata changed re-in
 Within a unit, duplicate texts are sent once.
 
 The index holds what the lookup needs and no more: 8 bytes of hash and one float32 per label
-(plus the top label's index and the truncation flag) per distinct text, about 40 bytes a row
+(plus the truncation flag) per distinct text, about 40 bytes a row
 with 6 labels, read once per run from the table's committed files (`raypipe.read_outcomes`
 columns only). It is put in Ray's object store once, and every actor maps it without a copy.
 `dedup.max_index_rows` bounds it: a table with more results for the version than that skips

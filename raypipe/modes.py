@@ -282,9 +282,6 @@ def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, r
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
 
 
-_FAR_FUTURE = datetime(9999, 12, 31, tzinfo=UTC)
-
-
 def _on_bad_shard(config: PipelineConfig, mode: str) -> Literal["fail", "record"]:
     """A daily records bad shards by default (a bad shard must not hold the others back)."""
     assert config.input is not None
@@ -323,9 +320,7 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
             else:
                 whole.append((shard, fmt))
         if since is not None and config.input.updated_at_partition:
-            windowed = prune_partitions(
-                windowed, config.input.updated_at_partition, DeltaWindow(since, _FAR_FUTURE), seen
-            )
+            windowed = prune_partitions(windowed, config.input.updated_at_partition, DeltaWindow.since(since), seen)
     else:
         files["new"] = len(whole)
     common: dict[str, Any] = {
@@ -338,11 +333,11 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
     units, bad = plan_units(whole, **common)
     for upto, shards in sorted(rewritten.items()):
         after = upto if since is None else min(since, upto)
-        more, more_bad = plan_units(shards, need_updated_at=True, window=DeltaWindow(after, _FAR_FUTURE), **common)
+        more, more_bad = plan_units(shards, need_updated_at=True, window=DeltaWindow.since(after), **common)
         units += [dataclasses.replace(u, since=after.isoformat()) for u in more]
         bad += more_bad
     if since is not None and windowed:
-        more, more_bad = plan_units(windowed, need_updated_at=True, window=DeltaWindow(since, _FAR_FUTURE), **common)
+        more, more_bad = plan_units(windowed, need_updated_at=True, window=DeltaWindow.since(since), **common)
         units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
         bad += more_bad
     logger.info(
@@ -365,7 +360,7 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
     observations = {**seen.to_dict(), "files": dict(files), "skipped_files": listing.skipped}
     # What the input was read as of (the latest updated_at not in the future, else now): the watermark.
     observations["read_as_of"] = observations["max_updated_at"] or _iso(datetime.now(UTC))
-    window = None if since is None else DeltaWindow(since, _FAR_FUTURE)
+    window = None if since is None else DeltaWindow.since(since)
     return Plan(mode, config.input.uri, units, bad, window, observations=observations)
 
 

@@ -16,7 +16,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -37,7 +37,7 @@ logger = logging.getLogger("raypipe")
 
 def _read_block(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None, on_bad_shard: str) -> list[pa.Table]:
     if unit.since is not None:  # a daily's --since over a file read before: only its newer rows
-        window = DeltaWindow(datetime.fromisoformat(unit.since), datetime(9999, 12, 31, tzinfo=UTC))
+        window = DeltaWindow.since(datetime.fromisoformat(unit.since))
     try:
         table = read_unit(unit, columns, window)
     except (OSError, pa.ArrowException, InputError, ValueError) as e:

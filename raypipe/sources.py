@@ -80,6 +80,11 @@ class DeltaWindow:
     after: datetime | None
     until: datetime
 
+    @classmethod
+    def since(cls, after: datetime) -> DeltaWindow:
+        """Every row updated after `after` (a daily's `--since`; a rewritten file's newer rows)."""
+        return cls(after, datetime(9999, 12, 31, tzinfo=UTC))
+
     def may_hold(self, lo: datetime | None, hi: datetime | None) -> bool:
         """Can a row group whose updated_at spans [lo, hi] hold rows of the window?"""
         if lo is None or hi is None:
