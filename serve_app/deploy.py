@@ -20,7 +20,17 @@ from ray.serve.config import gRPCOptions
 from protos.wire import SERVICER_FUNCTION
 from serve_app.settings import ServerSettings
 
-__all__ = ["SERVICER_FUNCTION", "DeploymentOptions", "build_app", "deploy", "fit_replicas", "start_grpc_proxy"]
+__all__ = ["POOL_RESOURCE", "SERVICER_FUNCTION", "DeploymentOptions", "build_app", "deploy", "fit_replicas", "start_grpc_proxy"]
+
+
+#: The Ray custom resource that marks a node of the model's CPU pool. Pool nodes advertise it
+#: (`ray start --resources '{"raypipe_pool": 1000}'`, the RayService's worker group does the
+#: same) and every replica asks for one unit of it, so replicas land only on pool nodes, never
+#: on a head started with `--num-cpus 0` nor on nodes that run the jobs' actors. One mechanism
+#: for `raypipe serve` and the manifests; 1000 per node means the resource never limits the count
+#: (CPUs do).
+POOL_RESOURCE = "raypipe_pool"
+POOL_RESOURCE_PER_NODE = 1000
 
 
 @dataclass(frozen=True)
