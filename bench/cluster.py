@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,7 +24,16 @@ from typing import Any
 
 import psutil
 
-__all__ = ["Cluster", "ProcessSampler", "TreeUsage", "bench_env"]
+__all__ = [
+    "Cluster",
+    "LocalNodes",
+    "Node",
+    "ProcessSampler",
+    "ReplicaWatch",
+    "TreeUsage",
+    "bench_env",
+    "watch_replicas",
+]
 
 RAY_PORT = 6391
 DASHBOARD_PORT = 8271
@@ -266,3 +276,186 @@ def heavy_lock(path: str | None) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass
+class Node:
+    name: str
+    temp_dir: Path
+    num_cpus: float
+    resources: dict[str, float]
+    node_id: str | None = None
+
+
+class LocalNodes:
+    """Several Ray nodes on this host, as a Kubernetes pool runs them: a head with no CPUs
+    (nothing is scheduled there but Serve's controller and the drivers), and worker nodes
+    added by ``ray start --address`` with their own temp dirs, CPUs and custom resources.
+
+    Each node's processes carry its temp dir in their command lines, so `kill_node` can take
+    one node away (its raylet and every process it started, SIGKILL, as a reclaimed VM) while
+    the others run on. Leaving the block kills every node's processes the same way, and only
+    them: another Ray cluster on the host (a test session's) runs on untouched.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        port: int,
+        dashboard_port: int,
+        env: dict[str, str],
+        head_cpus: float = 0,
+        object_store_mb: int = 300,
+    ) -> None:
+        self.root = root
+        self.port = port
+        self.dashboard_port = dashboard_port
+        # Several nodes behind one loopback address: Ray refuses a multi-node cluster on a host it
+        # thinks is a laptop unless told, and every node binds 127.0.0.1 explicitly.
+        self.env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        self.head_cpus = head_cpus
+        self.object_store_mb = object_store_mb
+        self.nodes: dict[str, Node] = {}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def _ray(self, *args: str, log: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        ray = str(Path(sys.executable).with_name("ray"))
+        done = subprocess.run([ray, *args], env=self.env, capture_output=True, text=True, timeout=180)
+        (self.root / f"{log}.log").write_text(done.stdout + done.stderr)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"ray {' '.join(args[:2])} failed: {(done.stdout + done.stderr)[-2000:]}")
+        return done
+
+    def _start(self, name: str, num_cpus: float, resources: dict[str, float], head: bool) -> Node:
+        temp_dir = self.root / name
+        temp_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            "start",
+            *(("--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}")
+              if head else (f"--address={self.address}",)),
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus:g}",
+            f"--object-store-memory={self.object_store_mb * 2**20}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ]  # fmt: skip
+        if resources:
+            args.append(f"--resources={json.dumps(resources)}")
+        self._ray(*args, log=f"start-{name}")
+        node = Node(name, temp_dir, num_cpus, resources)
+        node.node_id = self._node_id(temp_dir)
+        self.nodes[name] = node
+        return node
+
+    @staticmethod
+    def _raylet(temp_dir: Path) -> psutil.Process | None:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info.get("cmdline") or []
+            if cmd and cmd[0].endswith("raylet") and f"--temp_dir={temp_dir}" in cmd:
+                return p
+        return None
+
+    def _node_id(self, temp_dir: Path) -> str | None:
+        raylet = self._raylet(temp_dir)
+        for arg in raylet.cmdline() if raylet else []:
+            if arg.startswith("--node_id="):
+                return arg.split("=", 1)[1]
+        return None
+
+    def __enter__(self) -> LocalNodes:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._kill_marked(str(self.root))  # leftovers of an earlier run in the same root
+        self._start("head", self.head_cpus, {}, head=True)
+        return self
+
+    @staticmethod
+    def _kill_marked(marker: str) -> int:
+        found: dict[int, psutil.Process] = {}
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info.get("cmdline") or []
+            if any(marker in arg for arg in cmd):
+                found[p.pid] = p
+                if cmd[0].endswith("raylet"):
+                    with contextlib.suppress(psutil.Error):
+                        for child in p.children(recursive=True):
+                            found[child.pid] = child
+        found.pop(os.getpid(), None)
+        for p in found.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(list(found.values()), timeout=10)
+        return len(found)
+
+    def add_node(self, name: str, *, num_cpus: float, resources: dict[str, float] | None = None) -> Node:
+        return self._start(name, num_cpus, dict(resources or {}), head=False)
+
+    def kill_node(self, name: str) -> int:
+        """SIGKILLs every process of the node (its raylet's tree and whatever names its temp
+        dir) at once; returns how many there were."""
+        return self._kill_marked(f"{self.nodes.pop(name).temp_dir}/")
+
+    def __exit__(self, *exc: object) -> None:
+        self._kill_marked(str(self.root))
+
+
+def watch_replicas(app: str, interval_s: float, out: Any) -> None:
+    """Prints one JSON line per `interval_s`: seconds since start and the node of every alive
+    replica of `app` (run as ``python -m bench.cluster watch APP``, RAY_ADDRESS set)."""
+    import ray
+    from ray.util.state import list_actors
+
+    ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
+    prefix = f"ServeReplica:{app}:"
+    t0 = time.monotonic()
+    while True:
+        try:
+            alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000, raise_on_missing_output=False)
+            nodes = sorted(str(a.node_id) for a in alive if (a.class_name or "").startswith(prefix))
+            out.write(json.dumps({"t": round(time.monotonic() - t0, 2), "replicas": nodes}) + "\n")
+            out.flush()
+        except Exception as e:
+            out.write(json.dumps({"t": round(time.monotonic() - t0, 2), "error": str(e)[:200]}) + "\n")
+            out.flush()
+        time.sleep(interval_s)
+
+
+class ReplicaWatch:
+    """`watch_replicas` in its own process for the span of a `with` block; `.samples` after."""
+
+    def __init__(self, app: str, *, env: dict[str, str], log: Path, interval_s: float = 1.0) -> None:
+        self.app, self.env, self.log, self.interval_s = app, env, log, interval_s
+        self.samples: list[dict[str, Any]] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+
+    def __enter__(self) -> ReplicaWatch:
+        cmd = [sys.executable, "-m", "bench.cluster", "watch", self.app, str(self.interval_s)]
+        self._file = self.log.open("w")
+        self.started = time.monotonic()
+        self._proc = subprocess.Popen(cmd, env=self.env, stdout=self._file, stderr=subprocess.DEVNULL)
+        return self
+
+    def read(self) -> list[dict[str, Any]]:
+        """The samples so far, with `t` on the clock of `time.monotonic() - self.started`, roughly."""
+        lines = self.log.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        self._file.close()
+        self.samples = self.read()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "watch":
+        watch_replicas(sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 1.0, sys.stdout)

@@ -63,6 +63,15 @@ def _add_run_args(p: argparse.ArgumentParser, *, with_input: bool) -> None:
     )
 
 
+def _replicas(value: str) -> int | str:
+    if value == "auto":
+        return value
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError("needs at least 1 replica (or auto)")
+    return count
+
+
 def _parser() -> argparse.ArgumentParser:
     from serve_app.settings import PRECISION_SETTINGS, RUNTIME_SETTINGS
 
@@ -124,10 +133,25 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port (default 8000)")
     serve.add_argument("--app-name", default="raypipe")
-    serve.add_argument("--num-replicas", type=int, default=None, help="default: 1 replica")
     serve.add_argument(
-        "--num-cpus", type=float, default=None, help="CPUs per replica (default: the cluster's CPUs less 0.5, shared)"
+        "--num-replicas",
+        type=_replicas,
+        default=None,
+        help="a count, or auto (Serve autoscaling up to --max-replicas); default: 1 replica, or one per pool "
+        "node when nodes advertise the pool resource (raypipe_pool)",
     )
+    serve.add_argument(
+        "--num-cpus",
+        type=float,
+        default=None,
+        help="CPUs per replica (default: a node's CPUs less 0.5; on a pool, its smallest node's)",
+    )
+    scaling = serve.add_argument_group("autoscaling (with --num-replicas auto)")
+    scaling.add_argument("--min-replicas", type=int, default=1)
+    scaling.add_argument("--max-replicas", type=int, default=None, help="default: the replicas the CPUs hold")
+    scaling.add_argument("--target-ongoing-requests", type=float, default=4.0, help="calls per replica Serve aims at")
+    scaling.add_argument("--upscale-delay-s", type=float, default=30.0)
+    scaling.add_argument("--downscale-delay-s", type=float, default=300.0)
     serve.add_argument("--max-ongoing-requests", type=int, default=64, help="calls one replica holds at once")
     serve.add_argument(
         "--max-queued-requests", type=int, default=256, help="calls queued at the proxy before RESOURCE_EXHAUSTED"
@@ -321,7 +345,15 @@ def _serve(args: argparse.Namespace) -> int:
     import yaml
     from ray import serve
 
-    from serve_app.deploy import DeploymentOptions, deploy, fit_replicas
+    from serve_app.deploy import (
+        POOL_RESOURCE,
+        Autoscaling,
+        DeploymentOptions,
+        deploy,
+        fit_pool,
+        fit_replicas,
+        pool_nodes,
+    )
     from serve_app.settings import ServerSettings
 
     settings = ServerSettings()
@@ -338,13 +370,24 @@ def _serve(args: argparse.Namespace) -> int:
         ray.init(address="auto", logging_level=logging.WARNING)
     else:
         ray.init(logging_level=logging.WARNING)
-    replicas, cpus = args.num_replicas, args.num_cpus
-    if replicas is None or cpus is None:
-        auto_replicas, auto_cpus = fit_replicas(ray.cluster_resources().get("CPU", 1.0))
-        if replicas is None and cpus is None:
-            replicas, cpus = auto_replicas, auto_cpus
-        replicas = replicas if replicas is not None else 1
-        cpus = cpus if cpus is not None else 1.0
+    # Nodes that advertise the pool resource take the replicas (the head and the jobs' nodes
+    # do not); without any, the replicas go wherever the cluster has CPUs (one machine).
+    pool = pool_nodes(ray.nodes())
+    fitted = fit_pool(pool) if pool else fit_replicas(ray.cluster_resources().get("CPU", 1.0))
+    cpus = args.num_cpus if args.num_cpus is not None else fitted[1]
+    default_replicas = fitted[0] if args.num_cpus is None else 1
+    replicas = default_replicas if args.num_replicas is None else args.num_replicas
+    autoscaling = None
+    if replicas == "auto":
+        capacity = sum(int(c // cpus) for c in pool) if pool else int(ray.cluster_resources().get("CPU", 1.0) // cpus)
+        autoscaling = Autoscaling(
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas or max(capacity, args.min_replicas),
+            target_ongoing_requests=args.target_ongoing_requests,
+            upscale_delay_s=args.upscale_delay_s,
+            downscale_delay_s=args.downscale_delay_s,
+        )
+        replicas = args.min_replicas
     address = deploy(
         args.model,
         app_name=args.app_name,
@@ -352,13 +395,24 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         settings=settings,
         options=DeploymentOptions(
-            num_replicas=replicas,
+            num_replicas=int(replicas),
+            autoscaling=autoscaling,
+            resources=((POOL_RESOURCE, 1.0),) if pool else (),
             num_cpus=cpus,
             max_ongoing_requests=args.max_ongoing_requests,
             max_queued_requests=args.max_queued_requests,
         ),
     )
-    print(f"EmotionClassifier serving on {address} (application {args.app_name!r})", flush=True)
+    shape = (
+        f"{autoscaling.min_replicas}-{autoscaling.max_replicas} replicas (auto)"
+        if autoscaling
+        else f"{replicas} replica{'s' if replicas != 1 else ''}"
+    )
+    where = f" on {len(pool)} pool node{'s' if len(pool) != 1 else ''}" if pool else ""
+    print(
+        f"EmotionClassifier serving on {address} (application {args.app_name!r}): {shape} of {cpus:g} CPUs{where}",
+        flush=True,
+    )
     if args.detach:
         return EXIT_OK
     try:

@@ -9,7 +9,9 @@ metadata.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -20,7 +22,18 @@ from ray.serve.config import gRPCOptions
 from protos.wire import SERVICER_FUNCTION
 from serve_app.settings import ServerSettings
 
-__all__ = ["POOL_RESOURCE", "SERVICER_FUNCTION", "DeploymentOptions", "build_app", "deploy", "fit_replicas", "start_grpc_proxy"]
+__all__ = [
+    "POOL_RESOURCE",
+    "SERVICER_FUNCTION",
+    "Autoscaling",
+    "DeploymentOptions",
+    "build_app",
+    "deploy",
+    "fit_pool",
+    "fit_replicas",
+    "pool_nodes",
+    "start_grpc_proxy",
+]
 
 
 #: The Ray custom resource that marks a node of the model's CPU pool. Pool nodes advertise it
@@ -34,9 +47,36 @@ POOL_RESOURCE_PER_NODE = 1000
 
 
 @dataclass(frozen=True)
+class Autoscaling:
+    """Serve's autoscaling for the replicas (`num_replicas: auto`), as the RayService sets it.
+
+    Serve adds replicas while the calls each one holds (queued in its batcher or computing)
+    stay above `target_ongoing_requests` and removes them once the load falls, draining a
+    replica's calls before it stops, so clients see neither errors nor retries.
+    """
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 4.0
+    """Calls per replica Serve aims at. A replica batches up to `batch_max_calls` calls; one
+    batch computing and one waiting keeps it busy, so a handful per replica is the right
+    order. raypipe's clients raise their in-flight calls while the service answers without
+    queueing, so a backfill's load grows past this and the replicas follow it up."""
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 300.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class DeploymentOptions:
     num_replicas: int = 1
-    """Fixed replica count (autoscaling is configured in the RayService manifest)."""
+    """Fixed replica count, unless `autoscaling` is set."""
+    autoscaling: Autoscaling | None = None
+    """Replicas that follow the load between its min and max (`num_replicas` is then ignored)."""
+    resources: tuple[tuple[str, float], ...] = ()
+    """Custom resources each replica asks for: `((POOL_RESOURCE, 1),)` keeps replicas on the pool's nodes."""
     num_cpus: float = 1.0
     """CPUs reserved per replica; TensorFlow's intra-op threads default to this, rounded up."""
     max_ongoing_requests: int = 64
@@ -68,6 +108,27 @@ def fit_replicas(cluster_cpus: float, *, reserved_cpus: float = RESERVED_CPUS) -
     return 1, math.floor(usable * 100) / 100
 
 
+def pool_nodes(nodes: Iterable[Mapping[str, Any]]) -> list[float]:
+    """CPUs of each alive node that advertises POOL_RESOURCE (from `ray.nodes()`)."""
+    return [
+        float(n["Resources"].get("CPU", 0.0))
+        for n in nodes
+        if n.get("Alive") and POOL_RESOURCE in (n.get("Resources") or {})
+    ]
+
+
+def fit_pool(pool_cpus: list[float], *, reserved_cpus: float = RESERVED_CPUS) -> tuple[int, float]:
+    """(replicas, CPUs each) on a pool: one replica per node, sized by the smallest node.
+
+    A pool node runs replicas only (the jobs' actors live elsewhere), but it also runs Serve's
+    proxy for the node, which parses every call, hence `reserved_cpus`.
+    """
+    if not pool_cpus:
+        raise ValueError("no alive node advertises the pool resource")
+    _, cpus = fit_replicas(min(pool_cpus), reserved_cpus=reserved_cpus)
+    return len(pool_cpus), cpus
+
+
 def build_app(
     model_dir: str | Path,
     settings: ServerSettings | None = None,
@@ -81,11 +142,19 @@ def build_app(
     settings = settings or ServerSettings()
     options = options or DeploymentOptions()
     # @serve.deployment turned the class into a Deployment, which mypy cannot see.
+    actor_options: dict[str, Any] = {"num_cpus": options.num_cpus}
+    if options.resources:
+        actor_options["resources"] = dict(options.resources)
+    scaling: dict[str, Any] = (
+        {"num_replicas": options.num_replicas}
+        if options.autoscaling is None
+        else {"num_replicas": "auto", "autoscaling_config": options.autoscaling.to_dict()}
+    )
     return EmotionClassifier.options(  # type: ignore[attr-defined]
-        num_replicas=options.num_replicas,
+        **scaling,
         max_ongoing_requests=options.max_ongoing_requests,
         max_queued_requests=options.max_queued_requests,
-        ray_actor_options={"num_cpus": options.num_cpus},
+        ray_actor_options=actor_options,
     ).bind(str(Path(model_dir).resolve()), settings.to_dict())
 
 

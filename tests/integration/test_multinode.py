@@ -1,0 +1,264 @@
+"""The CPU pool as a cluster runs it: several Ray nodes on this host, as in the manifests.
+
+Two clusters, like the RayService and a RayJob:
+- the model service: a head with no CPUs (Serve's controller and proxy only) and two pool
+  nodes that advertise `serve_app.deploy.POOL_RESOURCE`, the only nodes replicas may use;
+- the jobs: a head with no CPUs (the `raypipe` driver runs beside it) and two worker nodes for
+  Ray Data's reads and the inference actors.
+
+The jobs reach the service through its gRPC proxy, as a RayJob reaches `raypipe-serve-svc`.
+One host has one port 9000, so the service runs its proxy on the head only; the manifests run
+one per pool node behind a Service.
+
+Each test is bounded in time; a node is lost by SIGKILL of every process it runs (a reclaimed
+VM), while calls are in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bench.cluster import LocalNodes, ReplicaWatch
+from raypipe.samples import write_sample_corpus
+from serve_app.deploy import POOL_RESOURCE, POOL_RESOURCE_PER_NODE
+from tests.integration.conftest import S3, free_port, wait_for
+from tests.integration.helpers import assert_nothing_lost, dead_letters
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL = {POOL_RESOURCE: POOL_RESOURCE_PER_NODE}
+
+
+@dataclass
+class Pool:
+    service: LocalNodes
+    jobs: LocalNodes
+    grpc_port: int
+    model_dir: Path
+    work: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def env(self, nodes: LocalNodes) -> dict[str, str]:
+        return {**nodes.env, "RAY_ADDRESS": nodes.address, "PYTHONPATH": str(ROOT)}
+
+    def on_service(self, code: str, timeout_s: float = 120) -> object:
+        """Runs `code` (which sets `out`) as a driver of the service cluster; returns `out`."""
+        script = (
+            "import json, logging, ray\nray.init(address='auto', logging_level=logging.ERROR, log_to_driver=False)\n"
+            + code
+            + "\nprint('OUT' + json.dumps(out))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=self.env(self.service),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        for line in done.stdout.splitlines():
+            if line.startswith("OUT"):
+                return json.loads(line[3:])
+        raise AssertionError(f"service-side script failed: {done.stdout[-1500:]}{done.stderr[-3000:]}")
+
+    def serve(self, app: str, *args: str) -> str:
+        cmd = [sys.executable, "-m", "raypipe", "serve", "--model", str(self.model_dir), "--app-name", app]
+        cmd += ["--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port), "--detach", *args]
+        done = subprocess.run(cmd, env=self.env(self.service), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    http_port: int = 0
+
+    def replicas(self, app: str) -> list[str]:
+        """Node ids of the alive replicas of `app`."""
+        code = (
+            "from ray.util.state import list_actors\n"
+            f"out = sorted(a.node_id for a in list_actors(filters=[('state', '=', 'ALIVE')], limit=1000)"
+            f" if (a.class_name or '').startswith('ServeReplica:{app}:'))"
+        )
+        return list(self.on_service(code))  # type: ignore[call-overload]
+
+    def backfill(self, corpus_uri: str, out: str, run_id: str, app: str, *extra: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", corpus_uri, "--output", out]
+        cmd += ["--service", self.address, "--run-id", run_id, "--set", f"service.application={app}"]
+        cmd += ["--set", "input.unit_rows=100", "--set", "client.micro_batch_size=16", *extra]
+        log = (self.work / f"{run_id}.log").open("w")
+        return subprocess.Popen(cmd, env=self.env(self.jobs), stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def log(self, run_id: str) -> str:
+        return (self.work / f"{run_id}.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def pool(s3: S3, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    work = tmp_path_factory.mktemp("multinode")
+    # Short temp roots: Ray's socket paths must fit in 107 bytes.
+    root = Path(f"/tmp/rpmn-{os.getpid()}")
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    service = LocalNodes(root / "svc", port=free_port(), dashboard_port=free_port(), env=env)
+    jobs = LocalNodes(root / "job", port=free_port(), dashboard_port=free_port(), env=env)
+    with service, jobs:
+        service.add_node("pool-a", num_cpus=2, resources=POOL)
+        service.add_node("pool-b", num_cpus=2, resources=POOL)
+        jobs.add_node("job-a", num_cpus=2)
+        jobs.add_node("job-b", num_cpus=2)
+        p = Pool(service, jobs, free_port(), demo_model_dir, work)
+        p.http_port = free_port()
+        yield p
+
+
+@pytest.fixture(scope="module")
+def corpus(s3: S3):
+    return write_sample_corpus(
+        f"{s3.bucket('multinode')}/in", rows=3000, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
+    )
+
+
+def report_of(out: str, run_id: str) -> dict:
+    import fsspec
+
+    with fsspec.open(f"{out}/runs/{run_id}.json") as f:
+        return dict(json.load(f))
+
+
+def commit_times(out: str) -> list[float]:
+    """Unix times of the outcomes table's commits, oldest first."""
+    from deltalake import DeltaTable
+
+    from raypipe.sinks import storage_options
+
+    table = f"{out}/outcomes"
+    history = DeltaTable(table, storage_options=storage_options(table)).history()
+    return sorted(h["timestamp"] / 1000 for h in history if h.get("operation") in ("WRITE", "MERGE"))
+
+
+@pytest.mark.timeout(600)
+def test_replicas_run_only_on_pool_nodes_and_jobs_reach_them_through_the_proxy(pool, corpus, s3):
+    printed = pool.serve("fixed")
+    assert "2 replicas" in printed and "on 2 pool nodes" in printed, printed
+    nodes = pool.replicas("fixed")
+    pool_ids = {pool.service.nodes[n].node_id for n in ("pool-a", "pool-b")}
+    assert len(nodes) == 2 and set(nodes) == pool_ids, (nodes, pool_ids)  # one per pool node, none on the head
+
+    out = f"{s3.bucket('multinode')}/out-fixed"
+    run = pool.backfill(corpus.uri, out, "mn-fixed", "fixed")
+    assert run.wait(timeout=400) == 0, pool.log("mn-fixed")
+    assert_nothing_lost(out, corpus.ids)
+    report = report_of(out, "mn-fixed")
+    assert report["status"] == "completed"
+    # A healthy service: nothing retried, nothing dead-lettered (the corpus has no malformed rows).
+    assert report["retries"] == 0, report
+    assert dead_letters(out) is None
+
+
+@pytest.mark.timeout(600)
+def test_a_pool_node_lost_mid_run_loses_nothing(pool, corpus, s3):
+    pool.serve("fixed")  # already there from the first test, or deployed now
+    out = f"{s3.bucket('multinode')}/out-pool-loss"
+    run = pool.backfill(corpus.uri, out, "mn-pool-loss", "fixed")
+    wait_for(lambda: _commits(s3, out) >= 2, 300, "the first committed units")
+    killed_at = time.time()
+    assert pool.service.kill_node("pool-b") > 0
+    assert run.wait(timeout=400) == 0, pool.log("mn-pool-loss")
+    assert_nothing_lost(out, corpus.ids)
+    report = report_of(out, "mn-pool-loss")
+    assert report["status"] == "completed"
+    assert dead_letters(out) is None, report
+    times = commit_times(out)
+    before = [b - a for a, b in itertools.pairwise(times) if b <= killed_at]
+    after = [t for t in times if t > killed_at]
+    gaps_after = [b - a for a, b in itertools.pairwise([killed_at, *after])]
+    print(
+        f"\npool node lost: {report['retries']} retries, calls {report['status_counts']}; "
+        f"longest pause between commits after the kill {max(gaps_after):.1f} s "
+        f"(median before {sorted(before)[len(before) // 2]:.1f} s); run ended {after[-1] - killed_at:.1f} s after it"
+    )
+    # The node went while the run had work left (units committed after it), and its replica
+    # with it. (Serve's router sends the dead replica's unstarted requests to the other one, so
+    # the client may see no error at all: the report's calls say which.)
+    assert len(after) >= 3, (killed_at, times)
+    wait_for(lambda: len(pool.replicas("fixed")) == 1, 120, "the lost node's replica to be declared dead")
+    pool.service.add_node("pool-b", num_cpus=2, resources=POOL)  # back for the tests after this one
+
+
+def _actor_nodes(nodes: LocalNodes, class_part: str) -> set[str]:
+    from ray.util.state import list_actors
+
+    alive = list_actors(address=nodes.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
+    return {str(a.node_id) for a in alive if class_part in (a.class_name or "")}
+
+
+@pytest.mark.timeout(600)
+def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(pool, corpus, s3):
+    pool.serve("fixed")
+    out = f"{s3.bucket('multinode')}/out-actor-loss"
+    # One actor, so the node that hosts it is known; every unit goes through it.
+    run = pool.backfill(corpus.uri, out, "mn-actor-loss", "fixed", "--set", "actors.max_actors=1")
+    wait_for(lambda: _commits(s3, out) >= 2, 300, "the first committed units")
+    hosts = _actor_nodes(pool.jobs, "InferenceActor")
+    assert len(hosts) == 1, hosts
+    (name,) = [n for n, node in pool.jobs.nodes.items() if node.node_id in hosts]
+    killed_at = time.time()
+    assert pool.jobs.kill_node(name) > 0
+    assert run.wait(timeout=400) == 0, pool.log("mn-actor-loss")
+    assert_nothing_lost(out, corpus.ids)
+    report = report_of(out, "mn-actor-loss")
+    assert report["status"] == "completed" and dead_letters(out) is None, report
+    after = [t for t in commit_times(out) if t > killed_at]
+    assert len(after) >= 3, after
+    ended = after[-1] - killed_at
+    print(f"\njobs node {name} lost: the run ended {ended:.1f} s after it; calls {report['status_counts']}")
+    pool.jobs.add_node(name, num_cpus=2)
+
+
+def _commits(s3: S3, out: str) -> int:
+    """Commits in the outcomes table's log so far (a listing, no read)."""
+    try:
+        return sum(1 for p in s3.fs().ls(f"{out}/outcomes/_delta_log") if p.endswith(".json")) - 1
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.timeout(600)
+def test_autoscaled_replicas_follow_a_backfill_up_to_the_pool_and_back(pool, s3):
+    printed = pool.serve("auto", "--num-replicas", "auto", "--upscale-delay-s", "2", "--downscale-delay-s", "10")
+    assert "1-2 replicas (auto)" in printed, printed  # max: what the pool's CPUs hold
+    corpus = write_sample_corpus(
+        f"{s3.bucket('multinode')}/in-auto", rows=6000, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
+    )
+    out = f"{s3.bucket('multinode')}/out-auto"
+    watch_env = pool.env(pool.service)
+    with ReplicaWatch("auto", env=watch_env, log=pool.work / "replicas-auto.jsonl") as watch:
+        run = pool.backfill(corpus.uri, out, "mn-auto", "auto")
+        assert run.wait(timeout=400) == 0, pool.log("mn-auto")
+        ended = time.monotonic() - watch.started
+        wait_for(lambda: [len(s.get("replicas", [])) for s in watch.read()][-1:] == [1], 120, "a scale-down to 1")
+    counts = [(s["t"], len(s["replicas"])) for s in watch.samples if "replicas" in s]
+    up = [t for t, n in counts if n == 2]
+    assert up and up[0] < ended, counts  # scaled up while the backfill ran
+    down = [t for t, n in counts if t > up[-1] and n == 1]
+    assert down, counts
+    assert_nothing_lost(out, corpus.ids)
+    report = report_of(out, "mn-auto")
+    # Replicas came and went under a healthy service: no call failed, none was retried.
+    assert report["status"] == "completed" and report["retries"] == 0, report
+    assert set(report["status_counts"]) == {"OK"}, report
+    nodes = {s for sample in watch.samples for s in sample.get("replicas", [])}
+    assert nodes <= {pool.service.nodes[n].node_id for n in ("pool-a", "pool-b")}, nodes
+    print(
+        f"\nautoscaling: 2 replicas {up[0]:.0f} s after the start, run ended at {ended:.0f} s, "
+        f"back to 1 at {down[0]:.0f} s; {report['throughput_rows_per_s']:.0f} rows/s; replicas over time {counts}"
+    )
