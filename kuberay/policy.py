@@ -39,6 +39,8 @@ from kuberay.validate import Resource, cluster_pod_templates, containers, get, j
 POOL_LABEL, POOL_VALUE = "raypipe.io/pool", "cpu"
 MODEL_CLIENT_LABEL = "raypipe.io/model-client"
 JOB_LABEL = "raypipe.io/job"
+SIDECARS = {"tls-proxy": "the model-tls component's TLS proxy"}
+"""Containers that run their own (pinned) image beside raypipe's."""
 _SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|ACCESS_KEY|SESSION|CREDENTIAL", re.IGNORECASE)
 _AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")
 
@@ -172,10 +174,14 @@ def _job_problems(resources: list[Resource]) -> list[str]:
 def _image_problems(resources: list[Resource]) -> list[str]:
     problems = []
     images = {}
+    sidecar_images: set[Any] = set()
     for where, pod in pod_templates(resources):
         if any(where.startswith(j.where) for j in jobs(resources) if j.manifest is not None):
             continue  # an embedded template: create_rayjob.py sets its images
         for c in containers(pod):
+            if c.get("name") in SIDECARS:
+                sidecar_images.add(c.get("image"))
+                continue
             images[f"{where}.containers[{c.get('name')}]"] = c.get("image")
             for var in c.get("env") or []:
                 if var.get("name") == "RAYPIPE_IMAGE" and var.get("value") != c.get("image"):
@@ -185,7 +191,7 @@ def _image_problems(resources: list[Resource]) -> list[str]:
     distinct = set(images.values())
     if len(distinct) > 1:
         problems.append(f"more than one image: {sorted(map(str, distinct))}")
-    for image in distinct:
+    for image in distinct | sidecar_images:
         if not image or ":" not in str(image).rsplit("/", 1)[-1] or str(image).endswith(":latest"):
             problems.append(f"image {image!r} needs an explicit tag (not latest)")
     text = yaml.safe_dump_all(resources)
