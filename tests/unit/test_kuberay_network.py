@@ -11,8 +11,11 @@ out, a token Secret or ServiceAccount shared, replicas that could land anywhere.
 from __future__ import annotations
 
 import copy
+import os
+import re
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -577,3 +580,41 @@ def test_the_pool_amount_is_read_from_serve_app(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(serve_app.deploy, "POOL_RESOURCE", "other_pool")
     problems = policy.project_problems(copy.deepcopy(rendered("prod")))
     assert any("must request other_pool" in p for p in problems), problems
+
+
+# --- the guide ------------------------------------------------------------------------------
+
+GUIDE = validate.REPO / "docs" / "kuberay.md"
+
+
+def test_the_guides_operator_namespace_patch_moves_the_operator(tmp_path: Path) -> None:
+    """docs/kuberay.md's patch, in an overlay over prod, selects the operator in its new namespace."""
+    blocks = re.findall(r"```yaml\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.S)
+    patch = next(b for b in blocks if "raypipe-kuberay-operator" in b)
+    prod = os.path.relpath(validate.OVERLAYS / "prod", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(f"resources:\n  - {prod}\n{patch}", encoding="utf-8")
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not on PATH: the kustomize overlays cannot be rendered")
+    resources = validate.render(tmp_path)
+    peer = np(resources, "raypipe-kuberay-operator")["ingress"][0]["from"][0]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ray-system"}
+    assert netpol.is_operator(peer)
+    assert policy.project_problems(resources) == []
+
+
+def test_the_guide_creates_every_token_secret() -> None:
+    loop = re.search(
+        r"for cluster in ([\w ]+); do\s+kubectl .* create secret generic raypipe-\$cluster-ray-token",
+        GUIDE.read_text(encoding="utf-8"),
+    )
+    assert loop is not None
+    created = {f"raypipe-{name}-ray-token" for name in loop.group(1).split()}
+    for overlay in OVERLAYS:
+        resources = rendered(overlay)
+        used = {service(resources)["rayClusterConfig"]["authOptions"]["secretName"]}
+        used |= {
+            j.spec["rayClusterSpec"]["authOptions"]["secretName"]
+            for j in validate.jobs(resources)
+            if "rayClusterSpec" in j.spec
+        }
+        assert used == created, overlay
