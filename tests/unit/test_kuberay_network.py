@@ -357,6 +357,16 @@ NETWORK_BREAKS: dict[str, tuple[str, Mutation, str]] = {
         lambda rs: np(rs, "raypipe-model-service-grpc")["ingress"][0]["ports"][0].update(endPort=9001),
         f"admits the pods of {DAILY} to {SERVICE_WORKER} on 9000-9001",
     ),
+    "grpc-by-port-name": (
+        "prod",
+        lambda rs: np(rs, "raypipe-model-service-grpc")["ingress"].append(
+            {
+                "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "backfill-submitter"}}}],
+                "ports": [{"protocol": "TCP", "port": "serve-grpc"}],
+            }
+        ),
+        f"admits the submitter of {BACKFILL} to {SERVICE_WORKER} on 9000",
+    ),
     "grpc-clients-shut-out": (
         "prod",
         lambda rs: np(rs, "raypipe-model-service-grpc")["ingress"][0]["ports"][0].update(port=9001),
