@@ -7,7 +7,11 @@ This module does the same expansion from the rendered manifests, then:
 
 - parses the command with `raypipe.cli._parser()` (so an unknown or misspelt flag fails here,
   not 20 minutes into a cluster start) and validates its settings with raypipe's config;
-- checks it calls a RayService of the same rendering at `<name>-serve-svc:<grpc port>`;
+- checks it calls a RayService of the same rendering at `<name>-serve-svc:<port>`, in the
+  way that Service offers: plaintext `host:9000` (the head's serve-grpc port), or TLS
+  `grpcs://host:9443` (serve-grpcs, the model-tls component), never the other; a CA file it
+  names is mounted on every Ray pod of its cluster (the driver and the actors both call), and
+  a bearer token (`service.token_env`) goes only over TLS, from a variable those pods set;
 - checks its run id: every run names one (a retry must resume the same run), and a scheduled
   run takes it from its Job's name, so each tick is a new run and each retry of a tick is not;
 - refuses shell syntax beyond `$VAR` (a `;` would end KubeRay's `if ...; then ...; fi`).
@@ -19,11 +23,13 @@ import contextlib
 import io
 import re
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from kuberay.validate import Job, Resource, get, jobs
+from kuberay.netpol import TLS_PORT_NAME
+from kuberay.validate import Job, Resource, cluster_pod_templates, get, jobs
 
 JOB_NAME_FIELDS = ("metadata.labels['batch.kubernetes.io/job-name']", "metadata.labels['job-name']")
 """Pod fields that hold the submitter's Job name, which KubeRay sets to the RayJob's name."""
@@ -110,8 +116,19 @@ def settings_problem(args: Any) -> str | None:
     return None
 
 
-def _services(resources: list[Resource]) -> dict[str, tuple[str | None, int | None]]:
-    """`<name>-serve-svc` of each RayService, with its namespace and gRPC port."""
+@dataclass(frozen=True)
+class ServeService:
+    """What a RayService's serve Service (`<name>-serve-svc`) offers gRPC clients."""
+
+    namespace: str | None
+    plain_port: int | None
+    """The gRPC port, when the head declares serve-grpc (KubeRay puts serve* head ports on the Service)."""
+    tls_port: int | None
+    """The model-tls component's port (serve-grpcs), served by a TLS sidecar on the workers."""
+
+
+def _services(resources: list[Resource]) -> dict[str, ServeService]:
+    """`<name>-serve-svc` of each RayService."""
     found = {}
     for r in resources:
         if r.get("kind") != "RayService":
@@ -119,28 +136,75 @@ def _services(resources: list[Resource]) -> dict[str, tuple[str | None, int | No
         port = None
         with contextlib.suppress(yaml.YAMLError):
             port = get(yaml.safe_load(get(r, "spec", "serveConfigV2", default="")), "grpc_options", "port")
-        found[f"{get(r, 'metadata', 'name')}-serve-svc"] = (get(r, "metadata", "namespace"), port)
+        head = get(r, "spec", "rayClusterConfig", "headGroupSpec", "template", "spec", "containers", 0, default={})
+        ports = {p.get("name"): p.get("containerPort") for p in head.get("ports") or []}
+        found[f"{get(r, 'metadata', 'name')}-serve-svc"] = ServeService(
+            get(r, "metadata", "namespace"),
+            port if "serve-grpc" in ports else None,
+            ports.get(TLS_PORT_NAME),
+        )
     return found
 
 
-def _service_problem(address: str | None, job: Job, services: dict[str, tuple[str | None, int | None]]) -> str | None:
+def _service_settings(args: Any) -> dict[str, str]:
+    """The `service.*` settings of the run's `--set` pairs."""
+    from raypipe.cli import _set_pairs
+
+    try:
+        service = _set_pairs(args.set).get("service", {})
+    except SystemExit:
+        return {}  # settings_problem reports it
+    return {str(k): str(v) for k, v in service.items()} if isinstance(service, dict) else {}
+
+
+def _service_problem(
+    address: str | None, settings: dict[str, str], job: Job, services: dict[str, ServeService]
+) -> str | None:
     if not address:
         return "--service is missing: it would call 127.0.0.1:9000"
-    host, _, port = address.rpartition(":")
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme != "grpcs":
+        return f"--service {address}: host:port or grpcs://host:port, not {scheme}://"
+    tls = bool(sep) or settings.get("tls", "").lower() in ("true", "1", "yes", "on")
+    host, _, port = (rest if sep else address).rpartition(":")
     name, _, domain = host.partition(".")
     if name not in services:
         return (
             f"--service {address}: no RayService renders a Service named {name!r} (expected one of {sorted(services)})"
         )
-    namespace, grpc_port = services[name]
+    svc = services[name]
     if domain:
-        if domain.split(".")[0] != namespace or not re.fullmatch(r"[^.]+\.svc(\.cluster\.local)?", domain):
-            return f"--service {address}: not the Service {name} in namespace {namespace}"
-    elif namespace != job.namespace:
-        return f"--service {address}: {name} is in namespace {namespace}; name it {name}.{namespace}.svc"
-    if port != str(grpc_port):
-        return f"--service {address}: the RayService's gRPC port is {grpc_port}"
+        if domain.split(".")[0] != svc.namespace or not re.fullmatch(r"[^.]+\.svc(\.cluster\.local)?", domain):
+            return f"--service {address}: not the Service {name} in namespace {svc.namespace}"
+    elif svc.namespace != job.namespace:
+        return f"--service {address}: {name} is in namespace {svc.namespace}; name it {name}.{svc.namespace}.svc"
+    if tls and svc.tls_port is None:
+        return f"--service {address}: TLS, but {name} offers plaintext gRPC only (components/model-tls adds TLS)"
+    if tls and port != str(svc.tls_port):
+        return f"--service {address}: the RayService's TLS port is {svc.tls_port}"
+    if not tls and svc.plain_port is None:
+        return f"--service {address}: plaintext, but {name} offers TLS only: call grpcs://{host}:{svc.tls_port}"
+    if not tls and port != str(svc.plain_port):
+        return f"--service {address}: the RayService's gRPC port is {svc.plain_port}"
+    if not tls and ("ca_file" in settings or "token_env" in settings):
+        return f"--service {address}: service.ca_file and service.token_env need TLS (grpcs://)"
     return None
+
+
+def _client_env_problems(job: Job, settings: dict[str, str]) -> list[str]:
+    """The CA file and the token variable are there for every Ray container that calls the service."""
+    problems = []
+    cluster = job.spec.get("rayClusterSpec") or {}
+    for where, pod in cluster_pod_templates("rayClusterSpec", cluster):
+        container = get(pod, "spec", "containers", 0, default={})
+        mounts = [str(m.get("mountPath", "")).rstrip("/") + "/" for m in container.get("volumeMounts") or []]
+        ca_file = settings.get("ca_file")
+        if ca_file and not any(ca_file.startswith(m) for m in mounts):
+            problems.append(f"service.ca_file {ca_file} is mounted in no volume of {where}'s Ray container")
+        token_env = settings.get("token_env")
+        if token_env and token_env not in {v.get("name") for v in container.get("env") or []}:
+            problems.append(f"service.token_env {token_env} is not set in {where}'s Ray container")
+    return problems
 
 
 def _run_id_problem(job: Job, raw_argv: list[str], args: Any) -> str | None:
@@ -186,10 +250,12 @@ def job_problems(job: Job, resources: list[Resource]) -> list[str]:
         return problems
     if args.command == "daily" and args.since is not None:
         problems.append(f"{where}: --since re-reads every file on every tick; a scheduled daily reads new files only")
+    settings = _service_settings(args)
     for why in (
-        _service_problem(args.service, job, _services(resources)),
+        _service_problem(args.service, settings, job, _services(resources)),
         _run_id_problem(job, raw_argv, args),
         settings_problem(args),
+        *_client_env_problems(job, settings),
     ):
         if why:
             problems.append(f"{where}: {why}")

@@ -7,14 +7,18 @@
 - Security: non-root pods, no privilege escalation, no privileged containers; no Secret
   objects and no credential-like variable with a literal value; no LoadBalancer or NodePort
   Service, no Ingress, Ray head Services ClusterIP; token auth on every Ray cluster from a
-  Secret; the gRPC port admitted by a NetworkPolicy only from the job pods.
-- The model service: a head that runs no replicas (num-cpus 0) and declares KubeRay's default
-  ports plus serve-grpc (declaring any port drops the defaults), in-tree autoscaling, and the
-  NewCluster upgrade strategy that keeps the old cluster serving while a new one starts.
+  Secret.
+- The network (`kuberay.netpol`): every raypipe pod closed by default, each Ray cluster open to
+  itself, the gRPC port to the job pods, the heads' dashboards to the operator and submitters.
+- Identities (`kuberay.identity`): a token Secret per cluster, separate ServiceAccounts for the
+  model service and the jobs, API tokens only where the autoscaler needs them.
+- The model service (`kuberay.model_service`): a head that runs no replicas with the ports it
+  must declare, autoscaling, the NewCluster upgrade, placement on the pool by custom resource,
+  and the model-tls component's consistency.
 - The jobs: their own clusters (no clusterSelector onto the serving cluster), pods labelled
   as model clients, a bounded life (activeDeadlineSeconds), retries, and clean-up (a TTL
   after shutdown, or deletionRules); exactly one daily schedule.
-- One image per rendering, tagged, and no CHANGE-ME placeholder left.
+- One image per rendering (plus the TLS proxy's, pinned), tagged, and no CHANGE-ME placeholder.
 - The apply steps of docs/kuberay.md: the label raypipe.io/job splits a rendering into the
   model service (no label), the backfill (`backfill`: the RayJob) and the daily schedule
   (`daily`), so each step applies what it says and nothing of the next.
@@ -27,12 +31,16 @@ from typing import Any
 
 import yaml
 
+from kuberay.identity import identity_problems
+from kuberay.model_service import model_service_problems
+from kuberay.netpol import network_problems
 from kuberay.validate import Resource, cluster_pod_templates, containers, get, jobs, pod_templates, ref
 
 POOL_LABEL, POOL_VALUE = "raypipe.io/pool", "cpu"
 MODEL_CLIENT_LABEL = "raypipe.io/model-client"
 JOB_LABEL = "raypipe.io/job"
-DEFAULT_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "metrics": 8080}
+SIDECARS = {"tls-proxy": "the model-tls component's TLS proxy"}
+"""Containers that run their own (pinned) image beside raypipe's."""
 _SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|ACCESS_KEY|SESSION|CREDENTIAL", re.IGNORECASE)
 _AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")
 
@@ -121,93 +129,6 @@ def _exposure_problems(resources: list[Resource]) -> list[str]:
     return problems
 
 
-def _grpc_port(rayservice: Resource) -> int | None:
-    try:
-        config = yaml.safe_load(get(rayservice, "spec", "serveConfigV2", default="") or "")
-    except yaml.YAMLError:
-        return None
-    port = get(config, "grpc_options", "port")
-    return port if isinstance(port, int) else None
-
-
-def _selects(selector: dict[str, Any] | None, labels: dict[str, Any]) -> bool:
-    wanted = (selector or {}).get("matchLabels") or {}
-    return all(labels.get(k) == v for k, v in wanted.items()) and not (selector or {}).get("matchExpressions")
-
-
-def _covers(rule_ports: list[dict[str, Any]] | None, port: int) -> bool:
-    if not rule_ports:
-        return True  # no ports: every port
-    for p in rule_ports:
-        low = p.get("port")
-        if low is None or low == "serve-grpc" or (isinstance(low, int) and low <= port <= p.get("endPort", low)):
-            return True
-    return False
-
-
-def _model_service_problems(resources: list[Resource]) -> list[str]:
-    problems = []
-    services = [r for r in resources if r.get("kind") == "RayService"]
-    if len(services) != 1:
-        return [f"expected one RayService (the model service), found {len(services)}"]
-    rs = services[0]
-    where, spec = ref(rs), rs.get("spec") or {}
-    cluster = spec.get("rayClusterConfig") or {}
-    head = cluster.get("headGroupSpec") or {}
-    if get(head, "rayStartParams", "num-cpus") != "0":
-        problems.append(f'{where}: the head must run no replicas: rayStartParams num-cpus "0"')
-    if not cluster.get("enableInTreeAutoscaling"):
-        problems.append(f"{where}: enableInTreeAutoscaling must be true")
-    for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
-        if not 0 < group.get("minReplicas", 0) < group.get("maxReplicas", 0):
-            problems.append(f"{where}: workerGroupSpecs[{i}] needs 0 < minReplicas < maxReplicas to autoscale")
-    if get(spec, "upgradeStrategy", "type") != "NewCluster":
-        problems.append(
-            f"{where}: upgradeStrategy.type must be NewCluster (the old cluster serves until the new is up)"
-        )
-    port = _grpc_port(rs)
-    ports = {
-        p.get("name"): p.get("containerPort")
-        for p in get(head, "template", "spec", "containers", 0, "ports", default=[])
-    }
-    for name, number in {**DEFAULT_HEAD_PORTS, "serve-grpc": port}.items():
-        if ports.get(name) != number:
-            problems.append(f"{where}: the head container must declare port {name}={number} (declared: {ports})")
-
-    # The NetworkPolicy: pods of the model service admit the gRPC port from job pods only.
-    pods = [get(pod, "metadata", "labels", default={}) for _, pod in cluster_pod_templates("", cluster)]
-    client_labels = [
-        get(pod, "metadata", "labels", default={})
-        for j in jobs(resources)
-        for _, pod in cluster_pod_templates("", j.spec.get("rayClusterSpec") or {})
-    ]
-    policies = [
-        p
-        for p in resources
-        if p.get("kind") == "NetworkPolicy"
-        and pods
-        and all(_selects(get(p, "spec", "podSelector"), lab) for lab in pods)
-    ]
-    if not policies or port is None:
-        return [*problems, f"{where}: no NetworkPolicy selects all the model service's pods"]
-    admitted_from_jobs = False
-    for policy in policies:
-        for rule in get(policy, "spec", "ingress", default=[]):
-            if not _covers(rule.get("ports"), port):
-                continue
-            sources = rule.get("from") or []
-            if not sources or any("ipBlock" in s or "namespaceSelector" in s for s in sources):
-                problems.append(f"{ref(policy)}: admits port {port} from beyond the job pods")
-            pod_selectors = [s.get("podSelector") for s in sources if "podSelector" in s]
-            if any(_selects(sel, lab) for sel in pod_selectors for lab in pods):
-                problems.append(f"{ref(policy)}: admits port {port} from the model service's own pods")
-            if client_labels and all(any(_selects(sel, lab) for sel in pod_selectors) for lab in client_labels):
-                admitted_from_jobs = True
-    if client_labels and not admitted_from_jobs:
-        problems.append(f"{where}: no NetworkPolicy rule admits the job pods to port {port}")
-    return problems
-
-
 def _job_problems(resources: list[Resource]) -> list[str]:
     problems = []
     for job in jobs(resources):
@@ -253,10 +174,14 @@ def _job_problems(resources: list[Resource]) -> list[str]:
 def _image_problems(resources: list[Resource]) -> list[str]:
     problems = []
     images = {}
+    sidecar_images: set[Any] = set()
     for where, pod in pod_templates(resources):
         if any(where.startswith(j.where) for j in jobs(resources) if j.manifest is not None):
             continue  # an embedded template: create_rayjob.py sets its images
         for c in containers(pod):
+            if c.get("name") in SIDECARS:
+                sidecar_images.add(c.get("image"))
+                continue
             images[f"{where}.containers[{c.get('name')}]"] = c.get("image")
             for var in c.get("env") or []:
                 if var.get("name") == "RAYPIPE_IMAGE" and var.get("value") != c.get("image"):
@@ -266,7 +191,7 @@ def _image_problems(resources: list[Resource]) -> list[str]:
     distinct = set(images.values())
     if len(distinct) > 1:
         problems.append(f"more than one image: {sorted(map(str, distinct))}")
-    for image in distinct:
+    for image in distinct | sidecar_images:
         if not image or ":" not in str(image).rsplit("/", 1)[-1] or str(image).endswith(":latest"):
             problems.append(f"image {image!r} needs an explicit tag (not latest)")
     text = yaml.safe_dump_all(resources)
@@ -298,7 +223,9 @@ def project_problems(resources: list[Resource]) -> list[str]:
     return (
         _pod_problems(resources)
         + _exposure_problems(resources)
-        + _model_service_problems(resources)
+        + model_service_problems(resources)
+        + network_problems(resources)
+        + identity_problems(resources)
         + _job_problems(resources)
         + _image_problems(resources)
         + _step_problems(resources)

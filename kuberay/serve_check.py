@@ -7,10 +7,11 @@
 - Given a model directory, the application builder runs with the config's `args` (its
   `model_dir` pointed there) the way Serve's controller runs it, and the config's deployment
   overrides apply to the application it returns.
-- The config agrees with the pods: the gRPC port is the head's (and workers') `serve-grpc`
-  container port, `model_dir` is where the fetch-model init containers put the model, a
-  replica's CPUs fit a worker, an autoscaled deployment leaves `num_replicas` to autoscaling,
-  and the application is the one clients name by default (`service.application`).
+- The config agrees with the pods: the gRPC port is the head's (unless it declares the TLS
+  port, serve-grpcs) and the workers' `serve-grpc` container port, `model_dir` is where the
+  fetch-model init containers put the model, a replica's CPUs fit a worker, an autoscaled
+  deployment leaves `num_replicas` to autoscaling, and the application is the one clients
+  name by default (`service.application`).
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ def serve_problems(resources: list[Resource], *, model_dir: Path | None = None) 
         cluster = get(r, "spec", "rayClusterConfig", default={})
         port = config.grpc_options.port
         head = get(cluster, "headGroupSpec", "template", "spec", "containers", 0, default={})
-        if _ports(head).get("serve-grpc") != port:
+        # With the model-tls component the head declares serve-grpcs instead (the Service then offers
+        # the workers' TLS sidecar; kuberay.model_service checks that the sidecar forwards to `port`).
+        if "serve-grpcs" not in _ports(head) and _ports(head).get("serve-grpc") != port:
             problems.append(f"{where}: grpc port {port} is not the head container's serve-grpc port")
         for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
             worker = get(group, "template", "spec", "containers", 0, default={})

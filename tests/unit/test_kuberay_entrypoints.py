@@ -35,6 +35,20 @@ def rendered(overlay: str) -> list[Resource]:
     return validate.render(validate.OVERLAYS / overlay)
 
 
+def uses_tls(resources: list[Resource]) -> bool:
+    """The rendering has the model-tls component: the serve Service offers serve-grpcs."""
+    rs = next(r for r in resources if r["kind"] == "RayService")
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    return any(p["name"] == "serve-grpcs" for p in head["ports"])
+
+
+def client_has_tls() -> bool:
+    """raypipe's client takes `grpcs://` and `service.ca_file` (the client side of issue 20, item 5)."""
+    from raypipe.config import ServiceConfig
+
+    return "ca_file" in ServiceConfig.model_fields
+
+
 def argv_of(job: validate.Job, resources: list[Resource]) -> list[str]:
     """The entrypoint as the head runs it: expanded like the submitter's shell, then split."""
     env = entrypoints.submitter_env(job, resources)
@@ -51,7 +65,11 @@ def test_job_entrypoints_parse_with_the_real_cli(overlay: str) -> None:
         assert argv[:3] == ["python", "-m", "raypipe"], argv
         args = _parser().parse_args(argv[3:])  # SystemExit(2) on an unknown flag
         commands[args.command] = args
-        assert args.service == "raypipe-serve-svc:9000"
+        if uses_tls(resources):
+            assert args.service == "grpcs://raypipe-serve-svc:9443"
+            assert "service.ca_file=/etc/raypipe/tls/ca.crt" in args.set
+        else:
+            assert args.service == "raypipe-serve-svc:9000"
         assert args.input.startswith("s3://") and args.output.startswith("s3://")
         if job.scheduled:
             assert args.run_id == job.name  # the RayJob's (generated) name: one run per tick
@@ -68,7 +86,14 @@ def test_job_entrypoints_parse_with_the_real_cli(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_job_entrypoints_pass_every_entrypoint_check(overlay: str) -> None:
-    assert entrypoints.entrypoint_problems(rendered(overlay)) == []
+    resources = rendered(overlay)
+    problems = entrypoints.entrypoint_problems(resources)
+    if uses_tls(resources) and not client_has_tls():
+        # Everything but raypipe's own config check passes; that one waits for the client's TLS
+        # settings (grpcs://, service.ca_file), built on another branch of issue 20.
+        assert all("invalid configuration" in p for p in problems), problems
+        pytest.skip("raypipe's client has no TLS settings yet: its config rejects grpcs:// and service.ca_file")
+    assert problems == []
 
 
 @pytest.mark.parametrize(
@@ -190,6 +215,86 @@ BREAKS: dict[str, tuple[Callable[[list[Resource]], None], str]] = {
         "scheme 'gs' is not supported",
     ),
 }
+
+
+TLS = "--service grpcs://raypipe-serve-svc:9443 --set service.ca_file=/etc/raypipe/tls/ca.crt"
+
+TLS_BREAKS: dict[str, tuple[str, Callable[[list[Resource]], None], str]] = {
+    "plaintext-to-tls-only": (
+        "prod-tls",
+        _replace(_backfill, TLS, "--service raypipe-serve-svc:9000"),
+        "plaintext, but raypipe-serve-svc offers TLS only: call grpcs://raypipe-serve-svc:9443",
+    ),
+    "plaintext-to-the-tls-port": (
+        "prod-tls",
+        _replace(_daily, TLS, "--service raypipe-serve-svc:9443"),
+        "plaintext, but raypipe-serve-svc offers TLS only",
+    ),
+    "tls-to-the-wrong-port": (
+        "prod-tls",
+        _replace(_backfill, "raypipe-serve-svc:9443", "raypipe-serve-svc:9000"),
+        "the RayService's TLS port is 9443",
+    ),
+    "tls-without-the-component": (
+        "prod",
+        _replace(_backfill, "--service raypipe-serve-svc:9000", "--service grpcs://raypipe-serve-svc:9443"),
+        "TLS, but raypipe-serve-svc offers plaintext gRPC only",
+    ),
+    "tls-by-setting-without-the-component": (
+        "prod",
+        _replace(_daily, "--service raypipe-serve-svc:9000", "--service raypipe-serve-svc:9000 --set service.tls=true"),
+        "TLS, but raypipe-serve-svc offers plaintext gRPC only",
+    ),
+    "other-scheme": (
+        "prod-tls",
+        _replace(_backfill, "grpcs://", "https://"),
+        "host:port or grpcs://host:port, not https://",
+    ),
+    "ca-file-not-mounted": (
+        "prod-tls",
+        _replace(_daily, "/etc/raypipe/tls/ca.crt", "/etc/ssl/raypipe/ca.crt"),
+        "service.ca_file /etc/ssl/raypipe/ca.crt is mounted in no volume of rayClusterSpec.headGroupSpec.template",
+    ),
+    "ca-file-without-tls": (
+        "prod",
+        _replace(_backfill, "--set actors", "--set service.ca_file=/etc/raypipe/tls/ca.crt --set actors"),
+        "service.ca_file and service.token_env need TLS",
+    ),
+    "token-without-tls": (
+        "prod",
+        _replace(_backfill, "--set actors", "--set service.token_env=RAYPIPE_SERVICE_TOKEN --set actors"),
+        "service.ca_file and service.token_env need TLS",
+    ),
+    "token-variable-unset": (
+        "prod-tls",
+        _replace(_backfill, "--set actors", "--set service.token_env=RAYPIPE_SERVICE_TOKEN --set actors"),
+        "service.token_env RAYPIPE_SERVICE_TOKEN is not set in rayClusterSpec.workerGroupSpecs[0].template",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TLS_BREAKS))
+def test_tls_address_and_the_tls_component_agree(case: str) -> None:
+    overlay, mutate, expected = TLS_BREAKS[case]
+    resources = rendered(overlay)
+    mutate(resources)
+    problems = entrypoints.entrypoint_problems(resources)
+    assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "service",
+    [
+        "grpcs://raypipe-serve-svc:9443",
+        "raypipe-serve-svc:9443 --set service.tls=true",
+        "grpcs://raypipe-serve-svc.raypipe.svc:9443",
+    ],
+)
+def test_tls_addresses_the_tls_component_takes(service: str) -> None:
+    resources = rendered("prod-tls")
+    _replace(_backfill, "grpcs://raypipe-serve-svc:9443", service)(resources)
+    problems = [p for p in entrypoints.entrypoint_problems(resources) if "invalid configuration" not in p]
+    assert problems == []
 
 
 @pytest.mark.parametrize("case", sorted(BREAKS))

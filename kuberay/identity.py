@@ -1,0 +1,140 @@
+"""Who each part of raypipe is: its Ray token and its ServiceAccount (`identity_problems`).
+
+- One Ray token per cluster: every Ray cluster names its own token Secret
+  (`authOptions.secretName`): the model service, the backfill, the daily clusters. A token is
+  the key to a cluster's dashboard and job API, so a job that held the model service's token
+  could submit work to it. A submitter sends the token of the cluster it submits to: its
+  `RAY_AUTH_TOKEN` comes from that cluster's Secret (KubeRay 1.7 keeps a submitter's own
+  `RAY_AUTH_TOKEN` instead of injecting one, common/pod.go SetContainerTokenAuthEnvVars).
+- Separate ServiceAccounts: the model service's pods run as one account (it reads the model),
+  the job clusters' pods and their submitters as another (they read the corpus and write the
+  output); none runs as the namespace's default account. Where workload identity annotates the
+  accounts, each has its own role.
+- API tokens only where needed: every rendered ServiceAccount sets
+  `automountServiceAccountToken: false`; a pod template turns it on only for a Ray head with
+  the in-tree autoscaler (KubeRay binds the autoscaler's Role to the head's account) or for the
+  legacy daily scheduler (it creates RayJobs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuberay.validate import Resource, cluster_pod_templates, get, jobs, ref
+
+TOKEN_KEY = "auth_token"
+"""The key KubeRay reads from a token Secret (utils.RAY_AUTH_TOKEN_SECRET_KEY)."""
+WORKLOAD_IDENTITY = (
+    "eks.amazonaws.com/role-arn",
+    "iam.gke.io/gcp-service-account",
+    "azure.workload.identity/client-id",
+)
+
+
+def _clusters(resources: list[Resource]) -> list[tuple[str, str, dict[str, Any], dict[str, Any] | None]]:
+    """(owner, where its cluster spec is, the spec, the submitter's pod template) of every Ray cluster."""
+    found: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
+        (ref(r), f"{ref(r)}.spec.rayClusterConfig", get(r, "spec", "rayClusterConfig", default={}), None)
+        for r in resources
+        if r.get("kind") == "RayService"
+    ]
+    found += [
+        (j.where, f"{j.where}.rayClusterSpec", j.spec["rayClusterSpec"], j.spec.get("submitterPodTemplate"))
+        for j in jobs(resources)
+        if "rayClusterSpec" in j.spec
+    ]
+    return found
+
+
+def token_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    owners: dict[str, list[str]] = {}
+    for where, _, cluster, submitter in _clusters(resources):
+        secret = get(cluster, "authOptions", "secretName")
+        if not secret:
+            continue  # policy.py reports a cluster without token auth from a Secret
+        owners.setdefault(str(secret), []).append(where)
+        for c in get(submitter, "spec", "containers", default=[]) or []:
+            for var in c.get("env") or []:
+                key_ref = get(var, "valueFrom", "secretKeyRef")
+                if (
+                    var.get("name") == "RAY_AUTH_TOKEN"
+                    and key_ref is not None
+                    and (key_ref.get("name"), key_ref.get("key")) != (secret, TOKEN_KEY)
+                ):
+                    problems.append(
+                        f"{where}.submitterPodTemplate: RAY_AUTH_TOKEN comes from "
+                        f"{key_ref.get('name')}[{key_ref.get('key')}], not from its cluster's "
+                        f"{secret}[{TOKEN_KEY}]: `ray job submit` would be refused"
+                    )
+    for secret, wheres in owners.items():
+        if len(wheres) > 1:
+            problems.append(
+                f"{', '.join(wheres)} share the Ray token Secret {secret}: each cluster needs its own "
+                "(a job holding the model service's token could submit work to it)"
+            )
+    return problems
+
+
+def _pods(resources: list[Resource]) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Pod templates by part: the model service's, the jobs' (clusters and submitters)."""
+    parts: dict[str, list[tuple[str, dict[str, Any]]]] = {"model service": [], "jobs": []}
+    # The keys name the parts in messages: "the model service and the jobs share ...".
+    for owner, where, cluster, submitter in _clusters(resources):
+        part = "model service" if owner.startswith("RayService/") else "jobs"
+        parts[part] += cluster_pod_templates(where, cluster)
+        if submitter is not None:
+            parts[part].append((f"{owner}.submitterPodTemplate", submitter))
+    return parts
+
+
+def account_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    accounts = {get(r, "metadata", "name"): r for r in resources if r.get("kind") == "ServiceAccount"}
+    used: dict[str, set[str]] = {}
+    for part, templates in _pods(resources).items():
+        used[part] = set()
+        for where, pod in templates:
+            name = get(pod, "spec", "serviceAccountName")
+            if not name:
+                problems.append(f"{where}: runs as the namespace's default ServiceAccount; give it the {part} account")
+                continue
+            used[part].add(name)
+            if accounts and name not in accounts:
+                problems.append(f"{where}: ServiceAccount {name} is not rendered")
+    shared = used["model service"] & used["jobs"]
+    if shared:
+        problems.append(
+            f"the model service and the jobs share ServiceAccount {', '.join(sorted(shared))}: the service reads "
+            "the model, the jobs read the corpus and write the output; give each its own"
+        )
+    for key in WORKLOAD_IDENTITY:
+        roles = {
+            part: {get(accounts.get(n), "metadata", "annotations", key) for n in names} - {None}
+            for part, names in used.items()
+        }
+        if roles["model service"] & roles["jobs"]:
+            problems.append(
+                f"the model service and the jobs assume the same {key}: {roles['model service'] & roles['jobs']}"
+            )
+    return problems
+
+
+def token_mount_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    for r in resources:
+        if r.get("kind") == "ServiceAccount" and r.get("automountServiceAccountToken") is not False:
+            problems.append(f"{ref(r)}: set automountServiceAccountToken: false; the pods that need one say so")
+    autoscaled_heads = {
+        f"{where}.headGroupSpec.template"
+        for _, where, cluster, _ in _clusters(resources)
+        if cluster.get("enableInTreeAutoscaling")
+    }
+    for where, pod in [t for templates in _pods(resources).values() for t in templates]:
+        if get(pod, "spec", "automountServiceAccountToken") and where not in autoscaled_heads:
+            problems.append(f"{where}: mounts an API token; only a Ray head with the in-tree autoscaler needs one")
+    return problems
+
+
+def identity_problems(resources: list[Resource]) -> list[str]:
+    return token_problems(resources) + account_problems(resources) + token_mount_problems(resources)
