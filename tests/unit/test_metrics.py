@@ -72,7 +72,8 @@ class Recorder:
     def close(self):
         self.closed = True
 
-    def total(self, name, **tags):
+    def total(self, metric, **tags):
+        name = getattr(metric, "name", metric)
         return sum(v for _, n, v, t in self.records if n == name and tags.items() <= t.items())
 
 
@@ -85,10 +86,10 @@ def agent():
 
 def test_dogstatsd_sends_names_values_and_constant_tags(agent):
     m = DogStatsdMetrics("127.0.0.1", agent.port, tags={"run_id": "r1", "mode": "backfill"})
-    m.count(CLIENT_CALLS, 1, {"status": "OK"})
-    m.count(CLIENT_CALLS, 2, {"status": "UNAVAILABLE"})
-    m.gauge(INFLIGHT_LIMIT, 8, {"actor": "a1"})
-    m.distribution(CLIENT_LATENCY_MS, 12.5, {"status": "OK"})
+    CLIENT_CALLS.record(m, 1, {"status": "OK"})
+    CLIENT_CALLS.record(m, 2, {"status": "UNAVAILABLE"})
+    INFLIGHT_LIMIT.record(m, 8, {"actor": "a1"})
+    CLIENT_LATENCY_MS.record(m, 12.5, {"status": "OK"})
     m.event("raypipe backfill r1 started", "two\nlines", alert_type="info")
     m.close()  # flushes
     assert agent.wait_for(lambda a: len(a.samples) == 4 and a.events)
@@ -111,8 +112,8 @@ def test_closed_port_never_raises_never_blocks_and_warns_once(caplog):
     m = DogStatsdMetrics("127.0.0.1", port, tags={"run_id": "r1"})
     started = time.perf_counter()
     for i in range(3000):
-        m.count(CLIENT_CALLS, 1, {"status": "OK"})
-        m.distribution(CLIENT_LATENCY_MS, 3.0)
+        CLIENT_CALLS.record(m, 1, {"status": "OK"})
+        CLIENT_LATENCY_MS.record(m, 3.0)
         if i % 300 == 0:
             m.flush()
             time.sleep(0.005)  # lets the ICMP refusal come back between sends
@@ -134,7 +135,7 @@ def test_unresolvable_host_turns_datadog_off_with_one_warning(monkeypatch, caplo
     m = DogStatsdMetrics("datadog-agent.invalid", 8125)
     assert not m.enabled
     for _ in range(100):
-        m.count(CLIENT_CALLS)
+        CLIENT_CALLS.record(m)
         m.event("t", "x")
     m.flush()
     m.close()
@@ -156,9 +157,9 @@ def test_ray_metrics_drop_records_until_ray_is_connected():
 import ray
 from raypipe.metrics import CLIENT_CALLS, CLIENT_LATENCY_MS, INFLIGHT_LIMIT, RayMetrics
 m = RayMetrics(tags={"run_id": "r"})
-m.count(CLIENT_CALLS, 1, {"status": "OK"})  # no cluster: dropped, no error
-m.gauge(INFLIGHT_LIMIT, 3)
-m.distribution(CLIENT_LATENCY_MS, 2.0)
+CLIENT_CALLS.record(m, 1, {"status": "OK"})  # no cluster: dropped, no error
+INFLIGHT_LIMIT.record(m, 3)
+CLIENT_LATENCY_MS.record(m, 2.0)
 print("initialized:", ray.is_initialized())
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -243,7 +244,7 @@ def test_actor_gauges_sample_breaker_state_openings_and_limit():
     asyncio.run(fail_once())
     gauges.sample()
     gauges.sample()
-    opens = [v for _, n, v, _ in rec.records if n == BREAKER_OPEN]
+    opens = [v for _, n, v, _ in rec.records if n == BREAKER_OPEN.name]
     assert opens == [0, 1, 1]
     assert rec.total(BREAKER_OPENINGS, actor="a1") == 1, "an opening is counted once, not per sample"
     assert rec.total(INFLIGHT_LIMIT) == 18  # 3 samples of 6
@@ -313,8 +314,8 @@ def test_run_metrics_send_start_and_end_events_with_the_run_tags(agent):
     assert finished.title == "raypipe backfill r1 succeeded" and finished.alert_type == "success"
     assert "dead letters 2" in finished.text and "UNAVAILABLE 1" in finished.text
     assert finished.tags == {"run_id": "r1", "mode": "backfill", "model_version": "demo-1", "app": "raypipe"}
-    assert agent.total("raypipe." + RUN_STARTED) == 1
-    assert agent.total("raypipe." + RUN_FINISHED, status="completed") == 1
+    assert agent.total("raypipe." + RUN_STARTED.name) == 1
+    assert agent.total("raypipe." + RUN_FINISHED.name, status="completed") == 1
 
 
 def test_failed_run_sends_an_error_event():
