@@ -11,9 +11,11 @@ Who emits what (names below carry the `metrics.namespace` prefix, `raypipe.` by 
   `client.latency_ms` and `client.paragraphs`, tagged `method` and `status` (the gRPC code).
   These are the attempts the run report counts in `status_counts`.
 - `ActorGauges`, sampled in each actor: `client.breaker.open`, `client.breaker.openings`,
-  `client.inflight.limit` and `client.inflight.calls`, tagged `actor`.
-- the driver, per committed unit (`raypipe.progress.Progress`): `run.units`, `run.rows`
-  (tagged `outcome`: ok, empty_text, dead_letter), `client.retries`, `client.canaries`; and per
+  `client.inflight.limit`, `client.inflight.calls` and `run.since_commit_s` (the run's heartbeat
+  while its actors live), tagged `actor`.
+- the driver, per finished unit (`raypipe.progress.Progress`): `run.units`, `run.rows`
+  (tagged `outcome`: ok, empty_text, dead_letter), `run.dead_letters` (tagged `kind`),
+  `client.retries`, `client.canaries`, and the gauges `run.units_left` and `run.eta_s`; and per
   run (`RunMetrics`): `run.started`, `run.finished` (tagged `status`), `run.rows_per_s`, and Datadog events
   "started", "succeeded" and "failed" with the run's counts.
 - the server: `serve_app.metrics`.
@@ -65,12 +67,16 @@ __all__ = [
     "CLIENT_RETRIES",
     "INFLIGHT_CALLS",
     "INFLIGHT_LIMIT",
+    "RUN_DEAD_LETTERS",
+    "RUN_ETA_S",
     "RUN_FINISHED",
     "RUN_ROWS",
     "RUN_ROWS_PER_S",
+    "RUN_SINCE_COMMIT_S",
     "RUN_STARTED",
     "RUN_TAGS",
     "RUN_UNITS",
+    "RUN_UNITS_LEFT",
     "ActorGauges",
     "DogStatsdMetrics",
     "FanoutMetrics",
@@ -81,6 +87,7 @@ __all__ = [
     "NullMetrics",
     "RayMetrics",
     "RunMetrics",
+    "emit_progress",
     "emit_unit",
 ]
 
@@ -130,6 +137,17 @@ RUN_ROWS = MetricDef(
     (("outcome", ("ok", "empty_text", "dead_letter")),),
 )
 RUN_ROWS_PER_S = MetricDef("run.rows_per_s", "gauge", "the run's throughput, sent once when it ends")
+RUN_DEAD_LETTERS = MetricDef(
+    "run.dead_letters", "count", "dead letters of committed units, by kind (the report's dead-letter kinds)", ("kind",)
+)
+RUN_SINCE_COMMIT_S = MetricDef(
+    "run.since_commit_s",
+    "gauge",
+    "seconds since an actor last committed a unit (or started); sampled while it lives, so it is the run's heartbeat",
+    ("actor",),
+)
+RUN_UNITS_LEFT = MetricDef("run.units_left", "gauge", "units of this attempt not finished yet (driver, per unit)")
+RUN_ETA_S = MetricDef("run.eta_s", "gauge", "seconds left at this attempt's rate so far (driver, per unit)")
 RUN_STARTED = MetricDef("run.started", "count", "1 when a run starts (after the service check)")
 RUN_FINISHED = MetricDef(
     "run.finished",
@@ -158,6 +176,10 @@ CATALOG = Catalog(
         RUN_UNITS,
         RUN_ROWS,
         RUN_ROWS_PER_S,
+        RUN_DEAD_LETTERS,
+        RUN_SINCE_COMMIT_S,
+        RUN_UNITS_LEFT,
+        RUN_ETA_S,
         RUN_STARTED,
         RUN_FINISHED,
     ),
@@ -212,18 +234,32 @@ class MetricsInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
 
 
 class ActorGauges:
-    """Samples an actor's breaker and limiter into gauges, every `interval_s` and on demand."""
+    """Samples an actor's breaker, limiter and time since its last commit into gauges, every
+    `interval_s` and on demand."""
 
     def __init__(
-        self, metrics: Metrics, breaker: CircuitBreaker, limiter: Limiter, *, actor: str, interval_s: float = 5.0
+        self,
+        metrics: Metrics,
+        breaker: CircuitBreaker,
+        limiter: Limiter,
+        *,
+        actor: str,
+        interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = metrics
         self._breaker = breaker
         self._limiter = limiter
         self._tags = {"actor": actor}
         self._interval_s = interval_s
+        self._clock = clock
+        self._last_commit = clock()
         self._openings = 0
         self._task: asyncio.Task[None] | None = None
+
+    def committed(self) -> None:
+        """The actor finished a unit (committed it, or found it committed)."""
+        self._last_commit = self._clock()
 
     def start(self) -> None:
         """Samples in the running loop until the actor goes away (call from inside the loop)."""
@@ -249,6 +285,7 @@ class ActorGauges:
             self._openings = b.openings
         INFLIGHT_LIMIT.record(self._metrics, self._limiter.limit, self._tags)
         INFLIGHT_CALLS.record(self._metrics, self._limiter.in_flight, self._tags)
+        RUN_SINCE_COMMIT_S.record(self._metrics, self._clock() - self._last_commit, self._tags)
 
 
 def emit_unit(metrics: Metrics, stats: UnitStats) -> None:
@@ -257,10 +294,20 @@ def emit_unit(metrics: Metrics, stats: UnitStats) -> None:
     for outcome, rows in (("ok", stats.ok), ("empty_text", stats.empty_text), ("dead_letter", stats.dead_letters)):
         if rows:
             RUN_ROWS.record(metrics, rows, {"outcome": outcome})
+    for kind, rows in sorted(stats.dead_letter_kinds.items()):
+        if rows:
+            RUN_DEAD_LETTERS.record(metrics, rows, {"kind": kind})
     if stats.retries:
         CLIENT_RETRIES.record(metrics, stats.retries)
     if stats.canaries:
         CLIENT_CANARIES.record(metrics, stats.canaries)
+
+
+def emit_progress(metrics: Metrics, units_left: int, eta_s: float | None) -> None:
+    """The driver's view of how much of the attempt is left (`raypipe.progress.Progress`)."""
+    RUN_UNITS_LEFT.record(metrics, units_left)
+    if eta_s is not None:
+        RUN_ETA_S.record(metrics, eta_s)
 
 
 class RunMetrics:

@@ -26,10 +26,14 @@ from raypipe.metrics import (
     CLIENT_LATENCY_MS,
     CLIENT_RETRIES,
     INFLIGHT_LIMIT,
+    RUN_DEAD_LETTERS,
+    RUN_ETA_S,
     RUN_FINISHED,
     RUN_ROWS,
+    RUN_SINCE_COMMIT_S,
     RUN_STARTED,
     RUN_UNITS,
+    RUN_UNITS_LEFT,
     ActorGauges,
     DogStatsdMetrics,
     FanoutMetrics,
@@ -250,9 +254,24 @@ def test_actor_gauges_sample_breaker_state_openings_and_limit():
     assert rec.total(INFLIGHT_LIMIT) == 18  # 3 samples of 6
 
 
+def test_actor_gauges_tell_the_time_since_the_actor_last_committed_a_unit():
+    rec = Recorder()
+    now = [100.0]
+    gauges = ActorGauges(rec, CircuitBreaker(), FixedLimiter(2), actor="a1", clock=lambda: now[0])
+    now[0] = 130.0
+    gauges.sample()  # no unit yet: the time since the actor started
+    gauges.committed()
+    now[0] = 142.5
+    gauges.sample()
+    since = [v for _, n, v, t in rec.records if n == RUN_SINCE_COMMIT_S.name and t == {"actor": "a1"}]
+    assert since == [30.0, 12.5]
+
+
 def _unit(i: int, *, ok: int, empty: int = 0, dead: int = 0, retries: int = 0) -> UnitStats:
     s = UnitStats(unit=f"u{i}", shard="s", attempt="a", actor="x", rows=ok + empty + dead)
     s.ok, s.empty_text, s.dead_letters, s.retries = ok, empty, dead, retries
+    if dead:
+        s.dead_letter_kinds["invalid_text"] = dead
     return s
 
 
@@ -276,6 +295,11 @@ def test_progress_logs_lines_and_counts_units_into_metrics(caplog):
     assert rec.total(RUN_ROWS, outcome="empty_text") == 2
     assert rec.total(RUN_ROWS, outcome="dead_letter") == 1
     assert rec.total(CLIENT_RETRIES) == 1
+    assert rec.total(RUN_DEAD_LETTERS) == 1 and rec.total(RUN_DEAD_LETTERS, kind="invalid_text") == 1
+    left = [v for _, n, v, _ in rec.records if n == RUN_UNITS_LEFT.name]
+    assert left == [3, 2, 1, 0], "the total when it starts, then one less per finished unit"
+    etas = [v for _, n, v, _ in rec.records if n == RUN_ETA_S.name]
+    assert etas == [pytest.approx((60 - 20) / 10), pytest.approx((60 - 40) / (40 / 11)), pytest.approx(20 / (40 / 11))]
 
 
 def test_progress_bar_in_a_terminal():

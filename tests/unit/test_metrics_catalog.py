@@ -22,6 +22,7 @@ from raypipe.config import MetricsConfig
 from raypipe.errors import ServiceUnavailable
 from raypipe.limiter import FixedLimiter
 from raypipe.metrics import ActorGauges, MetricsInterceptor, RunMetrics, emit_unit
+from raypipe.progress import Progress
 from raypipe.report import RunReport, UnitStats
 from serve_app import metrics as server_metrics
 from serve_app.metrics import ServerMetrics, ServerMetricsSettings
@@ -109,6 +110,8 @@ def _run_every_client_emitter(rec: CheckingRecorder, monkeypatch) -> None:
     stats.ok, stats.empty_text, stats.dead_letters, stats.retries, stats.canaries = 3, 2, 1, 1, 1
     stats.dead_letter_kinds["invalid_text"] = 1
     emit_unit(rec, stats)
+    progress = Progress(2, 12, 10.0, metrics=rec, bar=False, clock=iter([0.0, 4.0]).__next__)
+    progress.update(stats)
 
     monkeypatch.setattr(MetricsSpec, "build", lambda self: rec)
     for status in ("completed", "incomplete", "failed"):
