@@ -8,6 +8,8 @@ replicas. Which metrics each side emits lives with that side (`raypipe.metrics`,
       RayMetrics             `ray.util.metrics`, so the Ray dashboard and Prometheus show them
       FanoutMetrics          several of the above at once
     MetricsSpec              what a process needs to build its sink (picklable)
+    MetricDef                one declared metric: name, kind, tags, meaning; `record` sends it
+    Catalog                  every metric one side emits, and the tags its sink adds to all of them
 
 An absent agent never fails or slows a caller: DogStatsD is UDP, the host is resolved once when
 the sink is built (a name that does not resolve turns Datadog off for the process), sends go
@@ -22,9 +24,20 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-__all__ = ["DogStatsdMetrics", "FanoutMetrics", "Metrics", "MetricsSpec", "NullMetrics", "RayMetrics", "Tags"]
+__all__ = [
+    "Catalog",
+    "DogStatsdMetrics",
+    "FanoutMetrics",
+    "MetricDef",
+    "MetricKind",
+    "Metrics",
+    "MetricsSpec",
+    "NullMetrics",
+    "RayMetrics",
+    "Tags",
+]
 
 logger = logging.getLogger("raypipe.metrics")
 
@@ -335,3 +348,60 @@ class MetricsSpec:
         if not sinks:
             return NullMetrics()
         return sinks[0] if len(sinks) == 1 else FanoutMetrics(sinks)
+
+
+MetricKind = Literal["count", "gauge", "distribution"]
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One metric a side emits, declared once: the emitting code sends it through `record`, and
+    the Datadog assets (`kuberay/datadog/`) are checked against it, so neither can drift.
+
+    `name` is without the namespace (`client.calls` is `raypipe.client.calls` in Datadog and
+    `raypipe_client_calls` in Ray). `tags` are the keys each record sets, beside the catalog's
+    constant ones; `values` closes the set of values some of them take.
+    """
+
+    name: str
+    kind: MetricKind
+    doc: str
+    """What it counts or measures, in one line."""
+    tags: tuple[str, ...] = ()
+    values: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(tag, the values the code gives it) for tags whose values form a closed set."""
+
+    def record(self, sink: Metrics, value: float = 1, tags: Tags | None = None) -> None:
+        """Sends one record of this metric to `sink` (cheap, never raises: see `Metrics`)."""
+        if self.kind == "count":
+            sink.count(self.name, value, tags)
+        elif self.kind == "gauge":
+            sink.gauge(self.name, value, tags)
+        else:
+            sink.distribution(self.name, value, tags)
+
+    def allowed(self, tag: str) -> tuple[str, ...] | None:
+        """The values `tag` takes, if they form a closed set."""
+        return dict(self.values).get(tag)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every metric one side emits (`raypipe.metrics.CATALOG`, `serve_app.metrics.CATALOG`)."""
+
+    side: str
+    constant_tags: tuple[str, ...]
+    """Tags the side's sink puts on every record (`MetricsSpec.tags`), besides `metrics.tags`."""
+    metrics: tuple[MetricDef, ...]
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.metrics]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.side}: a metric is declared twice in {names}")
+
+    def tags_of(self, metric: MetricDef) -> frozenset[str]:
+        """Every tag a record of `metric` carries."""
+        return frozenset(self.constant_tags) | frozenset(metric.tags)
+
+    def get(self, name: str) -> MetricDef | None:
+        return next((m for m in self.metrics if m.name == name), None)

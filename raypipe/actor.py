@@ -294,6 +294,8 @@ class InferenceActor:
             self._committer.commit, unit, outcomes, replace_dead_letters=self._settings.replay
         )
         stats.commit_s = round(time.monotonic() - t0, 4)
+        if self._gauges is not None:
+            self._gauges.committed()
         return None
 
     async def _infer_unit(self, rows: pa.Table, stats: UnitStats) -> pa.Table:

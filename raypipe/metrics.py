@@ -2,16 +2,21 @@
 
     Metrics, NullMetrics, DogStatsdMetrics, RayMetrics, FanoutMetrics, MetricsSpec
                              the emitters, shared with the server (`protos.telemetry`)
+    CATALOG                  every metric below, declared once (`MetricDef`: name, kind, tags,
+                             meaning); the code sends each through its `record`, and the Datadog
+                             dashboard and monitors (`kuberay/datadog/`) are checked against it
 
 Who emits what (names below carry the `metrics.namespace` prefix, `raypipe.` by default):
 - `MetricsInterceptor`, on the actors' gRPC channel: per call attempt `client.calls`,
   `client.latency_ms` and `client.paragraphs`, tagged `method` and `status` (the gRPC code).
   These are the attempts the run report counts in `status_counts`.
 - `ActorGauges`, sampled in each actor: `client.breaker.open`, `client.breaker.openings`,
-  `client.inflight.limit` and `client.inflight.calls`, tagged `actor`.
-- the driver, per committed unit (`raypipe.progress.Progress`): `run.units`, `run.rows`
-  (tagged `outcome`: ok, empty_text, dead_letter), `client.retries`, `client.canaries`; and per
-  run (`RunMetrics`): `run.started`, `run.finished` (tagged `status`), and Datadog events
+  `client.inflight.limit`, `client.inflight.calls` and `run.since_commit_s` (the run's heartbeat
+  while its actors live), tagged `actor`.
+- the driver, per finished unit (`raypipe.progress.Progress`): `run.units`, `run.rows`
+  (tagged `outcome`: ok, empty_text, dead_letter), `run.dead_letters` (tagged `kind`),
+  `client.retries`, `client.canaries`, and the gauges `run.units_left` and `run.eta_s`; and per
+  run (`RunMetrics`): `run.started`, `run.finished` (tagged `status`), `run.rows_per_s`, and Datadog events
   "started", "succeeded" and "failed" with the run's counts.
 - the server: `serve_app.metrics`.
 
@@ -34,7 +39,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from protos.telemetry import DogStatsdMetrics, FanoutMetrics, Metrics, MetricsSpec, NullMetrics, RayMetrics
+from protos.telemetry import (
+    Catalog,
+    DogStatsdMetrics,
+    FanoutMetrics,
+    MetricDef,
+    Metrics,
+    MetricsSpec,
+    NullMetrics,
+    RayMetrics,
+)
 
 if TYPE_CHECKING:
     from raypipe.breaker import CircuitBreaker
@@ -45,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BREAKER_OPEN",
     "BREAKER_OPENINGS",
+    "CATALOG",
     "CLIENT_CALLS",
     "CLIENT_CANARIES",
     "CLIENT_LATENCY_MS",
@@ -52,53 +67,124 @@ __all__ = [
     "CLIENT_RETRIES",
     "INFLIGHT_CALLS",
     "INFLIGHT_LIMIT",
+    "RUN_DEAD_LETTERS",
+    "RUN_ETA_S",
     "RUN_FINISHED",
     "RUN_ROWS",
     "RUN_ROWS_PER_S",
+    "RUN_SINCE_COMMIT_S",
     "RUN_STARTED",
+    "RUN_TAGS",
     "RUN_UNITS",
+    "RUN_UNITS_LEFT",
     "ActorGauges",
     "DogStatsdMetrics",
     "FanoutMetrics",
+    "MetricDef",
     "Metrics",
     "MetricsInterceptor",
     "MetricsSpec",
     "NullMetrics",
     "RayMetrics",
     "RunMetrics",
+    "emit_progress",
     "emit_unit",
 ]
 
 logger = logging.getLogger("raypipe.metrics")
 
-CLIENT_CALLS = "client.calls"
-"""Count: one per call attempt; tags `method`, `status`."""
-CLIENT_LATENCY_MS = "client.latency_ms"
-"""Distribution: an attempt's time from the channel's view, ms; tags `method`, `status`."""
-CLIENT_PARAGRAPHS = "client.paragraphs"
-"""Count: paragraphs sent per attempt; tags `method`, `status`."""
-CLIENT_RETRIES = "client.retries"
-"""Count: attempts retried (committed units)."""
-CLIENT_CANARIES = "client.canaries"
-"""Count: canary calls made to tell a broken service from rows at fault (committed units)."""
-BREAKER_OPEN = "client.breaker.open"
-"""Gauge: 1 while an actor's breaker is open or half-open, else 0; tag `actor`."""
-BREAKER_OPENINGS = "client.breaker.openings"
-"""Count: times an actor's breaker opened; tag `actor`."""
-INFLIGHT_LIMIT = "client.inflight.limit"
-"""Gauge: an actor's in-flight call limit; tag `actor`."""
-INFLIGHT_CALLS = "client.inflight.calls"
-"""Gauge: an actor's calls in flight; tag `actor`."""
-RUN_UNITS = "run.units"
-"""Count: units committed."""
-RUN_ROWS = "run.rows"
-"""Count: rows of committed units; tag `outcome` (ok, empty_text, dead_letter)."""
-RUN_ROWS_PER_S = "run.rows_per_s"
-"""Gauge: the run's throughput, sent when it ends."""
-RUN_STARTED = "run.started"
-"""Count: 1 when a run starts (after the service check)."""
-RUN_FINISHED = "run.finished"
-"""Count: 1 when a run ends; tag `status` (completed, incomplete, failed)."""
+_STATUSES = tuple(code.name for code in grpc.StatusCode)
+_RPCS = ("Classify", "ModelInfo")
+"""The EmotionClassifier's RPCs (protos/raypipe/v1/emotion.proto): the calls the interceptor sees."""
+
+CLIENT_CALLS = MetricDef(
+    "client.calls",
+    "count",
+    "one per call attempt, as the run report's status table counts them",
+    ("method", "status"),
+    (("method", _RPCS), ("status", _STATUSES)),
+)
+CLIENT_LATENCY_MS = MetricDef(
+    "client.latency_ms",
+    "distribution",
+    "an attempt's time from the channel's view, ms",
+    ("method", "status"),
+    (("method", _RPCS), ("status", _STATUSES)),
+)
+CLIENT_PARAGRAPHS = MetricDef(
+    "client.paragraphs",
+    "count",
+    "paragraphs sent per attempt",
+    ("method", "status"),
+    (("method", _RPCS), ("status", _STATUSES)),
+)
+CLIENT_RETRIES = MetricDef("client.retries", "count", "attempts retried (per committed unit)")
+CLIENT_CANARIES = MetricDef(
+    "client.canaries", "count", "canary calls made to tell a broken service from rows at fault (per committed unit)"
+)
+BREAKER_OPEN = MetricDef(
+    "client.breaker.open", "gauge", "1 while an actor's breaker is open or half-open, else 0", ("actor",)
+)
+BREAKER_OPENINGS = MetricDef("client.breaker.openings", "count", "times an actor's breaker opened", ("actor",))
+INFLIGHT_LIMIT = MetricDef("client.inflight.limit", "gauge", "an actor's in-flight call limit", ("actor",))
+INFLIGHT_CALLS = MetricDef("client.inflight.calls", "gauge", "an actor's calls in flight", ("actor",))
+RUN_UNITS = MetricDef("run.units", "count", "units committed")
+RUN_ROWS = MetricDef(
+    "run.rows",
+    "count",
+    "rows of committed units, by outcome",
+    ("outcome",),
+    (("outcome", ("ok", "empty_text", "dead_letter")),),
+)
+RUN_ROWS_PER_S = MetricDef("run.rows_per_s", "gauge", "the run's throughput, sent once when it ends")
+RUN_DEAD_LETTERS = MetricDef(
+    "run.dead_letters", "count", "dead letters of committed units, by kind (the report's dead-letter kinds)", ("kind",)
+)
+RUN_SINCE_COMMIT_S = MetricDef(
+    "run.since_commit_s",
+    "gauge",
+    "seconds since an actor last committed a unit (or started); sampled while it lives, so it is the run's heartbeat",
+    ("actor",),
+)
+RUN_UNITS_LEFT = MetricDef("run.units_left", "gauge", "units of this attempt not finished yet (driver, per unit)")
+RUN_ETA_S = MetricDef("run.eta_s", "gauge", "seconds left at this attempt's rate so far (driver, per unit)")
+RUN_STARTED = MetricDef("run.started", "count", "1 when a run starts (after the service check)")
+RUN_FINISHED = MetricDef(
+    "run.finished",
+    "count",
+    "1 when a run ends, with its status",
+    ("status",),
+    (("status", ("completed", "incomplete", "failed")),),
+)
+
+RUN_TAGS = ("run_id", "mode", "model_version", "app")
+"""The tags of every metric of a run: the driver's sink sets them and the actors' sinks inherit them."""
+
+CATALOG = Catalog(
+    "client",
+    RUN_TAGS,
+    (
+        CLIENT_CALLS,
+        CLIENT_LATENCY_MS,
+        CLIENT_PARAGRAPHS,
+        CLIENT_RETRIES,
+        CLIENT_CANARIES,
+        BREAKER_OPEN,
+        BREAKER_OPENINGS,
+        INFLIGHT_LIMIT,
+        INFLIGHT_CALLS,
+        RUN_UNITS,
+        RUN_ROWS,
+        RUN_ROWS_PER_S,
+        RUN_DEAD_LETTERS,
+        RUN_SINCE_COMMIT_S,
+        RUN_UNITS_LEFT,
+        RUN_ETA_S,
+        RUN_STARTED,
+        RUN_FINISHED,
+    ),
+)
+"""Every metric the driver and the actors emit; `kuberay/datadog/` is checked against it."""
 
 
 def _method(name: str | bytes) -> str:
@@ -140,26 +226,40 @@ class MetricsInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
 
     def _record(self, details: grpc.aio.ClientCallDetails, request: Any, status: str, started: float) -> None:
         tags = {"method": _method(details.method), "status": status}
-        self._metrics.count(CLIENT_CALLS, 1, tags)
-        self._metrics.distribution(CLIENT_LATENCY_MS, (self._clock() - started) * 1000, tags)
+        CLIENT_CALLS.record(self._metrics, 1, tags)
+        CLIENT_LATENCY_MS.record(self._metrics, (self._clock() - started) * 1000, tags)
         paragraphs = len(getattr(request, "paragraphs", ()))
         if paragraphs:
-            self._metrics.count(CLIENT_PARAGRAPHS, paragraphs, tags)
+            CLIENT_PARAGRAPHS.record(self._metrics, paragraphs, tags)
 
 
 class ActorGauges:
-    """Samples an actor's breaker and limiter into gauges, every `interval_s` and on demand."""
+    """Samples an actor's breaker, limiter and time since its last commit into gauges, every
+    `interval_s` and on demand."""
 
     def __init__(
-        self, metrics: Metrics, breaker: CircuitBreaker, limiter: Limiter, *, actor: str, interval_s: float = 5.0
+        self,
+        metrics: Metrics,
+        breaker: CircuitBreaker,
+        limiter: Limiter,
+        *,
+        actor: str,
+        interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = metrics
         self._breaker = breaker
         self._limiter = limiter
         self._tags = {"actor": actor}
         self._interval_s = interval_s
+        self._clock = clock
+        self._last_commit = clock()
         self._openings = 0
         self._task: asyncio.Task[None] | None = None
+
+    def committed(self) -> None:
+        """The actor finished a unit (committed it, or found it committed)."""
+        self._last_commit = self._clock()
 
     def start(self) -> None:
         """Samples in the running loop until the actor goes away (call from inside the loop)."""
@@ -179,24 +279,35 @@ class ActorGauges:
         from raypipe.breaker import BreakerState
 
         b = self._breaker.stats()
-        self._metrics.gauge(BREAKER_OPEN, 0 if b.state is BreakerState.CLOSED else 1, self._tags)
+        BREAKER_OPEN.record(self._metrics, 0 if b.state is BreakerState.CLOSED else 1, self._tags)
         if b.openings > self._openings:
-            self._metrics.count(BREAKER_OPENINGS, b.openings - self._openings, self._tags)
+            BREAKER_OPENINGS.record(self._metrics, b.openings - self._openings, self._tags)
             self._openings = b.openings
-        self._metrics.gauge(INFLIGHT_LIMIT, self._limiter.limit, self._tags)
-        self._metrics.gauge(INFLIGHT_CALLS, self._limiter.in_flight, self._tags)
+        INFLIGHT_LIMIT.record(self._metrics, self._limiter.limit, self._tags)
+        INFLIGHT_CALLS.record(self._metrics, self._limiter.in_flight, self._tags)
+        RUN_SINCE_COMMIT_S.record(self._metrics, self._clock() - self._last_commit, self._tags)
 
 
 def emit_unit(metrics: Metrics, stats: UnitStats) -> None:
     """The driver's counts for one committed unit."""
-    metrics.count(RUN_UNITS, 1)
+    RUN_UNITS.record(metrics, 1)
     for outcome, rows in (("ok", stats.ok), ("empty_text", stats.empty_text), ("dead_letter", stats.dead_letters)):
         if rows:
-            metrics.count(RUN_ROWS, rows, {"outcome": outcome})
+            RUN_ROWS.record(metrics, rows, {"outcome": outcome})
+    for kind, rows in sorted(stats.dead_letter_kinds.items()):
+        if rows:
+            RUN_DEAD_LETTERS.record(metrics, rows, {"kind": kind})
     if stats.retries:
-        metrics.count(CLIENT_RETRIES, stats.retries)
+        CLIENT_RETRIES.record(metrics, stats.retries)
     if stats.canaries:
-        metrics.count(CLIENT_CANARIES, stats.canaries)
+        CLIENT_CANARIES.record(metrics, stats.canaries)
+
+
+def emit_progress(metrics: Metrics, units_left: int, eta_s: float | None) -> None:
+    """The driver's view of how much of the attempt is left (`raypipe.progress.Progress`)."""
+    RUN_UNITS_LEFT.record(metrics, units_left)
+    if eta_s is not None:
+        RUN_ETA_S.record(metrics, eta_s)
 
 
 class RunMetrics:
@@ -212,7 +323,7 @@ class RunMetrics:
         """Builds the driver's sink with the run's tags and sends the "started" event."""
         tags = {"run_id": report.run_id, "mode": report.mode, "model_version": report.model_version, "app": app}
         run = cls(MetricsSpec.from_config(config, tags), report)
-        run.metrics.count(RUN_STARTED)
+        RUN_STARTED.record(run.metrics)
         run.metrics.event(
             f"raypipe {report.mode} {report.run_id} started",
             f"output {report.output}, model {report.model_version}",
@@ -232,8 +343,8 @@ class RunMetrics:
             + (f"; error: {report.error}" if report.error else "")
         )
         try:
-            self.metrics.count(RUN_FINISHED, 1, {"status": report.status})
-            self.metrics.gauge(RUN_ROWS_PER_S, report.throughput_rows_per_s)
+            RUN_FINISHED.record(self.metrics, 1, {"status": report.status})
+            RUN_ROWS_PER_S.record(self.metrics, report.throughput_rows_per_s)
             self.metrics.event(
                 f"raypipe {report.mode} {report.run_id} {word}",
                 text,

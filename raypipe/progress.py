@@ -2,7 +2,8 @@
 
 In a terminal it is a progress bar (rows, rows/s, ETA, dead letters, units); elsewhere (a
 log file, a notebook, a Ray job's log) a log line every `interval_s` seconds and at the end.
-Each committed unit's counts also go to the run's metrics (`raypipe.metrics.emit_unit`).
+Each committed unit's counts, and the units and time left, also go to the run's metrics
+(`raypipe.metrics.emit_unit`, `emit_progress`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from raypipe.metrics import Metrics, NullMetrics, emit_unit
+from raypipe.metrics import Metrics, NullMetrics, emit_progress, emit_unit
 from raypipe.report import UnitStats
 
 __all__ = ["Progress"]
@@ -47,6 +48,7 @@ class Progress:
         self.units = 0
         self.rows = 0
         self.dead = 0
+        emit_progress(self._metrics, total_units, None)
         stream = stream or sys.stderr
         if bar is None:
             bar = bool(getattr(stream, "isatty", lambda: False)())
@@ -66,11 +68,13 @@ class Progress:
 
     def update(self, stats: UnitStats | None) -> None:
         """One unit finished: committed (`stats`) or left out as unreadable (None)."""
+        now = self._clock()
         self.units += 1
         if stats is not None:
             self.rows += stats.rows
             self.dead += stats.dead_letters
             emit_unit(self._metrics, stats)
+        emit_progress(self._metrics, max(0, self.total_units - self.units), self.eta_s(now))
         if self._bar is not None:
             self._bar.set_postfix_str(
                 f"dead letters {self.dead:,}, units {self.units}/{self.total_units}", refresh=False
@@ -79,7 +83,6 @@ class Progress:
             if self.units >= self.total_units:
                 self.close()
             return
-        now = self._clock()
         if now - self._last >= self.interval_s or self.units == self.total_units:
             self._last = now
             logger.info("progress: %s", self.line(now))
@@ -87,15 +90,21 @@ class Progress:
     def line(self, now: float | None = None) -> str:
         """The progress as one line: units, rows, rate, dead letters and the ETA."""
         now = self._clock() if now is None else now
-        elapsed = max(now - self._start, 1e-9)
-        rate = self.rows / elapsed
-        eta = ""
-        if self.total_rows and rate > 0:
-            eta = f", ETA {max(0.0, (self.total_rows - self.rows) / rate):,.0f} s"
+        rate = self.rows / max(now - self._start, 1e-9)
+        eta_s = self.eta_s(now)
+        eta = "" if eta_s is None else f", ETA {eta_s:,.0f} s"
         return (
             f"{self.units}/{self.total_units} units, {self.rows:,} rows ({rate:.1f} rows/s), "
             f"{self.dead} dead letters{eta}"
         )
+
+    def eta_s(self, now: float | None = None) -> float | None:
+        """Seconds left at the rate so far; None while the expected rows or the rate are unknown."""
+        now = self._clock() if now is None else now
+        rate = self.rows / max(now - self._start, 1e-9)
+        if not self.total_rows or rate <= 0:
+            return None
+        return max(0.0, (self.total_rows - self.rows) / rate)
 
     def close(self) -> None:
         if self._bar is not None:

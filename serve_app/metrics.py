@@ -10,9 +10,11 @@
     raypipe.server.batch.tokens  distribution  tokens in that batch
     raypipe.server.model_ms      distribution  the batch's forward passes
 
-Every metric is tagged `app` (the Serve application) and `model_version`. The sinks are
-raypipe's (`protos.telemetry`: DogStatsD with an absent agent logged once, Ray metrics); this
-module knows nothing of the client's pipeline. Settings come from `ServerSettings.metrics`.
+They are declared once, in `CATALOG`, and sent through it; the Datadog dashboard and monitors
+(`kuberay/datadog/`) are checked against it. Every metric is tagged `app` (the Serve
+application) and `model_version`. The sinks are raypipe's (`protos.telemetry`: DogStatsD with
+an absent agent logged once, Ray metrics); this module knows nothing of the client's pipeline.
+Settings come from `ServerSettings.metrics`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from protos.telemetry import Metrics, MetricsSpec, NullMetrics
+import grpc
 
-__all__ = ["ServerMetrics", "ServerMetricsSettings"]
+from protos.telemetry import Catalog, MetricDef, Metrics, MetricsSpec, NullMetrics
+
+__all__ = ["CATALOG", "SERVER_TAGS", "ServerMetrics", "ServerMetricsSettings"]
+
+_STATUS = (("status", tuple(code.name for code in grpc.StatusCode)),)
+
+REQUESTS = MetricDef("server.requests", "count", "Classify calls answered, by gRPC status", ("status",), _STATUS)
+PARAGRAPHS = MetricDef("server.paragraphs", "count", "paragraphs of those calls", ("status",), _STATUS)
+ERRORS = MetricDef("server.errors", "count", "calls answered with an error status", ("status",), _STATUS)
+QUEUE_MS = MetricDef(
+    "server.queue_ms", "distribution", "a call's wait from arrival in the replica to its batch's start, ms"
+)
+REPLICA_MS = MetricDef("server.replica_ms", "distribution", "a call's whole time in the replica, ms")
+BATCH_CALLS = MetricDef("server.batch.calls", "distribution", "calls merged into one @serve.batch")
+BATCH_ROWS = MetricDef("server.batch.rows", "distribution", "paragraphs in one batch")
+BATCH_TOKENS = MetricDef("server.batch.tokens", "distribution", "tokens in one batch")
+MODEL_MS = MetricDef("server.model_ms", "distribution", "one batch's forward passes, ms")
+
+SERVER_TAGS = ("app", "model_version")
+"""The tags every replica metric carries (`ServerMetrics.build`)."""
+
+CATALOG = Catalog(
+    "server",
+    SERVER_TAGS,
+    (REQUESTS, PARAGRAPHS, ERRORS, QUEUE_MS, REPLICA_MS, BATCH_CALLS, BATCH_ROWS, BATCH_TOKENS, MODEL_MS),
+)
+"""Every metric a replica emits."""
 
 
 @dataclass(frozen=True)
@@ -70,22 +98,22 @@ class ServerMetrics:
     def request(self, status: str, paragraphs: int) -> None:
         """A Classify call was answered with `status` (OK or an error code)."""
         tags = {"status": status}
-        self._m.count("server.requests", 1, tags)
-        self._m.count("server.paragraphs", paragraphs, tags)
+        REQUESTS.record(self._m, 1, tags)
+        PARAGRAPHS.record(self._m, paragraphs, tags)
         if status != "OK":
-            self._m.count("server.errors", 1, tags)
+            ERRORS.record(self._m, 1, tags)
 
     def timing(self, *, queue_s: float, replica_s: float) -> None:
         """An answered call's wait for its batch and its whole time in the replica."""
-        self._m.distribution("server.queue_ms", queue_s * 1000)
-        self._m.distribution("server.replica_ms", replica_s * 1000)
+        QUEUE_MS.record(self._m, queue_s * 1000)
+        REPLICA_MS.record(self._m, replica_s * 1000)
 
     def batch(self, *, calls: int, rows: int, tokens: int, compute_s: float) -> None:
         """One @serve.batch ran its forward passes."""
-        self._m.distribution("server.batch.calls", calls)
-        self._m.distribution("server.batch.rows", rows)
-        self._m.distribution("server.batch.tokens", tokens)
-        self._m.distribution("server.model_ms", compute_s * 1000)
+        BATCH_CALLS.record(self._m, calls)
+        BATCH_ROWS.record(self._m, rows)
+        BATCH_TOKENS.record(self._m, tokens)
+        MODEL_MS.record(self._m, compute_s * 1000)
 
     def close(self) -> None:
         self._m.close()

@@ -16,7 +16,9 @@ import urllib.request
 import pytest
 
 import raypipe
+from raypipe.metrics import CATALOG as client_catalog
 from raypipe.samples import write_sample_corpus
+from serve_app.metrics import CATALOG as server_catalog
 from serve_app.metrics import ServerMetricsSettings
 from serve_app.settings import FaultInjection, ServerSettings
 from tests.dogstatsd import UdpAgent, closed_udp_port
@@ -106,6 +108,14 @@ def test_metrics_reach_a_dogstatsd_listener_and_agree_with_the_report(
     client_side = [s for s in agent.samples if not s.name.startswith("raypipe.server.")]
     bad = [s for s in client_side if {k: s.tags.get(k) for k in RUN_TAGS} != expected]
     assert not bad, bad[:3]
+
+    # Every name and tag that arrived is declared in its side's catalog (the Datadog assets are
+    # checked against the catalogs): what a real run sends, not only what the unit tests drive.
+    for sample in agent.samples:
+        side = server_catalog if sample.name.startswith("raypipe.server.") else client_catalog
+        metric = side.get(sample.name.removeprefix("raypipe."))
+        assert metric is not None, sample
+        assert set(sample.tags) <= side.tags_of(metric), sample
 
     # Job events.
     titles = [(e.title, e.alert_type) for e in agent.events]

@@ -272,3 +272,17 @@ def test_a_text_with_a_committed_answer_costs_no_call_and_duplicates_are_sent_on
     stats = json.loads(summary.column("summary")[0].as_py())
     assert stats["copied"] == 3  # id0 and id4 from the index, id2 from id1's answer
     assert sorted(client.texts_sent) == ["new text", "other"]
+
+
+def test_an_actor_with_metrics_tells_its_gauges_of_each_committed_unit(tmp_path, monkeypatch):
+    """`run.since_commit_s`, the run's heartbeat in Datadog, restarts at every commit."""
+    from protos.telemetry import MetricsSpec, NullMetrics
+    from raypipe.metrics import ActorGauges
+
+    commits = []
+    monkeypatch.setattr(MetricsSpec, "build", lambda self: NullMetrics())
+    monkeypatch.setattr(ActorGauges, "committed", lambda self: commits.append(self))
+    _, block = make_unit(tmp_path, ["one", "two", "three"])
+    with_metrics = dataclasses.replace(settings(tmp_path), metrics=MetricsSpec(ray_metrics=True))
+    asyncio.run(InferenceActor(with_metrics, client_factory=ScriptedClient)(block))
+    assert len(commits) == 1

@@ -26,10 +26,14 @@ from raypipe.metrics import (
     CLIENT_LATENCY_MS,
     CLIENT_RETRIES,
     INFLIGHT_LIMIT,
+    RUN_DEAD_LETTERS,
+    RUN_ETA_S,
     RUN_FINISHED,
     RUN_ROWS,
+    RUN_SINCE_COMMIT_S,
     RUN_STARTED,
     RUN_UNITS,
+    RUN_UNITS_LEFT,
     ActorGauges,
     DogStatsdMetrics,
     FanoutMetrics,
@@ -72,7 +76,8 @@ class Recorder:
     def close(self):
         self.closed = True
 
-    def total(self, name, **tags):
+    def total(self, metric, **tags):
+        name = getattr(metric, "name", metric)
         return sum(v for _, n, v, t in self.records if n == name and tags.items() <= t.items())
 
 
@@ -85,10 +90,10 @@ def agent():
 
 def test_dogstatsd_sends_names_values_and_constant_tags(agent):
     m = DogStatsdMetrics("127.0.0.1", agent.port, tags={"run_id": "r1", "mode": "backfill"})
-    m.count(CLIENT_CALLS, 1, {"status": "OK"})
-    m.count(CLIENT_CALLS, 2, {"status": "UNAVAILABLE"})
-    m.gauge(INFLIGHT_LIMIT, 8, {"actor": "a1"})
-    m.distribution(CLIENT_LATENCY_MS, 12.5, {"status": "OK"})
+    CLIENT_CALLS.record(m, 1, {"status": "OK"})
+    CLIENT_CALLS.record(m, 2, {"status": "UNAVAILABLE"})
+    INFLIGHT_LIMIT.record(m, 8, {"actor": "a1"})
+    CLIENT_LATENCY_MS.record(m, 12.5, {"status": "OK"})
     m.event("raypipe backfill r1 started", "two\nlines", alert_type="info")
     m.close()  # flushes
     assert agent.wait_for(lambda a: len(a.samples) == 4 and a.events)
@@ -111,8 +116,8 @@ def test_closed_port_never_raises_never_blocks_and_warns_once(caplog):
     m = DogStatsdMetrics("127.0.0.1", port, tags={"run_id": "r1"})
     started = time.perf_counter()
     for i in range(3000):
-        m.count(CLIENT_CALLS, 1, {"status": "OK"})
-        m.distribution(CLIENT_LATENCY_MS, 3.0)
+        CLIENT_CALLS.record(m, 1, {"status": "OK"})
+        CLIENT_LATENCY_MS.record(m, 3.0)
         if i % 300 == 0:
             m.flush()
             time.sleep(0.005)  # lets the ICMP refusal come back between sends
@@ -134,7 +139,7 @@ def test_unresolvable_host_turns_datadog_off_with_one_warning(monkeypatch, caplo
     m = DogStatsdMetrics("datadog-agent.invalid", 8125)
     assert not m.enabled
     for _ in range(100):
-        m.count(CLIENT_CALLS)
+        CLIENT_CALLS.record(m)
         m.event("t", "x")
     m.flush()
     m.close()
@@ -156,9 +161,9 @@ def test_ray_metrics_drop_records_until_ray_is_connected():
 import ray
 from raypipe.metrics import CLIENT_CALLS, CLIENT_LATENCY_MS, INFLIGHT_LIMIT, RayMetrics
 m = RayMetrics(tags={"run_id": "r"})
-m.count(CLIENT_CALLS, 1, {"status": "OK"})  # no cluster: dropped, no error
-m.gauge(INFLIGHT_LIMIT, 3)
-m.distribution(CLIENT_LATENCY_MS, 2.0)
+CLIENT_CALLS.record(m, 1, {"status": "OK"})  # no cluster: dropped, no error
+INFLIGHT_LIMIT.record(m, 3)
+CLIENT_LATENCY_MS.record(m, 2.0)
 print("initialized:", ray.is_initialized())
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -243,15 +248,30 @@ def test_actor_gauges_sample_breaker_state_openings_and_limit():
     asyncio.run(fail_once())
     gauges.sample()
     gauges.sample()
-    opens = [v for _, n, v, _ in rec.records if n == BREAKER_OPEN]
+    opens = [v for _, n, v, _ in rec.records if n == BREAKER_OPEN.name]
     assert opens == [0, 1, 1]
     assert rec.total(BREAKER_OPENINGS, actor="a1") == 1, "an opening is counted once, not per sample"
     assert rec.total(INFLIGHT_LIMIT) == 18  # 3 samples of 6
 
 
+def test_actor_gauges_tell_the_time_since_the_actor_last_committed_a_unit():
+    rec = Recorder()
+    now = [100.0]
+    gauges = ActorGauges(rec, CircuitBreaker(), FixedLimiter(2), actor="a1", clock=lambda: now[0])
+    now[0] = 130.0
+    gauges.sample()  # no unit yet: the time since the actor started
+    gauges.committed()
+    now[0] = 142.5
+    gauges.sample()
+    since = [v for _, n, v, t in rec.records if n == RUN_SINCE_COMMIT_S.name and t == {"actor": "a1"}]
+    assert since == [30.0, 12.5]
+
+
 def _unit(i: int, *, ok: int, empty: int = 0, dead: int = 0, retries: int = 0) -> UnitStats:
     s = UnitStats(unit=f"u{i}", shard="s", attempt="a", actor="x", rows=ok + empty + dead)
     s.ok, s.empty_text, s.dead_letters, s.retries = ok, empty, dead, retries
+    if dead:
+        s.dead_letter_kinds["invalid_text"] = dead
     return s
 
 
@@ -275,6 +295,11 @@ def test_progress_logs_lines_and_counts_units_into_metrics(caplog):
     assert rec.total(RUN_ROWS, outcome="empty_text") == 2
     assert rec.total(RUN_ROWS, outcome="dead_letter") == 1
     assert rec.total(CLIENT_RETRIES) == 1
+    assert rec.total(RUN_DEAD_LETTERS) == 1 and rec.total(RUN_DEAD_LETTERS, kind="invalid_text") == 1
+    left = [v for _, n, v, _ in rec.records if n == RUN_UNITS_LEFT.name]
+    assert left == [3, 2, 1, 0], "the total when it starts, then one less per finished unit"
+    etas = [v for _, n, v, _ in rec.records if n == RUN_ETA_S.name]
+    assert etas == [pytest.approx((60 - 20) / 10), pytest.approx((60 - 40) / (40 / 11)), pytest.approx(20 / (40 / 11))]
 
 
 def test_progress_bar_in_a_terminal():
@@ -313,8 +338,8 @@ def test_run_metrics_send_start_and_end_events_with_the_run_tags(agent):
     assert finished.title == "raypipe backfill r1 succeeded" and finished.alert_type == "success"
     assert "dead letters 2" in finished.text and "UNAVAILABLE 1" in finished.text
     assert finished.tags == {"run_id": "r1", "mode": "backfill", "model_version": "demo-1", "app": "raypipe"}
-    assert agent.total("raypipe." + RUN_STARTED) == 1
-    assert agent.total("raypipe." + RUN_FINISHED, status="completed") == 1
+    assert agent.total("raypipe." + RUN_STARTED.name) == 1
+    assert agent.total("raypipe." + RUN_FINISHED.name, status="completed") == 1
 
 
 def test_failed_run_sends_an_error_event():
