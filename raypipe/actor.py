@@ -52,7 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raypipe.breaker import CircuitBreaker, Permit
-from raypipe.client import BatchResult, GrpcModelClient, ModelClient
+from raypipe.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
 from raypipe.config import ClientConfig, ServiceConfig
 from raypipe.dedup import TextIndex, hash_texts
 from raypipe.errors import (
@@ -214,6 +214,7 @@ class InferenceActor:
                     max_timeout_s=s.max_timeout_s,
                     deadline_safety=s.deadline_safety,
                     interceptors=[MetricsInterceptor(self._metrics)] if spec is not None and spec.enabled else (),
+                    security=ChannelSecurity.of(s),
                 )
             )
             b = c.breaker
