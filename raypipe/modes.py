@@ -109,6 +109,8 @@ def _fatal_error(fatal: str) -> RaypipeError:
     d = json.loads(fatal)
     if d["kind"] == "lease_lost":
         return LeaseLostError(d["message"], holder="?", expires_at="?")
+    if d["kind"] == ConfigError.kind:
+        return ConfigError(d["message"])
     return CircuitOpenError(d["message"], waited_s=d.get("waited_s", 0.0), retry_after_s=d.get("retry_after_s", 0.0))
 
 
