@@ -20,9 +20,10 @@ import pytest
 import raypipe
 from raypipe import modes
 from raypipe.api import build_config
-from raypipe.errors import ServiceTlsError
+from raypipe.errors import ConfigError, ServiceTlsError
 from raypipe.samples import write_sample_corpus
 from raypipe.sinks import OutcomeTable
+from tests.integration.helpers import dead_letters, results
 from tests.tls import Pki, TlsProxy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,3 +97,17 @@ def test_wrong_ca_fails_fast_with_the_tls_message_and_commits_nothing(tmp_path, 
     assert cli.returncode == 1, cli.stdout + cli.stderr
     assert f"TLS handshake with {tls_proxy.address} failed: certificate verify failed" in cli.stderr
     assert not OutcomeTable(str(out)).exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_token_on_the_driver_only_fails_the_run_naming_the_variable(tmp_path, corpus, tls_proxy, pki, monkeypatch):
+    """The token is read where the calls are made. This cluster's workers were started without the
+    variable, so the driver's check passes and the first actor fails, naming the variable."""
+    monkeypatch.setenv("RAYPIPE_TEST_TLS_TOKEN", "driver-only-token")
+    out = tmp_path / "out"
+    settings = {**SETTINGS, "service": {"ca_file": str(pki.ca_file), "token_env": "RAYPIPE_TEST_TLS_TOKEN"}}
+    message = r"environment variable RAYPIPE_TEST_TLS_TOKEN is not set .* every node"
+    with pytest.raises(ConfigError, match=message) as info:
+        raypipe.backfill(corpus.uri, str(out), service=f"grpcs://{tls_proxy.address}", settings=settings)
+    assert "driver-only-token" not in str(info.value)
+    assert results(out) is None and dead_letters(out) is None

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import pickle
 import ssl
 import time
 
 import grpc
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from protos.raypipe.v1 import emotion_pb2_grpc
@@ -18,7 +21,10 @@ from raypipe.channel import ChannelSecurity
 from raypipe.client import GrpcModelClient, check_service
 from raypipe.config import ClientConfig, ServiceConfig, load_config
 from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, ServiceUnavailable
+from raypipe.modes import _fatal_error
+from raypipe.outcomes import read_outcomes
 from raypipe.sinks import OutcomeTable
+from raypipe.sources import ColumnNames, list_shards, plan_units, read_unit
 from tests.fakes import LABELS, FakeServicer, fake_probs
 from tests.tls import Pki, TlsProxy
 
@@ -307,14 +313,18 @@ def test_channel_security_refuses_a_token_or_roots_without_tls(pki):
 # --- the actor builds its client from the config ----------------------------------------------
 
 
-def test_the_actor_builds_a_tls_client_from_its_shipped_settings(pki, tmp_path):
+def tls_actor(tmp_path, service: ServiceConfig) -> InferenceActor:
     table = OutcomeTable(str(tmp_path / "out"))
     table.ensure(LABELS)
-    service = ServiceConfig(address="grpcs://127.0.0.1:1", ca_file=str(pki.ca_file), server_name="model.internal")
     settings = ActorSettings(
         fence=table.take_over("r1"), run_id="r1", attempt="a1", service=service, client=ClientConfig(), labels=LABELS
     )
-    actor = InferenceActor(pickle.loads(pickle.dumps(settings)))  # as Ray ships it to a worker
+    return InferenceActor(pickle.loads(pickle.dumps(settings)))  # as Ray ships it to a worker
+
+
+def test_the_actor_builds_a_tls_client_from_its_shipped_settings(pki, tmp_path):
+    service = ServiceConfig(address="grpcs://127.0.0.1:1", ca_file=str(pki.ca_file), server_name="model.internal")
+    actor = tls_actor(tmp_path, service)
 
     async def scenario():
         client, _, _ = actor._components()
@@ -325,6 +335,22 @@ def test_the_actor_builds_a_tls_client_from_its_shipped_settings(pki, tmp_path):
     assert run(scenario()) == ChannelSecurity(
         tls=True, root_certificates=pki.ca.cert_pem.bytes(), server_name="model.internal"
     )
+
+
+def test_an_actor_on_a_node_without_the_token_stops_the_run_with_a_config_error(pki, tmp_path, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["x", "y"]}), tmp_path / "in.parquet")
+    units, _ = plan_units(list_shards(str(tmp_path / "in.parquet")), unit_rows=100, columns=ColumnNames())
+    service = ServiceConfig(address="grpcs://127.0.0.1:1", ca_file=str(pki.ca_file), token_env=TOKEN_ENV)
+
+    summary = run(tls_actor(tmp_path, service)(read_unit(units[0], ColumnNames()))).to_pylist()
+
+    assert len(summary) == 1 and summary[0]["summary"] is not None
+    fatal = json.loads(summary[0]["fatal"])
+    assert fatal["kind"] == "config" and f"environment variable {TOKEN_ENV} is not set" in fatal["message"]
+    error = _fatal_error(summary[0]["fatal"])  # what the driver raises
+    assert type(error) is ConfigError and TOKEN_ENV in str(error)
+    assert read_outcomes(str(tmp_path / "out"), "r1").num_rows == 0
 
 
 # --- configuration ----------------------------------------------------------------------------
