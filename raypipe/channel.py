@@ -125,8 +125,9 @@ def tls_problem(address: str, security: ChannelSecurity, *, timeout_s: float) ->
     """Why TLS stands between this client and `address`, or None when it does not.
 
     With TLS on: the certificate is not trusted or not for the name, the server does not offer
-    HTTP/2 (ALPN h2, which gRPC requires), or the port does not speak TLS. With TLS off: the port
-    speaks TLS. None too when no connection can be made at all: that is not a TLS question.
+    HTTP/2 (ALPN h2, which gRPC requires) or refuses the handshake with an alert, or the port does
+    not speak TLS. With TLS off: the port speaks TLS. Only such definite answers count: a refused,
+    reset or silent connection gives None (the check then waits for the service as usual).
     """
     host, port = _split(address)
     try:
@@ -149,13 +150,19 @@ def tls_problem(address: str, security: ChannelSecurity, *, timeout_s: float) ->
         except ssl.SSLCertVerificationError as e:
             roots = "service.ca_file" if security.root_certificates is not None else "gRPC's default roots"
             return f"certificate verify failed: {e.verify_message} (name {name!r}, trusting {roots})"
+        except ssl.SSLEOFError:
+            return None  # closed mid-handshake: a restarting proxy looks the same, so wait it out
         except ssl.SSLError as e:
-            return f"{e.reason or e}: the port does not seem to speak TLS (a plaintext port?)"
-        except OSError as e:
-            return (
-                f"the server closed the connection during the handshake ({type(e).__name__}): does the port speak TLS?"
-            )
+            if e.reason in _NOT_TLS:
+                return f"{e.reason}: the port does not seem to speak TLS (a plaintext port?)"
+            return f"the server refused the handshake ({e.reason or e})"
+        except OSError:
+            return None  # reset or timed out: not evidence about TLS
     return None
+
+
+_NOT_TLS = {"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE", "HTTP_REQUEST"}
+"""OpenSSL's reasons for an answer that is not a TLS record at all."""
 
 
 def _speaks_tls(sock: socket.socket, host: str) -> bool:

@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import json
 import pickle
+import socket
 import ssl
+import threading
 import time
 
 import grpc
@@ -229,6 +231,32 @@ def test_unreachable_tls_service_is_unavailable_not_tls(pki):
     with pytest.raises(ServiceUnavailable, match=f"{address} is unreachable.*Connection refused") as info:
         check_service(address, timeout_s=1.0, security=trusting(pki))
     assert not isinstance(info.value, ServiceTlsError)
+
+
+def test_a_connection_closed_mid_handshake_is_waited_out_not_called_tls(pki):
+    """A listener that accepts and hangs up (a proxy restarting) says nothing about TLS: the check
+    waits for the service as usual, then reports it unreachable."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.1)
+        stop = threading.Event()
+
+        def hang_up() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    listener.accept()[0].close()
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(ServiceUnavailable, match=f"{address} is unreachable") as info:
+                check_service(address, timeout_s=1.5, security=trusting(pki))
+        finally:
+            stop.set()
+            thread.join()
+    assert not isinstance(info.value, ServiceTlsError)
+    assert time.monotonic() - t0 >= 1.4
 
 
 # --- the bearer token -------------------------------------------------------------------------
