@@ -52,12 +52,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raypipe.breaker import CircuitBreaker, Permit
-from raypipe.client import BatchResult, GrpcModelClient, ModelClient
+from raypipe.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
 from raypipe.config import ClientConfig, ServiceConfig
 from raypipe.dedup import TextIndex, hash_texts
 from raypipe.errors import (
     BadRowError,
     CircuitOpenError,
+    ConfigError,
     InvalidIdError,
     InvalidTextError,
     LeaseLostError,
@@ -147,7 +148,7 @@ SUMMARY_SCHEMA = pa.schema(
     ]
 )
 """What an actor returns per unit: an unreadable shard's `error`, the unit's `summary`, and
-`fatal` (JSON: `kind` circuit_open or lease_lost, `message`, …) when the run must stop."""
+`fatal` (JSON: `kind` circuit_open, lease_lost or config, `message`, …) when the run must stop."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,7 @@ class InferenceActor:
                     max_timeout_s=s.max_timeout_s,
                     deadline_safety=s.deadline_safety,
                     interceptors=[MetricsInterceptor(self._metrics)] if spec is not None and spec.enabled else (),
+                    security=ChannelSecurity.of(s),
                 )
             )
             b = c.breaker
@@ -260,9 +262,12 @@ class InferenceActor:
                 )
             except LeaseLostError as e:
                 fatal = json.dumps({"kind": "lease_lost", "message": str(e)})
+            except ConfigError as e:  # e.g. service.token_env unset on this node: no call can be made
+                fatal = json.dumps({"kind": e.kind, "message": str(e)})
             if fatal is not None:
                 stats.committed = False
-                stats.actor_stats = self._actor_snapshot()
+                if self._client is not None:  # else the client could not even be built (config)
+                    stats.actor_stats = self._actor_snapshot()
             units.append(unit)
             errors.append(error)
             summaries.append(None if error is not None else json.dumps(stats.to_dict()))

@@ -6,6 +6,8 @@ of Ray. It is also the one place where gRPC's errors become raypipe's (`map_rpc_
 
 The channel is created lazily on the first call, inside the running event loop: grpc.aio
 channels are bound to the loop they were made in, and actors are constructed outside it.
+Plaintext or TLS (and a bearer token) is `raypipe.channel.ChannelSecurity`'s business; the
+channels of `GrpcModelClient` and `check_service` come from there alike.
 
 Deadlines fit the work (`Deadlines`): a call gets `safety` x the time it should take, which
 by Little's law is the work this client has in flight with it (characters) over the rate at
@@ -28,6 +30,7 @@ import numpy as np
 
 from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 from protos.wire import APPLICATION_KEY, TIMING_KEYS
+from raypipe.channel import ChannelSecurity, aio_channel, auth_metadata, blocking_channel, tls_problem
 from raypipe.errors import (
     ModelServiceError,
     RequestRejected,
@@ -35,11 +38,13 @@ from raypipe.errors import (
     ServiceInternal,
     ServiceOverloaded,
     ServiceTimeout,
+    ServiceTlsError,
     ServiceUnavailable,
 )
 
 __all__ = [
     "BatchResult",
+    "ChannelSecurity",
     "Deadlines",
     "GrpcModelClient",
     "ModelClient",
@@ -59,22 +64,6 @@ _TRANSIENT: dict[grpc.StatusCode, type[ModelServiceError]] = {
     grpc.StatusCode.INTERNAL: ServiceInternal,
     grpc.StatusCode.UNKNOWN: ServiceInternal,
 }
-
-# Large enough for a micro-batch of long paragraphs (and their answers) in one message.
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # Retries live in raypipe.retry, one layer only: switch off the channel's own.
-    ("grpc.enable_retries", 0),
-    # After an outage the channel fails fast until its reconnect backoff expires (by default
-    # it grows to 120 s); cap it so a returning service is seen within seconds.
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 4000),
-)
 
 
 @dataclass(frozen=True)
@@ -208,11 +197,15 @@ class GrpcModelClient:
         deadline_safety: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        security: ChannelSecurity | None = None,
     ) -> None:
         """`timeout_s` is the floor of a Classify deadline (and ModelInfo's deadline);
         `max_timeout_s` its ceiling (None: the floor, i.e. a fixed deadline). `interceptors`
-        go on the channel (e.g. `raypipe.metrics.MetricsInterceptor`)."""
+        go on the channel (e.g. `raypipe.metrics.MetricsInterceptor`). `security`: TLS and a
+        bearer token (plaintext when None); the token is read from this process's environment
+        now, so a node without it fails here (`ConfigError`), not call after call."""
         self.address = address
+        self.security = security or ChannelSecurity()
         self.timeout_s = timeout_s
         self.deadlines = Deadlines(
             floor_s=timeout_s,
@@ -220,16 +213,14 @@ class GrpcModelClient:
             safety=deadline_safety,
             clock=clock,
         )
-        self._metadata = ((APPLICATION_KEY, application),)
+        self._metadata = ((APPLICATION_KEY, application), *auth_metadata(self.security))
         self._channel: grpc.aio.Channel | None = None
         self._stub: emotion_pb2_grpc.EmotionClassifierStub | None = None
         self._interceptors = list(interceptors)
 
     def _get_stub(self) -> emotion_pb2_grpc.EmotionClassifierStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=_CHANNEL_OPTIONS, interceptors=self._interceptors or None
-            )
+            self._channel = aio_channel(self.address, self.security, self._interceptors)
             self._stub = emotion_pb2_grpc.EmotionClassifierStub(self._channel)
         return self._stub
 
@@ -284,25 +275,44 @@ class GrpcModelClient:
         self._stub = None
 
 
-def check_service(address: str, *, application: str = "raypipe", timeout_s: float = 10.0) -> ModelInfo:
+def check_service(
+    address: str,
+    *,
+    application: str = "raypipe",
+    timeout_s: float = 10.0,
+    security: ChannelSecurity | None = None,
+) -> ModelInfo:
     """Asks the service what it serves, failing fast (with the address) if it cannot be reached.
 
     Runs before any data is read, so a wrong address costs seconds, not a cluster's start-up.
+    A first call fails at once when the connection does. If TLS is the reason (an untrusted
+    certificate, a wrong name, TLS on one side only) it raises `ServiceTlsError` at once, since
+    waiting cannot help; otherwise it waits up to `timeout_s` for the service to come up.
     A blocking channel, so it works from notebooks whose event loop is already running.
     """
-    with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+    security = security or ChannelSecurity()
+    metadata = ((APPLICATION_KEY, application), *auth_metadata(security))
+    deadline = time.monotonic() + timeout_s
+    with blocking_channel(address, security) as channel:
         stub = emotion_pb2_grpc.EmotionClassifierStub(channel)
+        request = emotion_pb2.ModelInfoRequest()
         try:
-            grpc.channel_ready_future(channel).result(timeout=timeout_s)
-            info = stub.ModelInfo(
-                emotion_pb2.ModelInfoRequest(), timeout=timeout_s, metadata=((APPLICATION_KEY, application),)
-            )
-        except grpc.FutureTimeoutError as e:
-            raise ServiceUnavailable(
-                f"model service at {address} is unreachable: no connection within {timeout_s:g}s",
-                status_code="UNAVAILABLE",
-                address=address,
-            ) from e
+            try:
+                info = stub.ModelInfo(request, timeout=timeout_s, metadata=metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                _raise_if_tls(address, security, e, timeout_s=max(0.5, deadline - time.monotonic()))
+                try:  # not TLS: the service may still be starting
+                    grpc.channel_ready_future(channel).result(timeout=max(0.0, deadline - time.monotonic()))
+                except grpc.FutureTimeoutError:
+                    raise ServiceUnavailable(
+                        f"model service at {address} is unreachable: no connection within {timeout_s:g}s "
+                        f"(last error: {e.details()})",
+                        status_code="UNAVAILABLE",
+                        address=address,
+                    ) from e
+                info = stub.ModelInfo(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             err = map_rpc_error(e, address=address)
             raise type(err)(
@@ -311,3 +321,18 @@ def check_service(address: str, *, application: str = "raypipe", timeout_s: floa
                 address=address,
             ) from e
     return ModelInfo(tuple(info.labels), info.model_version, info.max_sequence_length, info.max_batch_size)
+
+
+def _raise_if_tls(address: str, security: ChannelSecurity, error: grpc.RpcError, *, timeout_s: float) -> None:
+    """Raises `ServiceTlsError` (from `error`) when TLS is why `address` cannot be reached."""
+    reason = tls_problem(address, security, timeout_s=timeout_s)
+    if reason is None:
+        return
+    if security.tls:
+        name = f" (as {security.server_name})" if security.server_name else ""
+        message = f"TLS handshake with {address}{name} failed: {reason}"
+    else:
+        message = (
+            f"model service at {address}: {reason}; use a grpcs:// address (or service.tls: true) with service.ca_file"
+        )
+    raise ServiceTlsError(message, address=address, reason=reason) from error

@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from raypipe.errors import ConfigError
 
@@ -60,9 +70,33 @@ def validate_uri(uri: str) -> str:
     raise ValueError(f"{uri!r}: scheme {parsed.scheme!r} is not supported (use s3:// or a local path)")
 
 
+_SCHEMES = {"grpc": False, "grpcs": True}
+"""Address schemes and whether they mean TLS; an address without one follows `tls`."""
+
+
 class ServiceConfig(_Frozen):
     address: str = "127.0.0.1:9000"
-    """host:port of the Ray Serve gRPC proxy."""
+    """The model service: `host:port`, `grpc://host:port` (plaintext) or `grpcs://host:port`
+    (TLS, as `tls: true`). The scheme is taken off when the config is built: `address` is then
+    always `host:port` and `tls` says how to reach it."""
+    tls: bool = False
+    """Reach the service over TLS (a TLS-terminating sidecar or mesh in front of Serve's
+    plaintext gRPC proxy). Implied by a `grpcs://` address; `false` with `grpcs://`, or `true`
+    with `grpc://`, is an error."""
+    ca_file: str | None = None
+    """PEM bundle of the CA(s) to trust for the service's certificate; None trusts gRPC's
+    default roots. Read once, when the config is built (on the driver): the certificates travel
+    with the config to the actors, so only the driver needs the file. Needs TLS."""
+    server_name: str | None = None
+    """The name the service's certificate must match (and the TLS SNI), when it is not the
+    address's host, e.g. a Kubernetes Service name while `address` is an IP. Needs TLS."""
+    token_env: str | None = None
+    """Name of an environment variable whose value is sent as `authorization: Bearer <value>`
+    metadata on every call, for a sidecar that checks it. Its value is read by the process
+    that makes the calls (the driver's up-front check and every inference actor), never
+    carried in the config or Ray's task arguments: set it on the driver and on every node
+    that runs actors (e.g. from one Kubernetes Secret in the head and worker pod templates).
+    Needs TLS, so the token never crosses the network in the clear."""
     application: str = "raypipe"
     """Serve application name, sent as the `application` metadata so the proxy can route."""
     timeout_s: float = Field(120.0, gt=0)
@@ -79,12 +113,83 @@ class ServiceConfig(_Frozen):
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long the up-front reachability check waits before failing the run."""
 
+    _ca_pem: bytes | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scheme(cls, data: Any) -> Any:
+        """Takes `grpc://` or `grpcs://` off the address and into `tls`."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("address"), str) or "://" not in data["address"]:
+            return data
+        scheme, _, rest = data["address"].partition("://")
+        if scheme not in _SCHEMES:
+            raise ValueError(
+                f"address {data['address']!r}: scheme {scheme!r} is not supported (use grpc:// or grpcs://)"
+            )
+        tls = _SCHEMES[scheme]
+        if "tls" in data:
+            try:
+                asked = TypeAdapter(bool).validate_python(data["tls"])
+            except ValidationError:
+                return {**data, "address": rest}  # the field's own validation reports the bad value
+            if asked != tls:
+                raise ValueError(
+                    f"address {data['address']!r} says {'TLS' if tls else 'plaintext'} but tls is {str(asked).lower()}"
+                )
+        return {**data, "address": rest, "tls": tls}
+
     @field_validator("address")
     @classmethod
     def _host_port(cls, v: str) -> str:
         if not re.fullmatch(r"\[?[\w.\-:]+\]?:\d{1,5}", v):
             raise ValueError(f"{v!r} is not host:port")
         return v
+
+    @field_validator("server_name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9\-.]*[A-Za-z0-9])?", v):
+            raise ValueError(f"{v!r} is not a host name")
+        return v
+
+    @field_validator("token_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        # Never echo the value: a token pasted here by mistake must not land in a log.
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("must name an environment variable (letters, digits, _), not hold the token itself")
+        return v
+
+    @model_validator(mode="after")
+    def _tls_settings(self) -> ServiceConfig:
+        if not self.tls:
+            given = [k for k in ("ca_file", "server_name", "token_env") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} TLS: use a grpcs:// address or "
+                    "tls: true" + (" (a token must not cross the network in the clear)" if "token_env" in given else "")
+                )
+        if self.ca_file is not None:
+            self._ca_pem = _read_ca_bundle(Path(self.ca_file))
+        return self
+
+    @property
+    def ca_pem(self) -> bytes | None:
+        """The certificates of `ca_file` (PEM), as read when the config was built."""
+        return self._ca_pem
+
+
+def _read_ca_bundle(path: Path) -> bytes:
+    """The PEM bundle at `path`, checked to hold at least one certificate OpenSSL can load."""
+    try:
+        pem = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read CA file {path}: {e.strerror or e}") from e
+    try:
+        ssl.create_default_context(cadata=pem.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError, ValueError) as e:
+        raise ValueError(f"CA file {path} holds no PEM certificate OpenSSL can load ({e})") from e
+    return pem
 
 
 class RetryConfig(_Frozen):

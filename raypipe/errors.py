@@ -16,6 +16,7 @@
     │   ├── ServiceOverloaded       RESOURCE_EXHAUSTED                               transient, service
     │   ├── ServiceCancelled        CANCELLED by the server                          transient, service
     │   ├── ServiceInternal         INTERNAL, UNKNOWN (a replica died mid-call?)     transient, ambiguous
+    │   ├── ServiceTlsError         TLS handshake failed (CA, name, TLS mismatch)    permanent, set-up
     │   └── RequestRejected         INVALID_ARGUMENT and every other code            permanent, ambiguous
     ├── CircuitOpenError            the service stayed down past the allowed wait: the run stops
     ├── SinkError                   results, dead letters or commit markers could not be written
@@ -59,6 +60,7 @@ __all__ = [
     "ServiceInternal",
     "ServiceOverloaded",
     "ServiceTimeout",
+    "ServiceTlsError",
     "ServiceUnavailable",
     "ShardChangedError",
     "SinkError",
@@ -168,6 +170,20 @@ class ServiceInternal(ModelServiceError):
     kind = "internal"
     transient = True
     service_fault = False
+
+
+class ServiceTlsError(ModelServiceError):
+    """The TLS handshake with the service failed: its certificate is not trusted or not for the
+    name asked, or one side speaks TLS and the other does not. Retrying cannot fix it, so
+    `raypipe.client.check_service` raises it before any data is read."""
+
+    kind = "tls"
+    transient = False
+
+    def __init__(self, message: str, *, address: str, reason: str) -> None:
+        super().__init__(message, status_code="UNAVAILABLE", address=address)
+        self.reason = reason
+        """What failed, e.g. `certificate verify failed: unable to get local issuer certificate`."""
 
 
 class RequestRejected(ModelServiceError):

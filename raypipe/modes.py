@@ -37,7 +37,7 @@ from typing import Any, Literal
 import pyarrow.compute as pc
 
 from raypipe.actor import ActorSettings
-from raypipe.client import check_service
+from raypipe.client import ChannelSecurity, check_service
 from raypipe.config import ClientConfig, PipelineConfig
 from raypipe.dedup import build_index
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
@@ -109,6 +109,8 @@ def _fatal_error(fatal: str) -> RaypipeError:
     d = json.loads(fatal)
     if d["kind"] == "lease_lost":
         return LeaseLostError(d["message"], holder="?", expires_at="?")
+    if d["kind"] == ConfigError.kind:
+        return ConfigError(d["message"])
     return CircuitOpenError(d["message"], waited_s=d.get("waited_s", 0.0), retry_after_s=d.get("retry_after_s", 0.0))
 
 
@@ -132,7 +134,10 @@ def _run(
     report = RunReport(run_id=run_id, mode=mode, output=config.output.uri, started_at=started_at.isoformat())
 
     info = check_service(
-        config.service.address, application=config.service.application, timeout_s=config.service.connect_timeout_s
+        config.service.address,
+        application=config.service.application,
+        timeout_s=config.service.connect_timeout_s,
+        security=ChannelSecurity.of(config.service),
     )
     labels, version, max_batch = info.labels, info.model_version, info.max_batch_size
     client_cfg = config.client
