@@ -110,7 +110,7 @@ def settings_problem(args: Any) -> str | None:
     if args.run_id is not None:
         overrides["run_id"] = args.run_id
     try:
-        load_config(None, overrides, environ={})
+        load_config(None, overrides, environ={}, offline=True)  # the CA file exists in the pod only
     except ConfigError as e:
         return str(e).replace("\n", " ")
     return None

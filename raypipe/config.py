@@ -26,6 +26,7 @@ from pydantic import (
     PrivateAttr,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -161,7 +162,7 @@ class ServiceConfig(_Frozen):
         return v
 
     @model_validator(mode="after")
-    def _tls_settings(self) -> ServiceConfig:
+    def _tls_settings(self, info: ValidationInfo) -> ServiceConfig:
         if not self.tls:
             given = [k for k in ("ca_file", "server_name", "token_env") if getattr(self, k) is not None]
             if given:
@@ -169,7 +170,7 @@ class ServiceConfig(_Frozen):
                     f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} TLS: use a grpcs:// address or "
                     "tls: true" + (" (a token must not cross the network in the clear)" if "token_env" in given else "")
                 )
-        if self.ca_file is not None:
+        if self.ca_file is not None and not (info.context or {}).get("offline"):
             self._ca_pem = _read_ca_bundle(Path(self.ca_file))
         return self
 
@@ -448,8 +449,13 @@ def load_config(
     file: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    offline: bool = False,
 ) -> PipelineConfig:
     """Builds the run's config from a file, the environment and overrides (in that order).
+
+    `offline` checks a config for another machine (a manifest's entrypoint): files it names,
+    such as `service.ca_file`, exist only there, so they are not read.
 
     Below them all, `DD_AGENT_HOST` and `DD_DOGSTATSD_PORT` in `environ` default the DogStatsD
     address (`metrics.dogstatsd_host`, `metrics.dogstatsd_port`)."""
@@ -461,6 +467,6 @@ def load_config(
     if overrides:
         merged = _deep_merge(merged, overrides)
     try:
-        return PipelineConfig.model_validate(merged)
+        return PipelineConfig.model_validate(merged, context={"offline": offline})
     except ValidationError as e:
         raise ConfigError("invalid configuration:\n" + _describe(e)) from e
