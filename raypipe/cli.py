@@ -366,10 +366,13 @@ def _serve(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, runtime=args.runtime)
     if args.force_precision:
         settings = dataclasses.replace(settings, force_precision=True)
+    from raypipe.modes import start_local_ray
+
     if args.detach:
-        ray.init(address="auto", logging_level=logging.WARNING)
+        start_local_ray(address="auto")
     else:
-        ray.init(logging_level=logging.WARNING)
+        # In the foreground the replicas' own lines are the server's log: show them.
+        start_local_ray(log_to_driver=True)
     # Nodes that advertise the pool resource take the replicas (the head and the jobs' nodes
     # do not); without any, the replicas go wherever the cluster has CPUs (one machine).
     pool = pool_nodes(ray.nodes())
@@ -445,6 +448,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from protos.quiet import filtered_stderr
+
+    # Known native lines a healthy run prints on a CPU machine (protos.quiet.NOISE), nothing else.
+    with filtered_stderr():
+        return _dispatch(args)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     from raypipe.errors import ConfigError, InputError, RaypipeError
 
     try:

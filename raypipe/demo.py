@@ -9,7 +9,6 @@ production.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -20,9 +19,9 @@ __all__ = ["run_demo"]
 def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, grpc_port: int = 9000) -> int:
     import pyarrow.compute as pc
     import ray
-    from ray.data import DataContext
 
     from raypipe import api
+    from raypipe.modes import start_local_ray
     from raypipe.outcomes import latest
     from raypipe.samples import write_sample_corpus
     from serve_app.demo_model import build_demo_model, default_demo_model_dir
@@ -35,14 +34,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     corpus = write_sample_corpus(str(work / "input"), rows=rows, parquet_shards=4, jsonl_shards=1)
     print(f"demo: model {model}; {rows:,} paragraphs in 5 shards under {work / 'input'}", flush=True)
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    # Serve's and Ray Data's INFO lines and Ray Data's operator progress bars narrate their
-    # internals (controller namespaces, execution plans); raypipe's own progress shows rows,
-    # rate, ETA and dead letters. Ray Data warns once that its bars are off: not news here.
-    for name in ("ray.serve", "ray.data"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
-    DataContext.get_current().enable_progress_bars = False
+    start_local_ray(num_cpus=2, include_dashboard=False)
     try:
         replicas, cpus = fit_replicas(2)  # the defaults `raypipe serve` picks on a 2-CPU cluster
         options = DeploymentOptions(num_replicas=replicas, num_cpus=cpus)

@@ -77,11 +77,46 @@ def _parse(ts: str | None) -> datetime | None:
     return None if ts is None else datetime.fromisoformat(ts)
 
 
+def start_local_ray(**init_kwargs: Any) -> None:
+    """`ray.init` as raypipe's drivers want it: quiet, and the raypipe logging set up.
+
+    Without RAY_ADDRESS, `ray.init` starts a local cluster with token authentication on (Ray's
+    default, which raypipe keeps) and logs a WARNING that it did; that one line is dropped,
+    any other (token authentication *disabled*, say) still shows.
+    """
+    import ray
+
+    auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    auth_logger.addFilter(_drop_token_auth_enabled)
+    try:
+        ray.init(**{"logging_level": logging.WARNING, "log_to_driver": False, **init_kwargs})
+    finally:
+        auth_logger.removeFilter(_drop_token_auth_enabled)
+    quiet_ray_loggers()
+
+
+def _drop_token_auth_enabled(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+def quiet_ray_loggers() -> None:
+    """Serve's and Ray Data's INFO lines (execution plans, controller namespaces, per-operator
+    progress every few seconds when stderr is no terminal) narrate their internals; raypipe's
+    own progress line shows rows, rate, ETA and dead letters. Their warnings and errors stay."""
+    from ray.data import DataContext
+
+    for name in ("ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Ray Data warns once that its bars are off: not news here.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    DataContext.get_current().enable_progress_bars = False
+
+
 def _ensure_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING, log_to_driver=False)
+        start_local_ray()
 
 
 def _columns(config: PipelineConfig) -> ColumnNames:

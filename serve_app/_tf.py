@@ -22,8 +22,15 @@ def tensorflow() -> ModuleType:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     # C++ INFO/WARNING lines (oneDNN, CUDA stubs) would otherwise flood every replica log.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+    from protos.quiet import filtered_stderr
 
+    # Importing TensorFlow and its first look for devices print CUDA lines on every CPU machine,
+    # before absl's logging (and TF_CPP_MIN_LOG_LEVEL) applies; the filter drops only those.
+    # Listing the GPUs initialises the devices, not the runtime: thread settings still apply.
+    with filtered_stderr():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices("GPU")
     return cast(ModuleType, tf)
 
 
