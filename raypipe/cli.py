@@ -216,6 +216,14 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("shard", nargs="+", help="shard URIs, as the report's bad_shards list them")
         if name == "quarantine":
             q.add_argument("--reason", default="set aside by an operator")
+    lease = sub.add_parser("lease", help="the output's lease: who holds it; declare a dead attempt dead")
+    lease_sub = lease.add_subparsers(dest="lease_command", required=True)
+    for name, text in (("show", "print the lease record"), ("expire", "expire the lease now (its holder is dead)")):
+        q = lease_sub.add_parser(name, help=text)
+        q.add_argument("--output", required=True)
+        if name == "expire":
+            q.add_argument("--run-id", help="only if this run holds it")
+
     migrate = sub.add_parser(
         "migrate", help="copy an output of the earlier layout (results/, dead_letters/ Parquet) into the outcomes table"
     )
@@ -426,6 +434,27 @@ def _serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _lease(args: argparse.Namespace) -> int:
+    from raypipe.lease import Lease
+    from raypipe.store import OutputStore
+
+    lease = Lease(OutputStore(args.output), "raypipe-cli")
+    if args.lease_command == "show":
+        current = lease.current()
+        print(json.dumps({k: v for k, v in (current or {}).items() if k != "token"} or None, indent=1))
+        return EXIT_OK
+    expired = lease.expire(run_id=args.run_id)
+    if expired is None:
+        print(f"{args.output}: no lease (no run is writing)")
+    else:
+        print(
+            f"expired the lease of run {expired.get('holder')} (generation {expired.get('generation')}, host "
+            f"{expired.get('host')}, pid {expired.get('pid')}); a waiting attempt takes over now, and the old one, "
+            "if alive, stops at its next renewal"
+        )
+    return EXIT_OK
+
+
 def _report(args: argparse.Namespace) -> int:
     from raypipe.report import RunReport
     from raypipe.store import OutputStore
@@ -472,6 +501,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             done = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)
             print(json.dumps(done))
             return EXIT_OK
+        if args.command == "lease":
+            return _lease(args)
         if args.command in ("compact", "vacuum", "migrate"):
             from raypipe import outcomes
 

@@ -113,6 +113,7 @@ class Lease:
                 "pid": os.getpid(),
                 "expires_at": expires,
                 "expires_at_iso": _iso(expires),
+                "duration_s": self.duration_s,
             }
         ).encode()
 
@@ -158,19 +159,19 @@ class Lease:
             ) from e
         return True
 
-    def _replace(self, tag: str | None, generation: int) -> bool:
-        """Overwrites the lease only if it is still the version we read."""
+    def _replace(self, tag: str | None, generation: int, body: bytes | None = None) -> bool:
+        """Overwrites the lease (with our record, or `body`) only if it is still the version we read."""
         self.generation = generation
         if self._store.is_local:
             with self._local_lock():
                 _, now_tag = self._read()
                 if now_tag != tag:
                     return False
-                self._store.write_bytes(self._path, self._record())
+                self._store.write_bytes(self._path, body or self._record())
             return True
         bucket, _, key = self._path.partition("/")
         try:
-            self._store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=self._record(), IfMatch=tag)
+            self._store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body or self._record(), IfMatch=tag)
         except PermissionError as e:
             raise OutputPermissionError(
                 f"no permission to write the output lease ({e})", path=self._store.full_uri(self._path)
@@ -228,13 +229,22 @@ class Lease:
                 )
             if expires >= now and not force:
                 wait = min(expires - now + 0.5, self.duration_s / 4)
+                renewed_ago = now - (expires - float(current.get("duration_s", self.duration_s)))
                 logger.warning(
-                    "an earlier attempt of run %s (host %s, pid %s) holds the output lease until %s: waiting for "
-                    "it to expire (use --force to take it over now)",
+                    "waiting %.0f s for the output lease: an earlier attempt of run %s (generation %s, host %s, "
+                    "pid %s) renewed it %.0f s ago and holds it until %s. If that attempt is alive (a driver still "
+                    "running, a RayJob retrying) it keeps renewing and this one keeps waiting; if it is dead (a "
+                    "killed driver, a deleted pod), the lease lapses by itself, or end the wait now with "
+                    "`raypipe lease expire --output %s` (or rerun with --force). Either way the table fences the "
+                    "earlier attempt off: nothing it still writes becomes visible.",
+                    max(expires - now, 0.0),
                     self.holder,
+                    current.get("generation"),
                     current.get("host"),
                     current.get("pid"),
+                    max(renewed_ago, 0.0),
                     current.get("expires_at_iso"),
+                    self._store.uri,
                 )
                 self._sleep(wait)
                 continue
@@ -292,6 +302,39 @@ class Lease:
         except LeaseLostError:
             self.lost = True
             raise
+
+    def current(self) -> dict[str, Any] | None:
+        """The lease record as stored (None: nobody holds the output)."""
+        return self._read()[0]
+
+    def expire(self, *, run_id: str | None = None) -> dict[str, Any] | None:
+        """Declares the current holder dead: the lease is expired at once, with a token no
+        attempt holds, so a waiting attempt takes over now and a holder that was alive after
+        all loses it at its next renewal. Returns the record it expired (None: no lease).
+
+        Safe for the data whatever the holder's state: writes are fenced by the outcomes
+        table's generation, which the next attempt raises when it takes over.
+        """
+        while True:
+            current, tag = self._read()
+            if current is None:
+                return None
+            if run_id is not None and current.get("holder") != run_id:
+                raise OutputLockedError(
+                    f"the lease of {self._store.uri} is held by run {current.get('holder')!r}, not {run_id!r}",
+                    holder=str(current.get("holder")),
+                    expires_at=str(current.get("expires_at_iso")),
+                )
+            now = self._clock()
+            body = {
+                **current,
+                "token": f"expired-by-operator-{uuid.uuid4().hex[:8]}",
+                "expires_at": now - 1,
+                "expires_at_iso": _iso(now - 1),
+                "expired_by": {"host": socket.gethostname(), "pid": os.getpid(), "at": _iso(now)},
+            }
+            if self._replace(tag, int(current.get("generation", 0)), json.dumps(body).encode()):
+                return dict(current)
 
     def held(self) -> bool:
         current, _ = self._read()

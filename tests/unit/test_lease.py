@@ -159,3 +159,42 @@ def test_a_lease_that_cannot_be_renewed_before_it_expires_is_lost(tmp_path):
     finally:
         store.down = False
         lease.release()
+
+
+def test_an_operator_declares_a_dead_attempt_dead_and_the_waiting_resume_takes_over_at_once(tmp_path, caplog):
+    store = OutputStore(str(tmp_path))
+    clock = Clock()
+    killed = Lease(store, "run-a", duration_s=120, clock=clock)
+    killed.acquire()
+    killed._stop.set()  # the driver was killed: no heartbeat, no release
+    slept: list[float] = []
+    operator_acted = False
+
+    def sleep(s: float) -> None:
+        nonlocal operator_acted
+        slept.append(s)
+        if not operator_acted:  # while the resume waits, the operator runs `raypipe lease expire`
+            expired = Lease(store, "raypipe-cli", clock=clock).expire(run_id="run-a")
+            assert expired is not None and expired["holder"] == "run-a" and expired["generation"] == 1
+            operator_acted = True
+
+    resume = Lease(store, "run-a", duration_s=120, clock=clock, sleep=sleep)
+    with caplog.at_level("WARNING", logger="raypipe"):
+        resume.acquire()
+    try:
+        assert slept == [30.0]  # one wait, then the expired lease was taken: no 120 s
+        waiting = caplog.records[0].getMessage()
+        assert "waiting 120 s for the output lease" in waiting and "raypipe lease expire --output" in waiting
+        assert resume.held() and resume.generation == 2
+        with pytest.raises(LeaseLostError):
+            killed.check()  # had it been alive after all, it stops at its next step
+    finally:
+        resume.release()
+
+
+def test_expire_refuses_another_runs_lease_and_says_when_there_is_none(tmp_path):
+    store = OutputStore(str(tmp_path))
+    assert Lease(store, "cli").expire() is None
+    with Lease(store, "run-b", duration_s=60):
+        with pytest.raises(OutputLockedError, match="run-b"):
+            Lease(store, "cli").expire(run_id="run-a")
