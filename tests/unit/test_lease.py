@@ -195,6 +195,5 @@ def test_an_operator_declares_a_dead_attempt_dead_and_the_waiting_resume_takes_o
 def test_expire_refuses_another_runs_lease_and_says_when_there_is_none(tmp_path):
     store = OutputStore(str(tmp_path))
     assert Lease(store, "cli").expire() is None
-    with Lease(store, "run-b", duration_s=60):
-        with pytest.raises(OutputLockedError, match="run-b"):
-            Lease(store, "cli").expire(run_id="run-a")
+    with Lease(store, "run-b", duration_s=60), pytest.raises(OutputLockedError, match="run-b"):
+        Lease(store, "cli").expire(run_id="run-a")
