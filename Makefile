@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 # Keep Ray on 127.0.0.1 (by default it swaps loopback for the host's routable address).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: venv protos demo-model demo test unit integration lint typecheck clean bench bench-quick
+.PHONY: venv protos demo-model demo notebooks test unit integration lint typecheck clean bench bench-quick
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ demo-model: $(STAMP)  ## build (or reuse) the offline demo model in .cache/demo-
 
 demo: $(STAMP)  ## the whole path on a local cluster: model, corpus, Serve gRPC app, backfill, report
 	$(PY) -m raypipe demo --workdir demo-output
+
+notebooks: $(STAMP)  ## execute notebooks/ in place against a local cluster, so they are committed with outputs
+	$(PY) notebooks/execute.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

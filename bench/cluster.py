@@ -278,6 +278,14 @@ def heavy_lock(path: str | None) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass
 class Node:
     name: str
@@ -342,6 +350,11 @@ class LocalNodes:
             *(("--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}")
               if head else (f"--address={self.address}",)),
             "--node-ip-address=127.0.0.1",
+            # Fixed defaults (the agent's HTTP port 52365, the metrics port) would collide between
+            # nodes of one host: the second node's agent could not bind, and a head without its
+            # agent takes no `ray job submit` ("No available agent to submit job").
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}",
             f"--num-cpus={num_cpus:g}",
             f"--object-store-memory={self.object_store_mb * 2**20}",
             f"--temp-dir={temp_dir}",

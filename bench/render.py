@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 __all__ = ["LINE_TITLES", "derive", "render_markdown"]
@@ -185,6 +186,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             "in the log afterwards).",
             "",
         ]
+    pool = results.get("pool")
+    if pool:
+        out += _pool_table(pool)
     precision = results.get("precision")
     if precision:
         out += ["### Faster precision", ""]
@@ -260,4 +264,40 @@ def _precision_tables(precision: dict[str, Any]) -> list[str]:
                 + " | ".join(f"{profile['shares'][k]:.0%}" for k in parts)
                 + " |"
             )
+    return out
+
+
+def _pool_table(pool: dict[str, Any]) -> list[str]:
+    out = [
+        "### The CPU pool (several Ray nodes on this host)",
+        "",
+        f"{pool['rows']:,} paragraphs per line; pool nodes of {_f(pool['node_cpus'], '{:g}')} CPU, one replica "
+        f"each; the jobs' cluster on its own node; {pool['host_cpus']} physical CPUs shared by all. In process, "
+        f"the same threads per pass: {_f(pool['inprocess_para_per_s'], '{:.1f}')} para/s, "
+        f"{_f(pool['inprocess_cpu_s_per_para'] * 1000, '{:.2f}')} CPU-ms per paragraph.",
+        "",
+        "| line | nodes | rows/s | retries | replica CPU-ms/para | × in-process | replicas over time | notes |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for name, line in pool["lines"].items():
+        counts = [n for _, n in line.get("replicas_over_time", [])]
+        shape = "→".join(str(n) for n, _ in itertools.groupby(counts)) or "–"
+        notes = ""
+        if "longest_pause_after_kill_s" in line:
+            notes = (
+                f"pool-1 killed after {line['killed_after_units']} units; longest pause between commits after it "
+                f"{_f(line['longest_pause_after_kill_s'])} s (median gap before {_f(line['median_gap_before_kill_s'])}"
+                f" s); calls {line['status_counts']}"
+            )
+        out.append(
+            f"| {name} | {line['nodes']} | {_f(line['report_rows_per_s'], '{:.1f}')} | {line['retries']} | "
+            f"{_f(line['replica_cpu_s_per_para'] * 1000)} | {_f(line['replica_cpu_vs_inprocess'])} | "
+            f"{shape} | {notes} |"
+        )
+    out += [
+        "",
+        f"2 vs 1 pool nodes: **{_f(pool['ratio_2_vs_1_nodes'])}×** rows/s (same run); a node lost mid-run: "
+        f"{_f(pool['node_lost_wall_vs_nodes_2'])}× the wall time of the undisturbed 2-node line, every id once.",
+        "",
+    ]
     return out

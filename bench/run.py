@@ -4,6 +4,7 @@
     python -m bench.run --quick              # MiniLM only, small counts: a smoke run
     python -m bench.run --models minilm-l6 --sections lines
     python -m bench.run --sections daily     # the 1M-row daily-delta line (slow to set up)
+    python -m bench.run --models minilm-l6 --sections pool   # 1 vs 2 pool nodes, autoscaling, a node lost
 
 Writes ``bench/results/bench-<UTC time>.json`` and ``.md`` (and ``latest.*``). Counts per
 line follow the measured ceiling so each line runs about ``--line-seconds``. Every step that
@@ -535,7 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sections",
         default="lines,memory,precision,driver,commits",
-        help="comma-separated of lines, memory, precision, driver, commits, daily (default: all but daily)",
+        help="comma-separated of lines, memory, precision, driver, commits, daily, pool (default: all but daily, pool)",
     )
     p.add_argument("--line-seconds", type=float, help="target duration of lines (b)-(d) (default: 60, bert-base 180)")
     p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
@@ -543,6 +544,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
     p.add_argument("--cluster-cpus", type=int, default=2)
     p.add_argument("--daily-rows", type=int, default=1_000_000)
+    p.add_argument("--pool-rows", type=int, default=4000, help="paragraphs per line of the pool section")
+    p.add_argument("--pool-node-cpus", type=float, default=1.0, help="CPUs of each pool node (one replica each)")
     p.add_argument("--daily-layout", choices=("appended", "scattered"), default="appended")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--workdir", default=".cache/bench-work")
@@ -625,6 +628,15 @@ def main(argv: list[str] | None = None) -> int:
             print("bench: commits (8 concurrent writers, moto S3)", flush=True)
             with heavy_lock(args.lock):
                 results["commits"] = run_commits(8)
+            save()
+        if "pool" in sections:
+            from bench.pool import run_pool
+
+            print("bench: pool (1 vs 2 nodes, autoscaling, a node lost)", flush=True)
+            with heavy_lock(args.lock):
+                results["pool"] = run_pool(
+                    bench, model_dirs[names[0]], corpus, rows=args.pool_rows, node_cpus=args.pool_node_cpus
+                )
             save()
         if "daily" in sections:
             from bench.daily import run_daily

@@ -390,7 +390,10 @@ def _serve(args: argparse.Namespace) -> int:
     replicas = default_replicas if args.num_replicas is None else args.num_replicas
     autoscaling = None
     if replicas == "auto":
-        capacity = sum(int(c // cpus) for c in pool) if pool else int(ray.cluster_resources().get("CPU", 1.0) // cpus)
+        if args.num_cpus is None:  # sized to the nodes: what fit_pool/fit_replicas said they hold
+            capacity = fitted[0]
+        else:
+            capacity = sum(int(c // cpus) for c in pool) if pool else int(ray.cluster_resources().get("CPU", 1) // cpus)
         autoscaling = Autoscaling(
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas or max(capacity, args.min_replicas),

@@ -25,6 +25,7 @@ run's committed dead letters and replaces them, in the same commit, with what th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -149,6 +150,21 @@ def _fatal_error(fatal: str) -> RaypipeError:
     return CircuitOpenError(d["message"], waited_s=d.get("waited_s", 0.0), retry_after_s=d.get("retry_after_s", 0.0))
 
 
+def _quiet(run: Callable[..., RunReport]) -> Callable[..., RunReport]:
+    """Runs `run` with the known native noise off fd 2 (`protos.quiet`): also for notebook and
+    script users of the API, whose cells would otherwise show Ray Data's actor-args ERROR."""
+
+    @functools.wraps(run)
+    def quiet(*args: Any, **kwargs: Any) -> RunReport:
+        from protos.quiet import filtered_stderr
+
+        with filtered_stderr():
+            return run(*args, **kwargs)
+
+    return quiet
+
+
+@_quiet
 def _run(
     config: PipelineConfig,
     mode: str,

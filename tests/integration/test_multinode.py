@@ -81,6 +81,9 @@ class Pool:
 
     http_port: int = 0
 
+    def delete(self, app: str) -> None:
+        self.on_service(f"from ray import serve\nserve.delete({app!r})\nout = True")
+
     def replicas(self, app: str) -> list[str]:
         """Node ids of the alive replicas of `app`."""
         code = (
@@ -106,8 +109,11 @@ def pool(s3: S3, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     work = tmp_path_factory.mktemp("multinode")
     # Short temp roots: Ray's socket paths must fit in 107 bytes.
     root = Path(f"/tmp/rpmn-{os.getpid()}")
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # Started as from a fresh shell: the virtualenv is not on PATH, so a job entrypoint's bare
+    # `python` is the system's (without raypipe's packages), as a new user meets it.
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    env = {**os.environ, "PATH": path}
     service = LocalNodes(root / "svc", port=free_port(), dashboard_port=free_port(), env=env)
     jobs = LocalNodes(root / "job", port=free_port(), dashboard_port=free_port(), env=env)
     with service, jobs:
@@ -194,6 +200,40 @@ def test_a_pool_node_lost_mid_run_loses_nothing(pool, corpus, s3):
     pool.service.add_node("pool-b", num_cpus=2, resources=POOL)  # back for the tests after this one
 
 
+def readme_job_submit() -> list[str]:
+    """The README's local `ray job submit` command, as words (a bash block under its heading)."""
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("### `ray job submit`", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " "))
+
+
+@pytest.mark.timeout(600)
+def test_the_readme_job_submit_runs_from_a_fresh_shell(pool, corpus, s3):
+    """The README's command, typed in a shell without the virtualenv activated, against a cluster
+    started the same way: the entrypoint must not depend on what `python` means on PATH."""
+    words = readme_job_submit()
+    assert words[:3] == ["ray", "job", "submit"], words
+    out = f"{s3.bucket('multinode')}/out-job"
+    values = {
+        "http://HEAD:8265": pool.jobs.dashboard_url,
+        "s3://corpus/paragraphs/": corpus.uri,
+        "s3://out/emotions/": out,
+        "raypipe-serve:9000": pool.address,
+        ".": str(ROOT),
+    }
+    cmd = [str(Path(sys.executable).parent / "ray")]
+    cmd += [values.get(w, w).replace("$PWD", str(ROOT)) for w in words[1:]]
+    cmd += ["--set", "service.application=fixed"]
+    pool.serve("fixed")
+    done = subprocess.run(cmd, env=pool.env(pool.jobs), capture_output=True, text=True, timeout=500, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_id = words[words.index("--run-id") + 1]
+    assert report_of(out, run_id)["status"] == "completed"
+    assert_nothing_lost(out, corpus.ids)
+
+
 def _actor_nodes(nodes: LocalNodes, class_part: str) -> set[str]:
     from ray.util.state import list_actors
 
@@ -234,6 +274,7 @@ def _commits(s3: S3, out: str) -> int:
 
 @pytest.mark.timeout(600)
 def test_autoscaled_replicas_follow_a_backfill_up_to_the_pool_and_back(pool, s3):
+    pool.delete("fixed")  # the pool's CPUs are the autoscaled app's alone
     printed = pool.serve("auto", "--num-replicas", "auto", "--upscale-delay-s", "2", "--downscale-delay-s", "10")
     assert "1-2 replicas (auto)" in printed, printed  # max: what the pool's CPUs hold
     corpus = write_sample_corpus(
