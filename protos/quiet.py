@@ -50,14 +50,18 @@ def is_noise(line: str) -> bool:
 def filtered_stderr() -> Iterator[None]:
     """Drops `NOISE` lines written to fd 2 (by any thread or native code) within the block.
 
-    A no-op where fd 2 cannot be redirected (no real stderr, e.g. under some notebook kernels).
+    Native code writes to descriptor 2 whatever `sys.stderr` is (a Jupyter kernel replaces
+    `sys.stderr` and reads descriptor 2 through a pipe of its own), so descriptor 2 is what is
+    filtered. A no-op where the process has no descriptor 2.
     """
+    stderr_fd = 2
     try:
-        stderr_fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
+        os.fstat(stderr_fd)
+    except OSError:
         yield
         return
-    sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
     saved = os.dup(stderr_fd)
     read_end, write_end = os.pipe()
     os.dup2(write_end, stderr_fd)
@@ -81,7 +85,8 @@ def filtered_stderr() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
         os.dup2(saved, stderr_fd)  # closes this process's last write end: the pump sees EOF
         os.close(saved)
         # Child processes started inside the block (a local Ray cluster) may still hold the
