@@ -10,8 +10,11 @@ process), uploaded once per section. Each step runs in a child process, as a dri
    (`getrusage`), and the S3 requests by operation (botocore's `before-call` events);
 2. **requests**: on a sample of shards, the requests per footer of the read planning made
    before (`fs.open(..., cache_type="none")` + `pq.ParquetFile`) and of `sources._read_footer`,
-   with s3fs's listing cache warm (after `list_input`, as in a run) and cold;
-3. **first commit**: `raypipe backfill` over the whole input against the demo model on a local
+   with s3fs's listing cache warm (after `list_input`, as in a run) and cold, and the driver's
+   CPU per footer (also of Arrow's C++ S3 client, which raypipe does not use, for comparison);
+3. **latency**: plan on the same sample one at a time and in parallel through a proxy that
+   delays each request by `--planning-latency-ms` (moto on loopback answers at once; S3 does not);
+4. **first commit**: `raypipe backfill` over the whole input against the demo model on a local
    Ray cluster, until the outcomes table's log holds the first unit's commit (then the driver is
    killed): the time of each step from the driver's log, and the driver's peak RSS.
 
@@ -22,12 +25,14 @@ reported beside the driver's so the two can be told apart.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -127,6 +132,8 @@ def child_plan(payload: dict[str, Any]) -> dict[str, Any]:
     cpu0, _ = _usage()
     t0 = time.perf_counter()
     listing = list_input(cfg.uri, format=cfg.format)
+    if payload.get("sample"):
+        listing.shards = listing.shards[: payload["sample"]]
     t1 = time.perf_counter()
     listed = dict(counts)
     seen = PlanObservations(limit=datetime.now(UTC) + timedelta(seconds=cfg.max_future_skew_s))
@@ -177,13 +184,14 @@ def child_requests(payload: dict[str, Any]) -> dict[str, Any]:
     counts = _count_requests(fs)
     paths = [uri.removeprefix("s3://") for uri, _ in list_input(payload["uri"]).shards[: payload["sample"]]]
     out: dict[str, Any] = {"sample": len(paths)}
-    for name, read in (("before", _footer_before), ("now", _read_footer)):
-        for cache in ("warm", "cold"):
+    for name, read in (("before", _footer_before), ("now", _read_footer), ("arrow", _arrow_reader(fs))):
+        for cache in ("warm", "cold") if name != "arrow" else ("warm",):
             if cache == "warm":
                 fs.find(f"{_BUCKET}/{_PREFIX}/", detail=True)  # what list_input leaves in a driver
             else:
                 fs.invalidate_cache()
             counts.clear()
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             for path in paths:
                 read(fs, path)
@@ -191,8 +199,33 @@ def child_requests(payload: dict[str, Any]) -> dict[str, Any]:
             out[f"{name}_{cache}"] = {
                 "per_shard": {k: round(v / len(paths), 3) for k, v in sorted(counts.items())},
                 "ms_per_shard": round(1000 * wall / len(paths), 2),
+                "cpu_ms_per_shard": round(1000 * (time.process_time() - cpu0) / len(paths), 2),
             }
+    out["arrow_warm"]["per_shard"] = {"GET (not seen by botocore)": 1}
     return out
+
+
+def _arrow_reader(fs: Any) -> Any:
+    """A footer read by Arrow's C++ S3 client with the size from the listing (no HEAD)."""
+    import pyarrow.dataset as ds
+    import pyarrow.fs as pafs
+
+    scheme, host = os.environ["AWS_ENDPOINT_URL"].split("://", 1)
+    arrow_fs = pafs.S3FileSystem(
+        endpoint_override=host,
+        scheme=scheme,
+        access_key=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        region=os.environ["AWS_DEFAULT_REGION"],
+    )
+    fmt = ds.ParquetFileFormat()
+
+    def read(_: Any, path: str) -> Any:
+        fragment = fmt.make_fragment(path, arrow_fs, file_size=fs.info(path)["size"])
+        fragment.ensure_complete_metadata()
+        return fragment.metadata
+
+    return read
 
 
 # -- the parent ------------------------------------------------------------------------------
@@ -213,6 +246,51 @@ def _child(kind: str, payload: dict[str, Any], *, env: dict[str, str], log: Path
     result["process_wall_s"] = round(time.perf_counter() - t0, 2)
     result["moto_cpu_s"] = round(sum(moto.cpu_times()[:2]) - moto_cpu0, 1)
     return result
+
+
+class DelayProxy:
+    """A loopback TCP forwarder that holds each client write `delay_s` before passing it on:
+    every request then waits about that long, as on a network (moto on loopback answers at once)."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = 0
+        threading.Thread(target=self._run, daemon=True).start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    if delay:
+                        await asyncio.sleep(delay)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, self.delay_s), pipe(up_reader, writer, 0.0))
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def _unit_commits(fs: Any, log_dir: str, read: set[str]) -> bool:
@@ -281,6 +359,23 @@ def first_commit(
     return result
 
 
+def _with_latency(bench: Bench, server: Any, env: dict[str, str], sample: dict[str, Any], pid: int) -> dict[str, Any]:
+    """Planning the sample one at a time and in parallel with a delay added to every request."""
+    delay_ms = bench.args.planning_latency_ms
+    proxy = DelayProxy(int(server.endpoint.rsplit(":", 1)[1]), delay_ms / 1000)
+    slow = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
+    out: dict[str, Any] = {"latency_ms": delay_ms}
+    try:
+        for name, threads in (("sequential", 1), ("parallel", None)):
+            log = bench.logs / f"planning-latency-{name}.log"
+            out[name] = _child("plan", {**sample, "threads": threads}, env=slow, log=log, moto_pid=pid)
+    finally:
+        proxy.stop()
+    par_s, seq_s = out["parallel"]["plan_s"], out["sequential"]["plan_s"]
+    out["speedup"] = round(seq_s / par_s, 2) if par_s else None
+    return out
+
+
 def run_planning(bench: Bench, demo: Path) -> dict[str, Any]:
     """The whole section; holds ``--lock`` throughout (every step loads both cores)."""
     import s3fs
@@ -308,6 +403,8 @@ def run_planning(bench: Bench, demo: Path) -> dict[str, Any]:
         result["runs"] = runs
         sample = {"uri": uri, "sample": min(_SAMPLE, shards)}
         result["requests"] = _child("requests", sample, env=env, log=bench.logs / "planning-requests.log", moto_pid=pid)
+        if args.planning_latency_ms:
+            result["latency"] = _with_latency(bench, server, env, sample, pid)
         if args.planning_first_commit:
             result["first_commit"] = first_commit(bench, demo, fs=fs, env=s3env, uri=uri, timeout_s=1800)
     seq, par = runs["sequential"], runs["parallel"]

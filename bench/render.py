@@ -304,15 +304,24 @@ def _planning(planning: dict[str, Any]) -> list[str]:
             f"Requests per footer on {req['sample']:,} shards, one at a time (before: `fs.open` + "
             "`pq.ParquetFile`; now: one suffix-range read of the tail):",
             "",
-            "| footer read | s3fs listing cache | requests per shard | ms per shard |",
-            "|---|---|---|---:|",
+            "| footer read | s3fs listing cache | requests per shard | ms per shard | driver CPU ms per shard |",
+            "|---|---|---|---:|---:|",
         ]
-        for key in ("before_warm", "before_cold", "now_warm", "now_cold"):
+        for key in ("before_warm", "before_cold", "now_warm", "now_cold", "arrow_warm"):
             if key in req:
                 name, cache = key.split("_")
+                name = {"arrow": "Arrow C++ S3, size from the listing (not used)"}.get(name, name)
                 r = req[key]
                 calls = ", ".join(f"{v:g} {k}" for k, v in r["per_shard"].items()) or "none"
-                out.append(f"| {name} | {cache} | {calls} | {r['ms_per_shard']} |")
+                out.append(f"| {name} | {cache} | {calls} | {r['ms_per_shard']} | {r.get('cpu_ms_per_shard', '–')} |")
+    lat = planning.get("latency")
+    if lat:
+        out += [
+            "",
+            f"With {lat['latency_ms']:g} ms added to every request (a proxy), planning the same "
+            f"{lat['parallel']['shards']:,} shards: one at a time {lat['sequential']['plan_s']} s, "
+            f"{lat['parallel']['threads']} threads {lat['parallel']['plan_s']} s: **{_f(lat.get('speedup'))}×**.",
+        ]
     first = planning.get("first_commit")
     if first:
         steps = first.get("steps_s", {})

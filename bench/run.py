@@ -548,6 +548,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--daily-layout", choices=("appended", "scattered"), default="appended")
     p.add_argument("--planning-shards", type=int, default=50_000, help="shards of the planning line")
     p.add_argument(
+        "--planning-latency-ms",
+        type=float,
+        default=20.0,
+        help="delay per S3 request of the planning line's latency sample (0: skip it)",
+    )
+    p.add_argument(
         "--planning-first-commit",
         action=argparse.BooleanOptionalAction,
         default=True,
