@@ -175,6 +175,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"every unit's summary peaks at {driver['fold_peak_mb']} MB ({driver['fold_s']} s).",
             "",
         ]
+    planning = results.get("planning")
+    if planning:
+        out += _planning(planning)
     commits = results.get("commits")
     if commits:
         out += [
@@ -298,6 +301,82 @@ def _pool_table(pool: dict[str, Any]) -> list[str]:
         "",
         f"2 vs 1 pool nodes: **{_f(pool['ratio_2_vs_1_nodes'])}×** rows/s (same run); a node lost mid-run: "
         f"{_f(pool['node_lost_wall_vs_nodes_2'])}× the wall time of the undisturbed 2-node line, every id once.",
+        "",
+    ]
+    return out
+
+
+def _per_shard(requests: dict[str, int], shards: int) -> str:
+    return ", ".join(f"{v / shards:.2f} {k}" for k, v in sorted(requests.items())) or "none"
+
+
+def _planning(planning: dict[str, Any]) -> list[str]:
+    """The planning line: list + plan one shard at a time and in parallel, requests, first commit."""
+    shards = planning["shards"]
+    out = [
+        f"### Planning {shards:,} shards (moto S3)",
+        "",
+        f"{shards:,} Parquet shards of {planning['rows_per_shard']} rows (id, text, updated_at; "
+        f"{planning['input_bytes'] / 2**20:,.1f} MB), uploaded in {planning['upload_s']} s. `list_input` + "
+        "`plan_units` with the `InputConfig` defaults, each in its own process, on the same listing:",
+        "",
+        "| planning | threads | list s | plan s | total s | shards/s | driver CPU s | moto CPU s "
+        "| driver peak RSS MB | requests per shard (planning) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, run in planning["runs"].items():
+        out.append(
+            f"| {name} | {run['threads']} | {run['list_s']} | {run['plan_s']} | **{run['total_s']}** "
+            f"| {_f(run['shards'] / run['total_s'] if run['total_s'] else None, '{:.0f}')} | {run['cpu_s']} "
+            f"| {run['moto_cpu_s']} | {run['peak_rss_bytes'] / 2**20:,.0f} "
+            f"| {_per_shard(run['plan_requests'], shards)} |"
+        )
+    par = planning["runs"].get("parallel", {})
+    out += [
+        "",
+        f"Parallel over sequential: **{_f(planning.get('speedup'))}×** (same run, same listing). Listing: "
+        f"{_per_shard(par.get('list_requests', {}), 1)} requests in all.",
+    ]
+    req = planning.get("requests")
+    if req:
+        out += [
+            "",
+            f"Requests per footer on {req['sample']:,} shards, one at a time (before: `fs.open` + "
+            "`pq.ParquetFile`; now: one suffix-range read of the tail):",
+            "",
+            "| footer read | s3fs listing cache | requests per shard | ms per shard | driver CPU ms per shard |",
+            "|---|---|---|---:|---:|",
+        ]
+        for key in ("before_warm", "before_cold", "now_warm", "now_cold", "arrow_warm"):
+            if key in req:
+                name, cache = key.split("_")
+                name = {"arrow": "Arrow C++ S3, size from the listing (not used)"}.get(name, name)
+                r = req[key]
+                calls = ", ".join(f"{v:g} {k}" for k, v in r["per_shard"].items()) or "none"
+                out.append(f"| {name} | {cache} | {calls} | {r['ms_per_shard']} | {r.get('cpu_ms_per_shard', '–')} |")
+    lat = planning.get("latency")
+    if lat:
+        out += [
+            "",
+            f"With {lat['latency_ms']:g} ms added to every request (a proxy), planning the same "
+            f"{lat['parallel']['shards']:,} shards: one at a time {lat['sequential']['plan_s']} s, "
+            f"{lat['parallel']['threads']} threads {lat['parallel']['plan_s']} s: **{_f(lat.get('speedup'))}×**.",
+        ]
+    first = planning.get("first_commit")
+    if first:
+        steps = first.get("steps_s", {})
+        out += [
+            "",
+            f"`raypipe backfill` over the {shards:,} shards (demo model, local Ray cluster), seconds from its "
+            f"start: planned at {steps.get('planned', '–')}, pipeline started at {steps.get('pipeline_started', '–')}, "
+            f"**first unit committed at {steps.get('first_commit', '–')}**; driver peak RSS "
+            f"**{_f(first.get('driver_peak_rss_bytes', 0) / 2**20, '{:,.0f}')} MB** (the driver and its children)."
+            + (f" {first['error']}" if first.get("error") else ""),
+        ]
+    out += [
+        "",
+        "Goal for 50k shards: planning ≤ 120 s, driver RSS ≤ 1 GiB: "
+        f"**{'met' if planning.get('met') else 'NOT met'}**.",
         "",
     ]
     return out

@@ -5,6 +5,7 @@
     python -m bench.run --models minilm-l6 --sections lines
     python -m bench.run --sections daily     # the 1M-row daily-delta line (slow to set up)
     python -m bench.run --models minilm-l6 --sections pool   # 1 vs 2 pool nodes, autoscaling, a node lost
+    python -m bench.run --sections planning  # planning 50k shards on moto S3, time to the first commit
 
 Writes ``bench/results/bench-<UTC time>.json`` and ``.md`` (and ``latest.*``). Counts per
 line follow the measured ceiling so each line runs about ``--line-seconds``. Every step that
@@ -536,7 +537,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sections",
         default="lines,memory,precision,driver,commits",
-        help="comma-separated of lines, memory, precision, driver, commits, daily, pool (default: all but daily, pool)",
+        help="comma-separated of lines, memory, precision, driver, commits, daily, planning, pool "
+        "(default: all but daily, planning and pool)",
     )
     p.add_argument("--line-seconds", type=float, help="target duration of lines (b)-(d) (default: 60, bert-base 180)")
     p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
@@ -547,6 +549,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-rows", type=int, default=4000, help="paragraphs per line of the pool section")
     p.add_argument("--pool-node-cpus", type=float, default=1.0, help="CPUs of each pool node (one replica each)")
     p.add_argument("--daily-layout", choices=("appended", "scattered"), default="appended")
+    p.add_argument("--planning-shards", type=int, default=50_000, help="shards of the planning line")
+    p.add_argument(
+        "--planning-latency-ms",
+        type=float,
+        default=20.0,
+        help="delay per S3 request of the planning line's latency sample (0: skip it)",
+    )
+    p.add_argument(
+        "--planning-first-commit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run a backfill over them to its first unit commit (Ray cluster)",
+    )
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--workdir", default=".cache/bench-work")
     p.add_argument("--models-cache", default=".cache/bench-models")
@@ -594,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             demo = build_demo_model(default_demo_model_dir())
         corpus = bench.write_corpus(_CORPUS_ROWS)
         model_dirs = {}
-        for name in names:
+        for name in names if sections & {"lines", "precision"} else []:
             with heavy_lock(args.lock):
                 model_dirs[name] = ensure_model(
                     SHAPES[name], demo_model_dir=demo, cache=Path(args.models_cache), env=bench.env
@@ -637,6 +652,12 @@ def main(argv: list[str] | None = None) -> int:
                 results["pool"] = run_pool(
                     bench, model_dirs[names[0]], corpus, rows=args.pool_rows, node_cpus=args.pool_node_cpus
                 )
+            save()
+        if "planning" in sections:
+            from bench.planning import run_planning
+
+            print(f"bench: planning ({args.planning_shards:,} shards on moto S3)", flush=True)
+            results["planning"] = run_planning(bench, demo)  # holds --lock itself
             save()
         if "daily" in sections:
             from bench.daily import run_daily

@@ -278,6 +278,10 @@ class InputConfig(_Frozen):
     max_future_skew_s: float = Field(3600.0, ge=0)
     """An updated_at later than now plus this is in the future (a sentinel, a clock ahead): the
     row is inferred, the report counts it, and it never moves the watermark."""
+    planning_threads: int = Field(16, ge=1)
+    """Shards whose footers the driver reads at once while planning (one ranged GET each on
+    S3): a 50k-shard backfill waits on 50k requests before its first unit. 1 plans them one
+    after another; the plan is the same either way."""
 
     @field_validator("uri")
     @classmethod

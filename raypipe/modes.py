@@ -385,6 +385,7 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
         "on_bad_shard": _on_bad_shard(config, mode),
         "observations": seen,
         "fingerprints": listing.fingerprints,
+        "threads": config.input.planning_threads,
     }
     units, bad = plan_units(whole, **common)
     for upto, shards in sorted(rewritten.items()):
@@ -431,6 +432,7 @@ def _retry_bad_shards(config: PipelineConfig, plan: Plan) -> Plan:
         columns=_columns(config),
         on_bad_shard="record",
         fingerprints=listing.fingerprints,
+        threads=config.input.planning_threads,
     )
     gone = [b for b in plan.bad_shards if b["shard"] not in listing.fingerprints]
     bad += [{**b, "error": "the shard is gone from the input"} for b in gone]

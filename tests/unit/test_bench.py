@@ -141,3 +141,73 @@ def test_markdown_shows_agreement_per_domain_speed_per_setting_and_the_profile()
     assert "| tiny | auto → openvino:fp32 | 1.30 | 13.0 | 1.25 |" in md
     assert "| tiny | openvino:int8 | error: no int8 build |" in md
     assert "| tiny | tensorflow:fp32 | 100.0 | 5% | 25% | 50% | 20% |" in md
+
+
+def _planning():
+    run = {
+        "threads": 1,
+        "shards": 50_000,
+        "list_s": 2.0,
+        "plan_s": 298.0,
+        "total_s": 300.0,
+        "cpu_s": 150.0,
+        "moto_cpu_s": 160.0,
+        "peak_rss_bytes": 400 * 2**20,
+        "list_requests": {"ListObjectsV2": 50},
+        "plan_requests": {"GetObject": 50_000},
+    }
+    return {
+        "shards": 50_000,
+        "rows_per_shard": 8,
+        "input_bytes": 230 * 2**20,
+        "upload_s": 200.0,
+        "runs": {"sequential": run, "parallel": {**run, "threads": 16, "plan_s": 98.0, "total_s": 100.0}},
+        "speedup": 3.0,
+        "requests": {
+            "sample": 1000,
+            "before_cold": {"per_shard": {"GetObject": 1.0, "HeadObject": 1.0}, "ms_per_shard": 8.6},
+            "now_cold": {"per_shard": {"GetObject": 1.0}, "ms_per_shard": 4.3, "cpu_ms_per_shard": 2.1},
+        },
+        "latency": {
+            "latency_ms": 20.0,
+            "sequential": {**run, "shards": 1000, "plan_s": 28.0},
+            "parallel": {**run, "shards": 1000, "threads": 16, "plan_s": 4.0},
+            "speedup": 7.0,
+        },
+        "first_commit": {
+            "steps_s": {"planned": 110.0, "pipeline_started": 115.0, "first_commit": 140.0},
+            "driver_peak_rss_bytes": 700 * 2**20,
+        },
+        "met": True,
+    }
+
+
+def test_markdown_shows_the_planning_line():
+    results = _results()
+    results["planning"] = _planning()
+    md = render_markdown(results)
+    assert "### Planning 50,000 shards (moto S3)" in md
+    assert "| sequential | 1 | 2.0 | 298.0 | **300.0** | 167 | 150.0 | 160.0 | 400 | 1.00 GetObject |" in md
+    assert "| parallel | 16 | 2.0 | 98.0 | **100.0** | 500 |" in md and "**3.00×**" in md
+    assert "50.00 ListObjectsV2" in md
+    assert (
+        "| before | cold | 1 GetObject, 1 HeadObject | 8.6 | – |" in md
+        and "| now | cold | 1 GetObject | 4.3 | 2.1 |" in md
+    )
+    assert "one at a time 28.0 s, 16 threads 4.0 s: **7.00×**" in md
+    assert "**first unit committed at 140.0**" in md and "**700 MB**" in md and "**met**" in md
+
+
+def test_first_commit_is_the_first_log_entry_that_adds_files(tmp_path):
+    import fsspec
+
+    from bench.planning import _unit_commits
+
+    fs, log, read = fsspec.filesystem("file"), tmp_path / "_delta_log", set()
+    assert not _unit_commits(fs, str(log), read)  # no table yet
+    log.mkdir()
+    (log / "00000.json").write_text('{"protocol":{}}\n{"metaData":{}}\n{"commitInfo":{}}\n')
+    (log / "00001.json").write_text('{"txn":{"appId":"a","version":1}}\n{"commitInfo":{}}\n')  # a takeover
+    assert not _unit_commits(fs, str(log), read)
+    (log / "00002.json").write_text('{"txn":{}}\n{"add":{"path":"run_id=r/u.parquet"}}\n{"commitInfo":{}}\n')
+    assert _unit_commits(fs, str(log), read) and not _unit_commits(fs, str(log), read)

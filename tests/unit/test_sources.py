@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import json
+import threading
 from datetime import UTC, datetime
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raypipe import sources
 from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedError
-from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, list_input, list_shards, plan_units, read_unit
+from raypipe.sources import (
+    ColumnNames,
+    DeltaWindow,
+    PlanObservations,
+    WorkUnit,
+    list_input,
+    list_shards,
+    plan_units,
+    read_unit,
+)
 
 COLS = ColumnNames()
 
@@ -155,3 +167,124 @@ def test_unit_round_trips_through_its_dict():
     u = WorkUnit("s3://b/k.parquet", "parquet", 10, 20)
     assert WorkUnit.from_dict(u.to_dict()) == u
     assert WorkUnit.from_dict(u.to_dict()).key == u.key
+
+
+def _mixed_corpus(root):
+    """Shards of every kind planning meets: row groups with updated_at statistics (one in the
+    future, some nulls), JSON lines, a corrupt file, a missing column, an empty Parquet file."""
+    stamps = pa.timestamp("us", tz="UTC")
+    for k in range(8):
+        ts = [datetime(2026, 1, 1 + k, tzinfo=UTC), None, datetime(2026, 2, 1 + k, tzinfo=UTC)] * 10
+        if k == 5:
+            ts[-1] = datetime(9999, 12, 31, tzinfo=UTC)  # a sentinel: in the future
+        n = len(ts)
+        write_parquet(
+            root / f"s{k}.parquet",
+            [f"{k}-{i}" for i in range(n)],
+            ["t"] * n,
+            row_group_size=7,
+            updated_at=pa.array(ts, stamps),
+        )
+    (root / "s2.parquet").write_bytes(b"PAR1 this is not parquet")
+    pq.write_table(pa.table({"id": ["1"], "body": ["x"]}), root / "s4.parquet")
+    (root / "s6.parquet").write_bytes(b"")
+    (root / "s8.jsonl").write_text('{"id": "j", "text": "x", "updated_at": "2026-01-01T00:00:00Z"}\n')
+
+
+@pytest.mark.parametrize(
+    "window", [None, DeltaWindow(datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 2, 3, tzinfo=UTC))]
+)
+def test_parallel_planning_gives_the_sequential_plan(tmp_path, window):
+    _mixed_corpus(tmp_path)
+    listing = list_input(str(tmp_path))
+    limit = datetime(2026, 6, 1, tzinfo=UTC)
+    plans = {}
+    for threads in (1, 3, 16):
+        seen = PlanObservations(limit=limit)
+        units, bad = plan_units(
+            listing.shards,
+            unit_rows=10,
+            columns=COLS,
+            on_bad_shard="record",
+            window=window,
+            observations=seen,
+            fingerprints=listing.fingerprints,
+            threads=threads,
+        )
+        plans[threads] = (units, bad, seen.to_dict(), list(seen.shard_max))
+    assert plans[1] == plans[3] == plans[16]
+    units, bad, seen, _ = plans[1]
+    assert [b["shard"].rsplit("/", 1)[-1] for b in bad] == ["s2.parquet", "s4.parquet", "s6.parquet"]
+    assert seen["future_row_groups"] == 1 and seen["null_updated_at_rows"] > 0
+    assert all(u.fingerprint for u in units)
+    if window is None:
+        assert sum(u.expected_rows or 0 for u in units if u.format == "parquet") == 5 * 30
+
+
+def test_parallel_planning_fails_with_the_first_bad_shard_in_shard_order(tmp_path, monkeypatch):
+    """The later bad shard fails first; the error is still the earlier one's."""
+    _mixed_corpus(tmp_path)
+    read = sources._read_footer
+    later_failed = threading.Event()
+
+    def footer(fs, path):
+        if path.endswith("s2.parquet"):
+            assert later_failed.wait(10), "s4 and s2 were not planned at the same time"
+        try:
+            return read(fs, path)
+        finally:
+            if path.endswith("s4.parquet"):
+                later_failed.set()
+
+    monkeypatch.setattr(sources, "_read_footer", footer)
+    shards = list_shards(str(tmp_path))
+    with pytest.raises(InputError, match=r"s2\.parquet") as info:
+        plan_units(shards, unit_rows=10, columns=COLS, on_bad_shard="fail", threads=4)
+    assert isinstance(info.value.__cause__, pa.ArrowInvalid)
+    with pytest.raises(SchemaError, match=r"'text' is missing.*s4\.parquet"):
+        plan_units(shards[3:], unit_rows=10, columns=COLS, threads=4)
+
+
+class _CountingFs:
+    """A filesystem that counts the reads planning makes."""
+
+    def __init__(self):
+        self.fs = fsspec.filesystem("file")
+        self.reads = []
+
+    def cat_file(self, path, start=None, end=None):
+        self.reads.append(start)
+        return self.fs.cat_file(path, start=start, end=end)
+
+
+def test_a_footer_is_one_read_of_the_tail_and_a_larger_one_two(tmp_path):
+    small, large = tmp_path / "small.parquet", tmp_path / "large.parquet"
+    write_parquet(small, [str(i) for i in range(100)], ["t"] * 100, row_group_size=10)
+    n = 3000  # a row group per row: a footer over 64 KiB
+    write_parquet(large, [str(i) for i in range(n)], ["t"] * n, row_group_size=1)
+    assert pq.read_metadata(large).serialized_size > sources.FOOTER_TAIL_BYTES > small.stat().st_size
+    for path, reads in ((small, [-sources.FOOTER_TAIL_BYTES]), (large, None)):
+        fs = _CountingFs()
+        meta = sources._read_footer(fs, str(path))
+        assert meta.equals(pq.read_metadata(path))
+        if reads is not None:
+            assert fs.reads == reads
+        else:
+            assert len(fs.reads) == 2 and -fs.reads[1] == pq.read_metadata(path).serialized_size + 8
+    units, _ = plan_units(list_shards(str(large)), unit_rows=1000, columns=COLS)
+    assert [(u.row_start, u.row_stop) for u in units] == [(0, 1000), (1000, 2000), (2000, 3000)]
+
+
+def test_a_footer_exactly_the_tail_read_long_or_longer_than_its_file(tmp_path, monkeypatch):
+    path = tmp_path / "a.parquet"
+    write_parquet(path, [str(i) for i in range(50)], ["t"] * 50, row_group_size=5)
+    size = path.stat().st_size
+    footer = pq.read_metadata(path).serialized_size + 8
+    for tail in (footer, footer - 1, 12, size, size + 1):
+        monkeypatch.setattr(sources, "FOOTER_TAIL_BYTES", tail)
+        fs = _CountingFs()
+        assert sources._read_footer(fs, str(path)).equals(pq.read_metadata(path))
+        assert len(fs.reads) == (1 if tail >= footer else 2)
+    path.write_bytes(path.read_bytes()[:-20] + path.read_bytes()[-8:])  # the footer cut short
+    _, bad = plan_units(list_shards(str(path)), unit_rows=10, columns=COLS, on_bad_shard="record")
+    assert bad[0]["error"].startswith("cannot read parquet shard")
