@@ -474,11 +474,12 @@ def _read_footer(fs: fsspec.AbstractFileSystem, path: str) -> Any:
     """A Parquet file's metadata from a ranged read of its tail: on S3 one GET of a suffix
     range (`bytes=-N`), which needs neither the size nor a HEAD, and holds no file object.
 
-    Per shard, 1,000 of 50k shards on moto read one at a time (`bench.planning`): before,
-    `fs.open(..., cache_type="none")` + `pq.ParquetFile` made 1 GET and spent 9.6 ms of driver
-    CPU after `list_input` (s3fs finds the size in its listing cache by scanning the folder's
-    50k entries: quadratic in the shards), 1 HEAD + 1 GET and 5.8 ms without a listing; now
-    1 GET and 3.0 ms (s3fs/botocore's own cost of a request) either way.
+    Per shard, 1,000 of 50k shards on moto read one at a time (`bench.planning`, results in
+    bench/results/bench-20261124T055216Z.md): before, `fs.open(..., cache_type="none")` +
+    `pq.ParquetFile` made 1 GET and spent 9.0 ms of driver CPU after `list_input` (s3fs looks
+    the size up in its listing cache by scanning the folder's 50k entries: quadratic in the
+    shards), 1 HEAD + 1 GET and 4.7 ms without a listing; now 1 GET and 2.4 ms either way
+    (s3fs/botocore's own cost of a request).
     """
     tail = fs.cat_file(path, start=-FOOTER_TAIL_BYTES)
     if len(tail) == FOOTER_TAIL_BYTES and tail[-4:] == b"PAR1":
