@@ -152,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     scaling.add_argument("--target-ongoing-requests", type=float, default=4.0, help="calls per replica Serve aims at")
     scaling.add_argument("--upscale-delay-s", type=float, default=30.0)
     scaling.add_argument("--downscale-delay-s", type=float, default=300.0)
+    scaling.add_argument("--look-back-period-s", type=float, default=30.0, help="window of the load average")
     serve.add_argument("--max-ongoing-requests", type=int, default=64, help="calls one replica holds at once")
     serve.add_argument(
         "--max-queued-requests", type=int, default=256, help="calls queued at the proxy before RESOURCE_EXHAUSTED"
@@ -400,6 +401,7 @@ def _serve(args: argparse.Namespace) -> int:
             target_ongoing_requests=args.target_ongoing_requests,
             upscale_delay_s=args.upscale_delay_s,
             downscale_delay_s=args.downscale_delay_s,
+            look_back_period_s=args.look_back_period_s,
         )
         replicas = args.min_replicas
     address = deploy(

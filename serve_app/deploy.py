@@ -64,6 +64,8 @@ class Autoscaling:
     queueing, so a backfill's load grows past this and the replicas follow it up."""
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 300.0
+    look_back_period_s: float = 30.0
+    """Window over which Serve averages the calls each replica holds (Serve's default)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

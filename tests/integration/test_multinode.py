@@ -82,7 +82,12 @@ class Pool:
     http_port: int = 0
 
     def delete(self, app: str) -> None:
-        self.on_service(f"from ray import serve\nserve.delete({app!r})\nout = True")
+        code = (
+            "from ray import serve\nfrom ray.serve.exceptions import RayServeException\n"
+            f"try:\n    serve.delete({app!r})\nexcept RayServeException:  # no Serve yet: nothing to delete\n"
+            "    pass\nout = True"
+        )
+        self.on_service(code)
 
     def replicas(self, app: str) -> list[str]:
         """Node ids of the alive replicas of `app`."""
@@ -263,10 +268,17 @@ def _commits(s3: S3, out: str) -> int:
 @pytest.mark.timeout(600)
 def test_autoscaled_replicas_follow_a_backfill_up_to_the_pool_and_back(pool, s3):
     pool.delete("fixed")  # the pool's CPUs are the autoscaled app's alone
-    printed = pool.serve("auto", "--num-replicas", "auto", "--upscale-delay-s", "2", "--downscale-delay-s", "10")
+    # The demo model answers a backfill of this size in ~10 s, faster than Serve's autoscaler
+    # looks; 0.3 s more per call keeps the load up long enough for it to act, as a heavy model does.
+    settings = pool.work / "slow.json"
+    settings.write_text(json.dumps({"fault": {"extra_latency_s": 0.3}}))
+    printed = pool.serve(
+        "auto", "--num-replicas", "auto", "--settings", str(settings), "--target-ongoing-requests", "2",
+        "--upscale-delay-s", "1", "--downscale-delay-s", "10", "--look-back-period-s", "5",
+    )  # fmt: skip
     assert "1-2 replicas (auto)" in printed, printed  # max: what the pool's CPUs hold
     corpus = write_sample_corpus(
-        f"{s3.bucket('multinode')}/in-auto", rows=4500, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
+        f"{s3.bucket('multinode')}/in-auto", rows=9000, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
     )
     out = f"{s3.bucket('multinode')}/out-auto"
     watch_env = pool.env(pool.service)
