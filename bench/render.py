@@ -318,15 +318,18 @@ def _planning(planning: dict[str, Any]) -> list[str]:
         "",
         f"{shards:,} Parquet shards of {planning['rows_per_shard']} rows (id, text, updated_at; "
         f"{planning['input_bytes'] / 2**20:,.1f} MB), uploaded in {planning['upload_s']} s. `list_input` + "
-        "`plan_units` with the `InputConfig` defaults, each in its own process, on the same listing:",
+        "`plan_listing`, each in its own process, on the same listing: every footer read (one at a time, "
+        "then in parallel), and the defaults (`input.footer_sample` footers read, the other small shards "
+        "planned whole from their listed sizes):",
         "",
-        "| planning | threads | list s | plan s | total s | shards/s | driver CPU s | moto CPU s "
-        "| driver peak RSS MB | requests per shard (planning) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| planning | threads | footers read | files planned whole | list s | plan s | total s | shards/s "
+        "| driver CPU s | moto CPU s | driver peak RSS MB | requests per shard (planning) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, run in planning["runs"].items():
         out.append(
-            f"| {name} | {run['threads']} | {run['list_s']} | {run['plan_s']} | **{run['total_s']}** "
+            f"| {name} | {run['threads']} | {run.get('footers_read', run['shards']):,} | {run.get('whole_files', 0):,} "
+            f"| {run['list_s']} | {run['plan_s']} | **{run['total_s']}** "
             f"| {_f(run['shards'] / run['total_s'] if run['total_s'] else None, '{:.0f}')} | {run['cpu_s']} "
             f"| {run['moto_cpu_s']} | {run['peak_rss_bytes'] / 2**20:,.0f} "
             f"| {_per_shard(run['plan_requests'], shards)} |"
@@ -334,7 +337,8 @@ def _planning(planning: dict[str, Any]) -> list[str]:
     par = planning["runs"].get("parallel", {})
     out += [
         "",
-        f"Parallel over sequential: **{_f(planning.get('speedup'))}×** (same run, same listing). Listing: "
+        f"Parallel over sequential: **{_f(planning.get('speedup'))}×**; the defaults over sequential: "
+        f"**{_f(planning.get('speedup_sampled'))}×** (same run, same listing). Listing: "
         f"{_per_shard(par.get('list_requests', {}), 1)} requests in all.",
     ]
     req = planning.get("requests")

@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             demo = build_demo_model(default_demo_model_dir())
         corpus = bench.write_corpus(_CORPUS_ROWS)
         model_dirs = {}
-        for name in names if sections & {"lines", "precision"} else []:
+        for name in names if sections & {"lines", "precision", "pool"} else []:
             with heavy_lock(args.lock):
                 model_dirs[name] = ensure_model(
                     SHAPES[name], demo_model_dir=demo, cache=Path(args.models_cache), env=bench.env

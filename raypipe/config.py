@@ -282,6 +282,11 @@ class InputConfig(_Frozen):
     """Shards whose footers the driver reads at once while planning (one ranged GET each on
     S3): a 50k-shard backfill waits on 50k requests before its first unit. 1 plans them one
     after another; the plan is the same either way."""
+    footer_sample: int | None = Field(1000, ge=1)
+    """With more Parquet shards to read whole than this, planning reads this many footers
+    (spread over the listing: schema checked, bytes per row measured) and plans each other
+    shard of up to about 2 x `unit_rows` rows as one unit from its listed size; its footer is
+    read with its rows (`sources.plan_listing`). Null reads every footer at planning."""
 
     @field_validator("uri")
     @classmethod

@@ -52,10 +52,12 @@ from raypipe.sinks import OutcomeTable
 from raypipe.sources import (
     ColumnNames,
     DeltaWindow,
+    InputListing,
     PlanObservations,
     ShardFormat,
     WorkUnit,
     list_input,
+    plan_listing,
     plan_units,
     prune_partitions,
 )
@@ -209,8 +211,9 @@ def _run(
     try:
         input_uri = config.input.uri if config.input else None
         plan, resumed = state.plan(lambda: make_plan(state), input_uri=input_uri, model_version=version)
-        if resumed and plan.bad_shards and config.input is not None:
-            plan = _retry_bad_shards(config, plan)
+        if resumed and config.input is not None and (plan.bad_shards or _has_whole_files(plan)):
+            listing = list_input(config.input.uri, format=config.input.format)
+            plan = _refresh_whole_files(_retry_bad_shards(config, plan, listing), listing, state.pending(plan))
             state.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
         report.planning = {
@@ -255,7 +258,7 @@ def _run(
             _ensure_ray()
             progress = Progress(
                 len(todo),
-                sum(u.expected_rows or 0 for u in todo) or None,
+                None if any(u.expected_rows is None for u in todo) else sum(u.expected_rows or 0 for u in todo),
                 config.progress_interval_s,
                 metrics=run_metrics.metrics,
             )
@@ -294,7 +297,8 @@ def _run(
         report.units_committed = len(done_units)
         complete = len(done_units) == len(plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
-        if plan.mode != "replay":
+        if plan.mode != "replay" and config.input is not None:
+            plan = _with_whole_file_maxima(state, plan, done_units, config.input.max_future_skew_s)
             state.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
             state.commit_run(watermark_to=watermark_to(plan))
@@ -336,6 +340,40 @@ def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, r
     else:
         report.apply_ledger(state.ledger())
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
+
+
+def _with_whole_file_maxima(state: RunState, plan: Plan, done: set[str], skew_s: float) -> Plan:
+    """The plan with the latest `updated_at` of each committed shard planned whole from its
+    listed size (`sources.plan_listing`: no footer read at planning), taken from the statistics
+    of its committed rows in the table's log (no data read).
+
+    They are recorded with the files seen, so a daily reads a later rewrite of such a file for
+    its newer rows only, as it does for a file whose footers planning read. Delta's statistics
+    truncate timestamps to the millisecond (never up: checked in the unit tests), so a rewrite
+    may re-read rows of that last millisecond and never skips one. A file whose rows reach
+    beyond now + `skew_s` (a sentinel) gets none: a rewrite of it is read whole."""
+    whole = {u.key: u.shard for u in plan.units if u.format == "parquet" and u.row_stop is None and u.key in done}
+    if not whole:
+        return plan
+    maxima = state.table.max_updated_at_by_unit(state.run_id)
+    limit = datetime.now(UTC) + timedelta(seconds=skew_s)
+    found: dict[str, datetime] = {}
+    for key, shard in whole.items():
+        hi = maxima.get(key)
+        if hi is not None and hi <= limit:
+            found[shard] = hi
+    if not found:
+        return plan
+    observations = dict(plan.observations or {})
+    observations["shard_max"] = {
+        **(observations.get("shard_max") or {}),
+        **{shard: hi.isoformat() for shard, hi in found.items()},
+    }
+    latest = max(found.values())
+    footers = _parse(observations.get("max_updated_at"))
+    if footers is not None and latest > footers:  # else read_as_of is "now": the rows had no statistics
+        observations["max_updated_at"] = observations["read_as_of"] = latest.isoformat()
+    return dataclasses.replace(plan, observations=observations)
 
 
 def _on_bad_shard(config: PipelineConfig, mode: str) -> Literal["fail", "record"]:
@@ -387,7 +425,7 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
         "fingerprints": listing.fingerprints,
         "threads": config.input.planning_threads,
     }
-    units, bad = plan_units(whole, **common)
+    units, bad = plan_listing(whole, sizes=listing.sizes, footer_sample=config.input.footer_sample, **common)
     for upto, shards in sorted(rewritten.items()):
         after = upto if since is None else min(since, upto)
         more, more_bad = plan_units(shards, need_updated_at=True, window=DeltaWindow.since(after), **common)
@@ -407,6 +445,13 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
         len(listing.skipped),
         len(bad),
     )
+    if seen.whole_files:
+        logger.info(
+            "%d footers read at planning; %d small Parquet files planned whole from their listed size "
+            "(each footer is read with its rows)",
+            seen.footers_read,
+            seen.whole_files,
+        )
     if seen.future_row_groups:
         logger.warning(
             "%d row group(s) hold updated_at beyond now + %s s (e.g. a 9999-12-31 sentinel): inferred, but "
@@ -421,11 +466,32 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
     return Plan(mode, config.input.uri, units, bad, window, observations=observations)
 
 
-def _retry_bad_shards(config: PipelineConfig, plan: Plan) -> Plan:
+def _has_whole_files(plan: Plan) -> bool:
+    return any(u.format == "parquet" and u.row_stop is None for u in plan.units)
+
+
+def _refresh_whole_files(plan: Plan, listing: InputListing, pending: list[WorkUnit]) -> Plan:
+    """A resumed run reads each of its pending whole-file units (`sources.plan_listing`) as the
+    file is now: one mended or rewritten since planning (a bad shard fixed in place) would
+    otherwise never read under this run id (`ShardChangedError`). A unit that is the whole file
+    has no row range of an older version to keep; a unit cut from a footer keeps its
+    fingerprint, and a committed unit keeps the one it was read at."""
+    todo = {u.key for u in pending if u.format == "parquet" and u.row_stop is None}
+    units = [
+        dataclasses.replace(u, fingerprint=listing.fingerprints[u.shard])
+        if u.key in todo and u.shard in listing.fingerprints
+        else u
+        for u in plan.units
+    ]
+    return dataclasses.replace(plan, units=units)
+
+
+def _retry_bad_shards(config: PipelineConfig, plan: Plan, listing: InputListing) -> Plan:
     """Plans again the shards an earlier attempt recorded as bad: a fixed shard joins the run."""
     assert config.input is not None
+    if not plan.bad_shards:
+        return plan
     shards = [(b["shard"], b["format"]) for b in plan.bad_shards]
-    listing = list_input(config.input.uri, format=config.input.format)
     units, bad = plan_units(
         [(shard, fmt) for shard, fmt in shards if shard in listing.fingerprints],  # type: ignore[misc]
         unit_rows=config.input.unit_rows,

@@ -43,7 +43,10 @@ def _read_block(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None
     except (OSError, pa.ArrowException, InputError, ValueError) as e:
         message = f"{type(e).__name__}: {e}"
         if on_bad_shard == "fail" and not isinstance(e, ShardChangedError):  # a rewrite is no corruption
-            raise InputError(f"cannot read rows {unit.row_start}..{unit.row_stop}: {message}", shard=unit.shard) from e
+            if isinstance(e, InputError):  # names the shard (and the column) already
+                raise
+            rows = "the file" if unit.row_stop is None else f"rows {unit.row_start}..{unit.row_stop}"
+            raise InputError(f"cannot read {rows}: {message}", shard=unit.shard) from e
         return [marker_block(unit, error=message)]
     if table.num_rows == 0:
         return [marker_block(unit, error=None)]

@@ -99,10 +99,14 @@ class Progress:
         )
 
     def eta_s(self, now: float | None = None) -> float | None:
-        """Seconds left at the rate so far; None while the expected rows or the rate are unknown."""
+        """Seconds left at the rate so far: of rows when the plan knows every unit's rows, else
+        of units (JSON lines, Parquet files planned whole); None until there is a rate."""
         now = self._clock() if now is None else now
-        rate = self.rows / max(now - self._start, 1e-9)
-        if not self.total_rows or rate <= 0:
+        elapsed = max(now - self._start, 1e-9)
+        if not self.total_rows:
+            return (self.total_units - self.units) * elapsed / self.units if self.units else None
+        rate = self.rows / elapsed
+        if rate <= 0:
             return None
         return max(0.0, (self.total_rows - self.rows) / rate)
 

@@ -322,6 +322,23 @@ class OutcomeTable:
             )
         return {u for u in lo if u is not None}
 
+    def max_updated_at_by_unit(self, run_id: str) -> dict[str, datetime]:
+        """The latest `updated_at` (UTC, to the millisecond: Delta's statistics) in each
+        committed unit of `run_id` with rows that have one, from the log's file statistics."""
+        if not self.exists():
+            return {}
+        actions = pa.table(self.load().get_add_actions(flatten=True))
+        if actions.num_rows == 0 or not {"min.unit", "max.updated_at"} <= set(actions.column_names):
+            return {}
+        mine = actions.filter(pc.equal(actions.column("partition.run_id"), run_id))
+        latest: dict[str, datetime] = {}
+        units = mine.column("min.unit").to_pylist()
+        stamps = mine.column("max.updated_at").cast(pa.timestamp("us", tz="UTC")).to_pylist()
+        for unit, hi in zip(units, stamps, strict=True):
+            if unit is not None and hi is not None and (unit not in latest or hi > latest[unit]):
+                latest[unit] = hi
+        return latest
+
 
 _REPLACE_PREDICATE = (
     "t.run_id = s.run_id AND t.unit = s.unit AND t.outcome = 'dead_letter' "

@@ -8,8 +8,11 @@ ones that were in flight.
 
 Planning reads only Parquet footers (one ranged GET of a shard's tail each on S3) and the
 first line of JSON-lines files, so a missing column fails the run before any inference, naming
-the shard and the column. Shards are planned several at once (`plan_units`'s `threads`): a
-50k-shard backfill waits on one request per shard before its first unit.
+the shard and the column. Shards are planned several at once (`plan_units`'s `threads`). An
+input of many small Parquet shards (more than `FOOTER_SAMPLE`) has a sample of its footers read
+and its other small shards planned whole from their listed sizes (`plan_listing`): a 50k-shard
+backfill waited on one request per shard before its first unit; such a shard's columns are
+checked when its unit is read.
 
 Rows leave `read_unit` with raypipe's column names (`id`, `text`, optional `updated_at`) plus
 where they came from (`_source`, `_row`) and which unit they belong to (`_unit`, `_unit_rows`);
@@ -52,6 +55,7 @@ __all__ = [
     "fingerprint",
     "list_input",
     "list_shards",
+    "plan_listing",
     "plan_units",
     "prune_partitions",
     "read_unit",
@@ -120,6 +124,11 @@ class PlanObservations:
     """Row groups a daily skipped because their updated_at statistics lie outside its window."""
     shards_pruned: int = 0
     """Shards a daily skipped by their Hive partition value (`input.updated_at_partition`)."""
+    footers_read: int = 0
+    """Parquet footers read at planning."""
+    whole_files: int = 0
+    """Parquet shards planned as one unit from their listed size (`plan_listing`): their footers
+    are read by the task that reads their rows, and the statistics above do not count them."""
 
     def add(self, other: PlanObservations) -> None:
         """Folds in what planning other shards learnt (`plan_units` plans each shard on its own)."""
@@ -135,6 +144,8 @@ class PlanObservations:
         self.row_groups_total += other.row_groups_total
         self.row_groups_pruned += other.row_groups_pruned
         self.shards_pruned += other.shards_pruned
+        self.footers_read += other.footers_read
+        self.whole_files += other.whole_files
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +155,8 @@ class PlanObservations:
             "row_groups_total": self.row_groups_total,
             "row_groups_pruned": self.row_groups_pruned,
             "shards_pruned": self.shards_pruned,
+            "footers_read": self.footers_read,
+            "whole_files": self.whole_files,
             "shard_max": self.shard_max,
         }
 
@@ -248,6 +261,8 @@ class InputListing:
     shards: list[tuple[str, ShardFormat]]
     fingerprints: dict[str, str]
     """Shard URI -> `fingerprint` when listed (a shard that differs when read is re-planned)."""
+    sizes: dict[str, int]
+    """Shard URI -> its size in bytes when listed."""
     skipped: list[dict[str, str]]
     """{path, reason} of each file not read: hidden (`_x`, `.x`), unknown extension, quarantined."""
 
@@ -270,7 +285,7 @@ def list_input(uri: str, *, format: str = "auto", quarantined: frozenset[str] = 
             found = {path: fs.info(path)}  # local `find` gives no details for a file
         elif not found and not fs.exists(path):
             raise NoShardsError(f"input {uri} does not exist")
-    listing = InputListing([], {}, [])
+    listing = InputListing([], {}, {}, [])
     for candidate in sorted(found):
         info = found[candidate]
         if info.get("type") == "directory":
@@ -289,6 +304,8 @@ def list_input(uri: str, *, format: str = "auto", quarantined: frozenset[str] = 
         else:
             listing.shards.append((full, fmt))
             listing.fingerprints[full] = fingerprint(info)
+            if isinstance(info.get("size"), int):
+                listing.sizes[full] = info["size"]
     if not listing.shards:
         skipped = "; ".join(f"{s['path']}: {s['reason']}" for s in listing.skipped[:5])
         raise NoShardsError(
@@ -376,6 +393,83 @@ def plan_units(
             raise done.error from done.cause
         else:
             bad.append({"shard": done.shard, "format": done.format, "error": str(done.error)})
+    return units, bad
+
+
+#: Parquet shards whose footers planning reads before it plans the others from their listed
+#: sizes (`InputConfig.footer_sample`).
+FOOTER_SAMPLE = 1000
+#: The largest shard `plan_listing` makes one unit from its listed size (its rows are one block).
+WHOLE_FILE_MAX_BYTES = 64 * 2**20
+
+
+def plan_listing(
+    shards: Sequence[tuple[str, ShardFormat]],
+    *,
+    sizes: dict[str, int],
+    footer_sample: int | None = FOOTER_SAMPLE,
+    unit_rows: int,
+    columns: ColumnNames,
+    on_bad_shard: Literal["fail", "record"] = "fail",
+    observations: PlanObservations | None = None,
+    fingerprints: dict[str, str] | None = None,
+    threads: int = PLANNING_THREADS,
+) -> tuple[list[WorkUnit], list[dict[str, str]]]:
+    """`plan_units` for shards read whole (a backfill's, a daily's new files), without reading
+    every footer when there are many.
+
+    With at most `footer_sample` Parquet shards (or `footer_sample` None) every footer is read,
+    as `plan_units` does. With more, the footers of `footer_sample` of them, spread evenly over
+    the listing, are read first: they are checked (a wrong schema fails the run before any
+    inference, as it fails in any shard planning reads) and they give the input's bytes per row.
+    Each other Parquet shard whose listed size holds at most about 2 x `unit_rows` rows at that
+    rate (and at most `WHOLE_FILE_MAX_BYTES`) becomes one whole-file unit (`row_stop` None)
+    without a request; its footer is read by the task that reads its rows, which checks its
+    columns then (a bad one fails the run there under "fail", or is recorded under "record").
+    The rest are planned from their footers.
+
+    Why: a footer costs one request, and an input of 50k small shards waited ~4 min on them
+    before its first unit (moto, `bench.planning`); the listing already holds what a unit of a
+    small file needs. What it costs: row-group pruning and the footers' `updated_at`
+    statistics (the latest per shard, which a daily re-reads a rewritten file after) for the
+    shards planned whole; the run takes the latter from its committed rows instead
+    (`raypipe.modes`), and a daily's windowed re-reads read footers as before.
+    """
+    seen = observations if observations is not None else PlanObservations()
+    common: dict[str, Any] = {
+        "unit_rows": unit_rows,
+        "columns": columns,
+        "on_bad_shard": on_bad_shard,
+        "observations": seen,
+        "fingerprints": fingerprints,
+        "threads": threads,
+    }
+    parquet = [i for i, (shard, fmt) in enumerate(shards) if fmt == "parquet" and shard in sizes]
+    if footer_sample is None or len(parquet) <= max(footer_sample, 1):
+        return plan_units(shards, **common)
+    step = len(parquet) / footer_sample
+    sampled = {parquet[int(k * step)] for k in range(footer_sample)}
+    sample = [shards[i] for i in sorted(sampled)]
+    sample_units, sample_bad = plan_units(sample, **common)
+    bad_shards = {b["shard"] for b in sample_bad}
+    rows = sum(u.expected_rows or 0 for u in sample_units if u.shard not in bad_shards)
+    size = sum(sizes[shard] for shard, _ in sample if shard not in bad_shards)
+    limit = min(WHOLE_FILE_MAX_BYTES, 2 * unit_rows * size / rows) if rows else 0.0
+    whole: list[WorkUnit] = []
+    rest: list[tuple[str, ShardFormat]] = []
+    for i, (shard, fmt) in enumerate(shards):
+        if i in sampled:
+            continue
+        if fmt == "parquet" and shard in sizes and sizes[shard] <= limit:
+            mark = (fingerprints or {}).get(shard)
+            whole.append(WorkUnit(shard, "parquet", 0, None, fingerprint=mark))
+        else:
+            rest.append((shard, fmt))
+    seen.whole_files += len(whole)
+    rest_units, rest_bad = plan_units(rest, **common)
+    order = {shard: i for i, (shard, _) in enumerate(shards)}
+    units = sorted([*sample_units, *whole, *rest_units], key=lambda u: (order[u.shard], u.row_start))
+    bad = sorted([*sample_bad, *rest_bad], key=lambda b: order[b["shard"]])
     return units, bad
 
 
@@ -500,6 +594,7 @@ def _plan_parquet(
 ) -> list[WorkUnit]:
     fs, path = _filesystem(shard)
     meta = _read_footer(fs, path)
+    seen.footers_read += 1
     schema = meta.schema.to_arrow_schema()
     _check_columns(schema.names, shard, columns, need_updated_at)
     _check_types(schema, shard, columns)
@@ -607,6 +702,9 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: D
     else:
         with _open_parquet(fs, path) as f:
             pf = pq.ParquetFile(f)
+            # Planning checked the columns of the shards whose footers it read; a shard planned
+            # whole from its listed size (`plan_listing`) is checked here, where it is first opened.
+            _check_columns(pf.schema_arrow.names, unit.shard, columns, window is not None)
             wanted = [c for c in wanted if c in pf.schema_arrow.names]
             groups: list[int] = []
             first_row = offset = 0

@@ -175,3 +175,36 @@ def test_a_file_rewritten_in_place_is_read_for_its_rows_updated_since(tmp_path, 
     d2 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", settings=cfg)
     assert d2.status == "completed" and d2.rows_in == 10 and d2.planning["files"] == {"changed": 1}
     assert inferred(app) == 210
+
+
+def test_a_file_planned_whole_from_its_size_is_read_for_its_rows_updated_since(tmp_path, serve_address, deploy_app):
+    """A backfill over more shards than `input.footer_sample` plans the unsampled ones whole,
+    with no footer read; the latest updated_at read in each is taken from its committed rows,
+    so a file rewritten in place afterwards costs the daily its changed rows only. Delta keeps
+    that timestamp to the millisecond (truncated): the row at the file's last millisecond is
+    read again, and its unchanged text is answered from the table, not by the service."""
+    app = deploy_app("whole")
+    t = (datetime.now(UTC) - timedelta(days=1)).replace(microsecond=123_456)
+    in_dir = tmp_path / "in"
+    in_dir.mkdir()
+    files = {k: ([f"f{k}-{i}" for i in range(40)], _texts(f"f{k}", 40)) for k in range(4)}
+    for k, (ids_, texts) in files.items():
+        stamps = [t + timedelta(seconds=i) for i in range(40)]
+        pq.write_table(_table(ids_, texts, stamps), in_dir / f"part-{k}.parquet")
+    out = str(tmp_path / "out")
+    cfg = {"service": {"application": app}, "input": {"footer_sample": 1}}
+    b = raypipe.backfill(str(in_dir), out, service=serve_address, run_id="b", settings=cfg)
+    assert b.status == "completed" and b.rows_in == 160 and b.units_total == 4
+    assert (b.planning["footers_read"], b.planning["whole_files"]) == (1, 3)
+    ids_, texts = files[2]
+    texts = [f"rewritten, a furious paragraph {i}" if i < 5 else x for i, x in enumerate(texts)]
+    stamps = [t + timedelta(hours=3)] * 5 + [t + timedelta(seconds=i) for i in range(5, 40)]
+    pq.write_table(_table(ids_, texts, stamps), in_dir / "part-2.parquet")
+    before = inferred(app)
+    d = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d", settings=cfg)
+    assert d.status == "completed" and d.planning["files"] == {"changed": 1, "unchanged": 3}
+    assert d.rows_in == 5 + 1 and d.rows_copied == 1, "the 5 changed rows, and the one of the last millisecond"
+    assert inferred(app) - before == 5
+    newest = {r["id"]: r for r in raypipe.latest(out).to_pylist()}
+    assert sorted(newest) == sorted(i for ids_, _ in files.values() for i in ids_)
+    assert {i for i, r in newest.items() if r["run_id"] == "d"} == {f"f2-{i}" for i in (0, 1, 2, 3, 4, 39)}

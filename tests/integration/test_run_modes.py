@@ -242,3 +242,35 @@ def test_two_runs_on_one_s3_output_cannot_both_write(s3):
     assert second.held()
     second.release()
     assert not store.exists(store.state("lease.json"))
+
+
+def test_a_bad_shard_planned_whole_from_its_size_stops_the_run_where_it_is_read(tmp_path, serve_address):
+    """Beyond `input.footer_sample` shards, planning opens a sample only: a small shard without
+    the text column is found when its unit is read. Under "fail" the run stops there, naming the
+    shard and the column, with what was committed kept; under "record" it is listed as bad and
+    every other id is there; mended, the same run id completes."""
+    in_dir = tmp_path / "in"
+    in_dir.mkdir()
+    expected = []
+    for k in range(6):
+        ids_ = [f"s{k}-{i}" for i in range(20)]
+        if k == 4:
+            pq.write_table(pa.table({"id": ids_, "body": ["no text column"] * 20}), in_dir / f"part-{k}.parquet")
+            continue
+        expected += ids_
+        pq.write_table(pa.table({"id": ids_, "text": [f"shard {k}, a calm paragraph {i}" for i in range(20)]}),
+                       in_dir / f"part-{k}.parquet")  # fmt: skip
+    out = str(tmp_path / "out")
+    cfg = {"input": {"footer_sample": 2}}
+    with pytest.raises(SchemaError, match=r"part-4\.parquet.*'text' is missing|'text' is missing.*part-4\.parquet"):
+        raypipe.backfill(str(in_dir), out, service=serve_address, run_id="w", settings=cfg)
+    record = {"input": {"footer_sample": 2, "on_bad_shard": "record"}}
+    report = raypipe.backfill(str(in_dir), out, service=serve_address, run_id="w", settings=record)
+    assert report.status == "incomplete" and report.planning["whole_files"] == 4
+    assert [Path(b["shard"]).name for b in report.bad_shards] == ["part-4.parquet"]
+    assert "'text' is missing" in report.bad_shards[0]["error"]
+    assert_nothing_lost(out, expected)
+    pq.write_table(pa.table({"id": [f"s4-{i}" for i in range(20)], "text": ["mended"] * 20}), in_dir / "part-4.parquet")
+    again = raypipe.backfill(str(in_dir), out, service=serve_address, run_id="w", settings=record)
+    assert again.status == "completed" and again.bad_shards == []
+    assert_nothing_lost(out, [*expected, *(f"s4-{i}" for i in range(20))])

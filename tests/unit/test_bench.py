@@ -161,8 +161,21 @@ def _planning():
         "rows_per_shard": 8,
         "input_bytes": 230 * 2**20,
         "upload_s": 200.0,
-        "runs": {"sequential": run, "parallel": {**run, "threads": 16, "plan_s": 98.0, "total_s": 100.0}},
+        "runs": {
+            "sequential": run,
+            "parallel": {**run, "threads": 16, "plan_s": 98.0, "total_s": 100.0},
+            "sampled": {
+                **run,
+                "threads": 16,
+                "footers_read": 1000,
+                "whole_files": 49_000,
+                "plan_s": 3.0,
+                "total_s": 5.0,
+                "plan_requests": {"GetObject": 1000},
+            },
+        },
         "speedup": 3.0,
+        "speedup_sampled": 60.0,
         "requests": {
             "sample": 1000,
             "before_cold": {"per_shard": {"GetObject": 1.0, "HeadObject": 1.0}, "ms_per_shard": 8.6},
@@ -187,8 +200,11 @@ def test_markdown_shows_the_planning_line():
     results["planning"] = _planning()
     md = render_markdown(results)
     assert "### Planning 50,000 shards (moto S3)" in md
-    assert "| sequential | 1 | 2.0 | 298.0 | **300.0** | 167 | 150.0 | 160.0 | 400 | 1.00 GetObject |" in md
-    assert "| parallel | 16 | 2.0 | 98.0 | **100.0** | 500 |" in md and "**3.00×**" in md
+    sequential = "| sequential | 1 | 50,000 | 0 | 2.0 | 298.0 | **300.0** | 167 | 150.0 | 160.0 | 400 "
+    assert sequential + "| 1.00 GetObject |" in md
+    assert "| parallel | 16 | 50,000 | 0 | 2.0 | 98.0 | **100.0** | 500 |" in md and "**3.00×**" in md
+    assert "| sampled | 16 | 1,000 | 49,000 | 2.0 | 3.0 | **5.0** | 10000 |" in md and "**60.00×**" in md
+    assert "0.02 GetObject" in md
     assert "50.00 ListObjectsV2" in md
     assert (
         "| before | cold | 1 GetObject, 1 HeadObject | 8.6 | – |" in md

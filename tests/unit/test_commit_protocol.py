@@ -218,3 +218,26 @@ def test_an_attempts_statistics_fold_in_bounded_memory():
         assert attempt.units == n and attempt.rows == 2000 * n and len(attempt.actors) == 4
     print(f"attempt fold peak: 2k units {peaks[2_000] / 1e6:.2f} MB, 20k units {peaks[20_000] / 1e6:.2f} MB")
     assert peaks[20_000] < 1.5 * peaks[2_000] + 1_000_000
+
+
+def test_each_units_latest_updated_at_comes_from_the_logs_statistics_never_rounded_up(tmp_path):
+    """What a shard planned whole from its size was read up to (`modes._with_whole_file_maxima`):
+    Delta keeps timestamps to the millisecond, truncated, so a later rewrite is re-read from
+    at most that millisecond and no row is skipped."""
+    table = table_for(tmp_path)
+    committer = UnitCommitter(table.take_over("r1"))
+    stamps = {
+        "u-a": [datetime(2026, 1, 1, 0, 0, 0, 999_999, tzinfo=UTC), datetime(2025, 1, 1, tzinfo=UTC)],
+        "u-b": [datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC), None],
+        "u-c": [None, None],
+    }
+    for unit, ts in stamps.items():
+        t = rows({"A": "result", "B": "dead_letter"}, version="m")
+        t = t.set_column(t.schema.get_field_index("unit"), "unit", pa.array([unit, unit]))
+        committer.commit(unit, t.append_column("updated_at", pa.array(ts, pa.timestamp("us", tz="UTC"))))
+    latest = table.max_updated_at_by_unit("r1")
+    assert latest == {
+        "u-a": datetime(2026, 1, 1, 0, 0, 0, 999_000, tzinfo=UTC),
+        "u-b": datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC),
+    }
+    assert table.max_updated_at_by_unit("other-run") == {}

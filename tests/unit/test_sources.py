@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from datetime import UTC, datetime
 
@@ -288,3 +289,82 @@ def test_a_footer_exactly_the_tail_read_long_or_longer_than_its_file(tmp_path, m
     path.write_bytes(path.read_bytes()[:-20] + path.read_bytes()[-8:])  # the footer cut short
     _, bad = plan_units(list_shards(str(path)), unit_rows=10, columns=COLS, on_bad_shard="record")
     assert bad[0]["error"].startswith("cannot read parquet shard")
+
+
+# -- plan_listing: many small shards planned from their listed sizes ------------------------------
+
+
+def _small_shards(tmp_path, n, rows=8):
+    for k in range(n):
+        ids_, texts = [f"s{k}-{i}" for i in range(rows)], [f"text {k} {i}" for i in range(rows)]
+        write_parquet(tmp_path / f"part-{k:03d}.parquet", ids_, texts)
+    return list_input(str(tmp_path))
+
+
+def test_up_to_footer_sample_shards_every_footer_is_read_as_before(tmp_path):
+    listing = _small_shards(tmp_path, 6)
+    seen = PlanObservations()
+    units, bad = sources.plan_listing(
+        listing.shards, sizes=listing.sizes, footer_sample=6, unit_rows=100, columns=COLS, observations=seen
+    )
+    assert (units, bad) == plan_units(listing.shards, unit_rows=100, columns=COLS)
+    assert seen.footers_read == 6 and seen.whole_files == 0
+    assert all(u.row_stop == 8 for u in units)
+
+
+def test_beyond_the_sample_small_shards_are_whole_file_units_read_in_full(tmp_path):
+    listing = _small_shards(tmp_path, 30)
+    big = tmp_path / "part-015.parquet"  # 400 rows: more than 2 x unit_rows at the sample's bytes per row
+    noise = [os.urandom(60).hex() for _ in range(400)]  # incompressible: its size says its rows
+    write_parquet(big, [f"big{i}" for i in range(400)], noise, 50)
+    listing = list_input(str(tmp_path))
+    seen = PlanObservations()
+    units, bad = sources.plan_listing(
+        listing.shards,
+        sizes=listing.sizes,
+        footer_sample=5,
+        unit_rows=100,
+        columns=COLS,
+        observations=seen,
+        fingerprints=listing.fingerprints,
+    )
+    assert bad == [] and seen.footers_read == 6 and seen.whole_files == 24  # 5 sampled + the big one
+    assert [u.shard for u in units] == sorted(u.shard for u in units), "units stay in listing order"
+    whole = [u for u in units if u.row_stop is None]
+    assert len(whole) == 24 and all(u.fingerprint == listing.fingerprints[u.shard] for u in whole)
+    cut = [u for u in units if u.shard.endswith("part-015.parquet")]
+    assert [(u.row_start, u.row_stop) for u in cut] == [(0, 100), (100, 200), (200, 300), (300, 400)]
+    table = read_unit(whole[0], COLS)
+    assert table.num_rows == 8 and table.column("_unit_rows").to_pylist() == [8] * 8
+    assert table.column("_row").to_pylist() == list(range(8))
+    assert len({u.key for u in units}) == len(units)
+    ids_ = [i for u in units for i in read_unit(u, COLS).column("id").to_pylist()]
+    assert len(ids_) == len(set(ids_)) == 29 * 8 + 400
+
+
+def test_a_bad_shard_planned_whole_is_found_when_read_naming_it_and_the_column(tmp_path):
+    listing = _small_shards(tmp_path, 12)
+    bad_path = tmp_path / "part-007.parquet"
+    pq.write_table(pa.table({"id": [f"b{i}" for i in range(8)], "body": ["x"] * 8}), bad_path)
+    listing = list_input(str(tmp_path))
+    units, bad = sources.plan_listing(listing.shards, sizes=listing.sizes, footer_sample=3, unit_rows=100, columns=COLS)
+    assert bad == [], "not in the sample: not opened at planning"
+    unit = next(u for u in units if u.shard.endswith("part-007.parquet"))
+    assert unit.row_stop is None
+    with pytest.raises(SchemaError, match="'text' is missing") as info:
+        read_unit(unit, COLS)
+    assert info.value.shard == unit.shard
+    # In the sample, it fails planning before any inference, as every footer planning reads does.
+    with pytest.raises(SchemaError, match="'text' is missing"):
+        sources.plan_listing(listing.shards, sizes=listing.sizes, footer_sample=12 - 1, unit_rows=100, columns=COLS)
+
+
+def test_a_sample_with_no_rows_to_measure_plans_every_shard_from_its_footer(tmp_path):
+    for k in range(10):
+        write_parquet(tmp_path / f"e{k}.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
+    listing = list_input(str(tmp_path))
+    seen = PlanObservations()
+    units, _ = sources.plan_listing(
+        listing.shards, sizes=listing.sizes, footer_sample=2, unit_rows=100, columns=COLS, observations=seen
+    )
+    assert seen.whole_files == 0 and seen.footers_read == 10 and all(u.row_stop == 0 for u in units)
