@@ -10,14 +10,12 @@ The daily run is compared with a backfill of the delta rows alone, on the tiny d
 
 from __future__ import annotations
 
-import asyncio
 import io
 import itertools
 import json
 import os
 import socket
 import sys
-import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,63 +24,17 @@ import numpy as np
 
 from bench import corpus as corpus_mod
 from bench.cluster import Cluster, heavy_lock, run_measured
+from bench.tcp_proxy import TcpProxy
 
 if TYPE_CHECKING:
     from bench.run import Bench
 
-__all__ = ["CountingProxy", "run_daily"]
+__all__ = ["run_daily"]
 
 WATERMARK = datetime(2026, 6, 1, tzinfo=UTC)
 _SHARDS = 20
 _ROW_GROUP = 10_000
 _BUCKET = "bench"
-
-
-class CountingProxy:
-    """A loopback TCP forwarder counting bytes each way (``down``: server to client)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.up = 0
-        self.down = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self.port = 0
-        threading.Thread(target=self._run, daemon=True).start()
-        self._ready.wait(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, down: bool) -> None:
-            try:
-                while data := await src.read(1 << 16):
-                    if down:
-                        self.down += len(data)
-                    else:
-                        self.up += len(data)
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
-
-    def reset(self) -> None:
-        self.up = self.down = 0
 
 
 def _free_port() -> int:
@@ -210,7 +162,7 @@ def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
     moto_port = _free_port()
     server = MotoServer(moto_port)
     server.start()
-    proxy = CountingProxy(moto_port)
+    proxy = TcpProxy(moto_port).start()  # counts the bytes the runs fetch
     creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     direct = s3fs.S3FileSystem(
         key="testing", secret="testing", client_kwargs={"endpoint_url": f"http://127.0.0.1:{moto_port}"}
@@ -277,6 +229,7 @@ def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
                 }
         lookup_bytes = _lookup_bytes(direct, f"{_BUCKET}/out-daily/outcomes")
     finally:
+        proxy.stop()
         server.stop()
     share = (runs["daily"]["bytes_read"] - lookup_bytes) / input_bytes
     ratio = runs["daily"]["wall_s"] / runs["delta_backfill"]["wall_s"]

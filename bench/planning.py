@@ -27,14 +27,12 @@ reported beside the driver's so the two can be told apart.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.cluster import Cluster, ProcessSampler, heavy_lock
 from bench.lines import RESULT_PREFIX, parse_result
+from bench.tcp_proxy import TcpProxy
 
 if TYPE_CHECKING:
     from bench.run import Bench
@@ -262,51 +261,6 @@ def _child(kind: str, payload: dict[str, Any], *, env: dict[str, str], log: Path
     return result
 
 
-class DelayProxy:
-    """A loopback TCP forwarder that holds each client write `delay_s` before passing it on:
-    every request then waits about that long, as on a network (moto on loopback answers at once)."""
-
-    def __init__(self, target_port: int, delay_s: float) -> None:
-        self.target_port = target_port
-        self.delay_s = delay_s
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self.port = 0
-        threading.Thread(target=self._run, daemon=True).start()
-        self._ready.wait(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float) -> None:
-            try:
-                while data := await src.read(1 << 16):
-                    if delay:
-                        await asyncio.sleep(delay)
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer, self.delay_s), pipe(up_reader, writer, 0.0))
-
-    def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-
-
 def _unit_commits(fs: Any, log_dir: str, read: set[str]) -> bool:
     """Whether a commit not read yet in the Delta log adds files (a unit's rows; the table's
     creation and the takeover add none)."""
@@ -376,13 +330,14 @@ def first_commit(
 def _with_latency(bench: Bench, server: Any, env: dict[str, str], sample: dict[str, Any], pid: int) -> dict[str, Any]:
     """Planning the sample one at a time and in parallel with a delay added to every request."""
     delay_ms = bench.args.planning_latency_ms
-    proxy = DelayProxy(int(server.endpoint.rsplit(":", 1)[1]), delay_ms / 1000)
+    proxy = TcpProxy(int(server.endpoint.rsplit(":", 1)[1]), delay_s=delay_ms / 1000).start()
     slow = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
     out: dict[str, Any] = {"latency_ms": delay_ms}
     try:
         for name, threads in (("sequential", 1), ("parallel", None)):
             log = bench.logs / f"planning-latency-{name}.log"
-            out[name] = _child("plan", {**sample, "threads": threads}, env=slow, log=log, moto_pid=pid)
+            payload = {**sample, "threads": threads, "every_footer": True}
+            out[name] = _child("plan", payload, env=slow, log=log, moto_pid=pid)
     finally:
         proxy.stop()
     par_s, seq_s = out["parallel"]["plan_s"], out["sequential"]["plan_s"]

@@ -75,6 +75,8 @@ def _line(
         serve += ["--grpc-port", str(GRPC), "--http-port", str(HTTP), "--num-cpus", str(node_cpus)]
         if auto:
             serve += ["--num-replicas", "auto", "--upscale-delay-s", "5", "--downscale-delay-s", "20"]
+        else:
+            serve += ["--num-replicas", str(nodes)]
         with (bench.logs / f"pool-{name}-serve.log").open("w") as out:
             subprocess.run(serve, env=svc_env, check=True, stdout=out, stderr=subprocess.STDOUT, timeout=600)
         cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", str(shards), "--output", str(output)]
@@ -143,7 +145,8 @@ def _kill_later(svc: LocalNodes, output: Path, share: float, killed: dict[str, f
 
 def run_pool(bench: Any, model_dir: Path, corpus: Path, *, rows: int, node_cpus: float = 1.0) -> dict[str, Any]:
     """The pool section's lines (see the module's docstring)."""
-    shards = bench.write_shards(corpus, rows, bench.work / "input-pool", shards=8)
+    # Units of ~125 rows (a few seconds each): the pause after a node is lost reads against them.
+    shards = bench.write_shards(corpus, rows, bench.work / "input-pool", shards=max(8, rows // 125))
     inproc = bench.child(
         "inproc",
         {"model_dir": str(model_dir), "corpus": str(corpus), "n": min(rows, 1500), "threads": int(node_cpus)},

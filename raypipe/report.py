@@ -370,6 +370,13 @@ class RunReport:
                 f"  input files   new {files.get('new', 0):,} | changed {files.get('changed', 0):,}"
                 f" | read before {files.get('unchanged', 0):,} | skipped {len(self.skipped_files):,}"
             )
+        planned = self.planning or {}
+        whole = planned.get("whole_files")
+        if whole:
+            lines.append(
+                f"  planning      {planned.get('footers_read', 0):,} footers read | {whole:,} small files "
+                "planned whole from their listed size (checked when read)"
+            )
         future = (self.planning or {}).get("future_row_groups")
         if future:
             lines.append(

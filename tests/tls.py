@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trustme
 
-from tests.integration.tcp_proxy import TcpProxy
+from bench.tcp_proxy import TcpProxy
 
 
 def free_port() -> int:

@@ -13,13 +13,13 @@ import ray
 from ray import serve
 
 import raypipe
+from bench.tcp_proxy import TcpProxy
 from raypipe.samples import write_sample_corpus
 from serve_app.deploy import DeploymentOptions
 from serve_app.settings import FaultInjection, ServerSettings
 from tests.integration.conftest import free_port, wait_for
 from tests.integration.helpers import assert_nothing_lost, dead_letters
 from tests.integration.helpers import results as committed_results
-from tests.integration.tcp_proxy import TcpProxy
 
 FAST_RETRY = {"initial_backoff_s": 0.05, "max_backoff_s": 0.5}
 

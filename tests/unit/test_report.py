@@ -157,3 +157,10 @@ def test_unit_stats_round_trip():
 @pytest.mark.parametrize("status", ["completed", "incomplete", "failed"])
 def test_render_mentions_status(status):
     assert status.upper() in RunReport(run_id="r", mode="daily", status=status).render()
+
+
+def test_render_says_how_many_files_planning_planned_whole_from_their_size():
+    r = RunReport(run_id="r", mode="backfill", status="completed")
+    assert "planned whole" not in r.render()
+    r.planning = {"footers_read": 1000, "whole_files": 49000, "files": {"new": 50000}}
+    assert "planning      1,000 footers read | 49,000 small files planned whole" in r.render()

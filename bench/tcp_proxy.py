@@ -1,0 +1,114 @@
+"""A loopback TCP forwarder for the tests and the bench: it can be cut and restored, it counts
+the bytes each way, and it can hold each client write a while.
+
+- Cut (`cut`): the listening socket is closed and live connections are reset, so clients see
+  refused connections (UNAVAILABLE), as when a Kubernetes service loses all its endpoints;
+  `restore` listens again on the same port.
+- Counting (`up`: client to server, `down`: server to client; `reset`): what a run fetched from
+  moto's S3 server (`bench.daily`).
+- Delay (`delay_s`): each client write waits that long before it is passed on, so every
+  request waits about that long, as on a network (moto on loopback answers at once;
+  `bench.planning`).
+
+Hand-written, not a library: the standard library's asyncio streams make it ~80 lines, and the
+tests need to cut live connections at a moment of their choosing, which proxies such as
+toxiproxy do from a process of their own that PyPI does not carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+__all__ = ["TcpProxy"]
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:`listen_port` (0: a free port, kept across cuts) to 127.0.0.1:`target_port`."""
+
+    def __init__(self, target_port: int, listen_port: int = 0, *, delay_s: float = 0.0) -> None:
+        self.target_port = target_port
+        self.listen_port = listen_port
+        self.delay_s = delay_s
+        self.up = 0
+        self.down = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def port(self) -> int:
+        return self.listen_port
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.listen_port}"
+
+    def start(self) -> TcpProxy:
+        self._thread.start()
+        self.restore()
+        return self
+
+    def _call(self, coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
+
+    def restore(self) -> None:
+        self._call(self._listen())
+        if self._server is not None and not self.listen_port:
+            self.listen_port = int(self._server.sockets[0].getsockname()[1])
+
+    def cut(self) -> None:
+        self._call(self._cut())
+
+    def reset(self) -> None:
+        self.up = self.down = 0
+
+    def stop(self) -> None:
+        self.cut()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.listen_port)
+
+    async def _cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for w in list(self._writers):
+            with contextlib.suppress(Exception):
+                w.transport.abort()
+        self._writers.clear()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, down: bool) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    if down:
+                        self.down += len(data)
+                    else:
+                        self.up += len(data)
+                        if self.delay_s:
+                            await asyncio.sleep(self.delay_s)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError, asyncio.CancelledError):
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer, down=False), pipe(up_reader, writer, down=True))
+        self._writers -= {writer, up_writer}
