@@ -96,9 +96,16 @@ def _line(
                 deadline = time.monotonic() + 90
                 while time.monotonic() < deadline and [len(s.get("replicas", [])) for s in replicas.read()][-1:] != [1]:
                     time.sleep(1)
+        tokens = None if auto or kill_at is not None else _replica_tokens(svc_env)
         if code != 0:
             raise RuntimeError(f"pool line {name} failed (exit {code}); see {bench.logs}/pool-{name}.log")
     report = json.loads((output / "runs" / f"pool-{name}.json").read_text())
+    import pyarrow.dataset as pads
+
+    from raypipe.outcomes import read_outcomes
+
+    wanted = pads.dataset(str(shards), format="parquet").to_table(columns=["id"]).column("id").to_pylist()
+    got = read_outcomes(str(output), f"pool-{name}", columns=["id"]).column("id").to_pylist()
     usage = sampler.usage()
     line: dict[str, Any] = {
         "nodes": nodes,
@@ -110,10 +117,14 @@ def _line(
         "report_rows_per_s": report["throughput_rows_per_s"],
         "retries": report["retries"],
         "status_counts": report["status_counts"],
+        "every_id_once": len(got) == len(set(got)) and sorted(got) == sorted(wanted),
         "replica_cpu_s": round(usage.cpu_s, 2),
         "replica_cpu_s_per_para": usage.cpu_s / max(report["rows_ok"], 1),
         "replicas_over_time": [(s["t"], len(s["replicas"])) for s in replicas.samples if "replicas" in s],
     }
+    if tokens and tokens["padded_tokens"]:
+        line.update(tokens)
+        line["replica_cpu_ms_per_kpadded"] = 1e6 * usage.cpu_s / tokens["padded_tokens"]
     if killed:
         times = _commit_times(output)
         after = [t for t in times if t > killed["at"]]
@@ -126,6 +137,37 @@ def _line(
             run_end_after_kill_s=round(after[-1] - killed["at"], 2) if after else None,
         )
     return line
+
+
+_STATS = """
+import json, ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+handle = serve.get_app_handle("raypipe")
+print(json.dumps([handle.stats.remote().result() for _ in range(24)]))
+"""
+
+
+def _replica_tokens(env: dict[str, str]) -> dict[str, int] | None:
+    """The replicas' forward-pass counts (`EmotionClassifier.stats`: real and padded tokens,
+    passes), summed over the replicas alive at the end. A call reaches one replica, chosen by
+    Serve: 24 calls see every replica of a small pool, and each replica's counts, fixed once
+    the run is over, are told apart by their values (two replicas with equal counts would
+    count once: not seen with thousands of tokens each)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _STATS], env=env, capture_output=True, text=True, timeout=120, check=True
+        )
+        answers = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, json.JSONDecodeError, IndexError):
+        return None
+    unique = {json.dumps(a["model"], sort_keys=True): a["model"] for a in answers}
+    return {
+        "replicas_seen": len(unique),
+        "real_tokens": sum(int(m.get("tokens", 0)) for m in unique.values()),
+        "padded_tokens": sum(int(m.get("padded_tokens", 0)) for m in unique.values()),
+        "passes": sum(int(m.get("batches", 0)) for m in unique.values()),
+    }
 
 
 def _kill_later(svc: LocalNodes, output: Path, share: float, killed: dict[str, float]) -> None:
@@ -159,8 +201,13 @@ def run_pool(bench: Any, model_dir: Path, corpus: Path, *, rows: int, node_cpus:
         "node-lost": _line(bench, model_dir, shards, "node-lost", nodes=2, node_cpus=node_cpus, kill_at=1 / 3),
     }
     inproc_cpu = inproc.get("cpu_s_self", inproc["wall_s"] * node_cpus) / max(inproc["ok"], 1)
+    # The same per computed token: the replicas pad the rows of each call's micro-batches, the
+    # in-process line sorts all its rows by length at once, so it pads less.
+    inproc_kpadded = 1e6 * inproc.get("cpu_s_self", 0.0) / max(inproc.get("padded_tokens", 0), 1)
     for line in lines.values():
         line["replica_cpu_vs_inprocess"] = round(line["replica_cpu_s_per_para"] / inproc_cpu, 3)
+        if line.get("replica_cpu_ms_per_kpadded"):
+            line["replica_cpu_per_token_vs_inprocess"] = round(line["replica_cpu_ms_per_kpadded"] / inproc_kpadded, 3)
     r1, r2 = lines["nodes-1"]["report_rows_per_s"], lines["nodes-2"]["report_rows_per_s"]
     return {
         "rows": rows,
@@ -168,6 +215,8 @@ def run_pool(bench: Any, model_dir: Path, corpus: Path, *, rows: int, node_cpus:
         "host_cpus": len(os.sched_getaffinity(0)),
         "inprocess_cpu_s_per_para": inproc_cpu,
         "inprocess_para_per_s": inproc["ok"] / inproc["wall_s"],
+        "inprocess_cpu_ms_per_kpadded": inproc_kpadded,
+        "inprocess_padded_per_real": inproc.get("padded_tokens", 0) / max(inproc.get("real_tokens", 0), 1),
         "ratio_2_vs_1_nodes": round(r2 / r1, 3) if r1 else None,
         "node_lost_wall_vs_nodes_2": round(lines["node-lost"]["wall_s"] / lines["nodes-2"]["wall_s"], 3),
         "lines": lines,

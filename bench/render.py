@@ -279,8 +279,9 @@ def _pool_table(pool: dict[str, Any]) -> list[str]:
         f"the same threads per pass: {_f(pool['inprocess_para_per_s'], '{:.1f}')} para/s, "
         f"{_f(pool['inprocess_cpu_s_per_para'] * 1000, '{:.2f}')} CPU-ms per paragraph.",
         "",
-        "| line | nodes | rows/s | retries | replica CPU-ms/para | × in-process | replicas over time | notes |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        "| line | nodes | rows/s | retries | every id once | replica CPU-ms/para | × in-process | padded/real tokens "
+        "| × in-process per computed token | replicas over time | notes |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
     ]
     for name, line in pool["lines"].items():
         counts = [n for _, n in line.get("replicas_over_time", [])]
@@ -292,15 +293,20 @@ def _pool_table(pool: dict[str, Any]) -> list[str]:
                 f"{_f(line['longest_pause_after_kill_s'])} s (median gap before {_f(line['median_gap_before_kill_s'])}"
                 f" s); calls {line['status_counts']}"
             )
+        padded = line["padded_tokens"] / line["real_tokens"] if line.get("real_tokens") else None
+        once = {True: "yes", False: "**NO**"}.get(line.get("every_id_once"), "–")
         out.append(
-            f"| {name} | {line['nodes']} | {_f(line['report_rows_per_s'], '{:.1f}')} | {line['retries']} | "
+            f"| {name} | {line['nodes']} | {_f(line['report_rows_per_s'], '{:.1f}')} | {line['retries']} | {once} | "
             f"{_f(line['replica_cpu_s_per_para'] * 1000)} | {_f(line['replica_cpu_vs_inprocess'])} | "
-            f"{shape} | {notes} |"
+            f"{_f(padded)} | {_f(line.get('replica_cpu_per_token_vs_inprocess'))} | {shape} | {notes} |"
         )
     out += [
         "",
         f"2 vs 1 pool nodes: **{_f(pool['ratio_2_vs_1_nodes'])}×** rows/s (same run); a node lost mid-run: "
-        f"{_f(pool['node_lost_wall_vs_nodes_2'])}× the wall time of the undisturbed 2-node line, every id once.",
+        f"{_f(pool['node_lost_wall_vs_nodes_2'])}× the wall time of the undisturbed 2-node line. In process "
+        f"the rows pad to {_f(pool.get('inprocess_padded_per_real'))}× their tokens (all sorted by length at "
+        "once); a replica pads each call's length-sorted micro-batch. Replica CPU is every ServeReplica "
+        "process's, sampled: on a host whose cores the jobs and Serve's proxies share, contention shows in it.",
         "",
     ]
     return out

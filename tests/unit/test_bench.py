@@ -227,3 +227,44 @@ def test_first_commit_is_the_first_log_entry_that_adds_files(tmp_path):
     assert not _unit_commits(fs, str(log), read)
     (log / "00002.json").write_text('{"txn":{}}\n{"add":{"path":"run_id=r/u.parquet"}}\n{"commitInfo":{}}\n')
     assert _unit_commits(fs, str(log), read) and not _unit_commits(fs, str(log), read)
+
+
+def test_markdown_shows_the_pool_lines_with_ids_checked_and_tokens():
+    line = {
+        "nodes": 1,
+        "report_rows_per_s": 30.0,
+        "retries": 0,
+        "every_id_once": True,
+        "replica_cpu_s_per_para": 0.032,
+        "replica_cpu_vs_inprocess": 1.2,
+        "real_tokens": 1000,
+        "padded_tokens": 1150,
+        "replica_cpu_per_token_vs_inprocess": 1.04,
+        "replicas_over_time": [(0.0, 1), (1.0, 1)],
+    }
+    lost = {
+        **line,
+        "nodes": 2,
+        "every_id_once": False,
+        "replicas_over_time": [(0.0, 2), (9.0, 1)],
+        "killed_after_units": 10,
+        "longest_pause_after_kill_s": 4.9,
+        "median_gap_before_kill_s": 3.0,
+        "status_counts": {"OK": 128},
+    }
+    results = _results()
+    results["pool"] = {
+        "rows": 4000,
+        "node_cpus": 1.0,
+        "host_cpus": 2,
+        "inprocess_para_per_s": 37.2,
+        "inprocess_cpu_s_per_para": 0.0268,
+        "inprocess_padded_per_real": 1.06,
+        "ratio_2_vs_1_nodes": 0.97,
+        "node_lost_wall_vs_nodes_2": 0.91,
+        "lines": {"nodes-1": line, "node-lost": lost},
+    }
+    md = render_markdown(results)
+    assert "| nodes-1 | 1 | 30.0 | 0 | yes | 32.00 | 1.20 | 1.15 | 1.04 | 1 |  |" in md
+    assert "| node-lost | 2 | 30.0 | 0 | **NO** |" in md and "| 2→1 | pool-1 killed after 10 units" in md
+    assert "**0.97×** rows/s" in md and "pad to 1.06×" in md
