@@ -359,9 +359,8 @@ def _serve(args: argparse.Namespace) -> int:
         Autoscaling,
         DeploymentOptions,
         deploy,
-        fit_pool,
-        fit_replicas,
         pool_nodes,
+        size_replicas,
     )
     from serve_app.settings import ServerSettings
 
@@ -385,14 +384,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Nodes that advertise the pool resource take the replicas (the head and the jobs' nodes
     # do not); without any, the replicas go wherever the cluster has CPUs (one machine).
     pool = pool_nodes(ray.nodes())
-    fitted = fit_pool(pool) if pool else fit_replicas(ray.cluster_resources().get("CPU", 1.0))
-    cpus = args.num_cpus if args.num_cpus is not None else fitted[1]
-    if args.num_cpus is None:  # sized to the nodes: what fit_pool/fit_replicas said they hold
-        capacity = fitted[0]
-    else:
-        capacity = sum(int(c // cpus) for c in pool) if pool else int(ray.cluster_resources().get("CPU", 1) // cpus)
-    # A pool is filled with replicas of the size asked for; one machine keeps one replica of it.
-    default_replicas = fitted[0] if args.num_cpus is None else max(1, capacity) if pool else 1
+    default_replicas, cpus, capacity = size_replicas(pool, ray.cluster_resources().get("CPU", 1.0), args.num_cpus)
     replicas = default_replicas if args.num_replicas is None else args.num_replicas
     autoscaling = None
     if replicas == "auto":

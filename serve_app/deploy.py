@@ -32,6 +32,7 @@ __all__ = [
     "fit_pool",
     "fit_replicas",
     "pool_nodes",
+    "size_replicas",
     "start_grpc_proxy",
 ]
 
@@ -129,6 +130,22 @@ def fit_pool(pool_cpus: list[float], *, reserved_cpus: float = RESERVED_CPUS) ->
         raise ValueError("no alive node advertises the pool resource")
     _, cpus = fit_replicas(min(pool_cpus), reserved_cpus=reserved_cpus)
     return len(pool_cpus), cpus
+
+
+def size_replicas(pool_cpus: list[float], cluster_cpus: float, num_cpus: float | None = None) -> tuple[int, float, int]:
+    """(replicas by default, CPUs each, replicas the nodes hold) for `raypipe serve`.
+
+    On a pool (`pool_cpus`: its nodes' CPUs), one replica per node sized by `fit_pool`, or, with
+    `num_cpus`, as many replicas of that size as the nodes hold. Without a pool, `fit_replicas`
+    of the cluster, or one replica of `num_cpus`. What the nodes hold bounds `num_replicas: auto`.
+    """
+    if num_cpus is None:
+        replicas, cpus = fit_pool(pool_cpus) if pool_cpus else fit_replicas(cluster_cpus)
+        return replicas, cpus, replicas
+    if pool_cpus:
+        capacity = sum(int(c // num_cpus) for c in pool_cpus)
+        return max(1, capacity), num_cpus, capacity
+    return 1, num_cpus, int(cluster_cpus // num_cpus)
 
 
 def build_app(

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.deploy import POOL_RESOURCE, Autoscaling, DeploymentOptions, build_app, fit_pool, pool_nodes
+from serve_app.deploy import (
+    POOL_RESOURCE,
+    Autoscaling,
+    DeploymentOptions,
+    build_app,
+    fit_pool,
+    pool_nodes,
+    size_replicas,
+)
 
 
 def node(cpus: float, *, pool: bool, alive: bool = True) -> dict:
@@ -41,3 +49,12 @@ def test_the_bound_app_carries_the_placement_and_the_autoscaling(demo_model_dir)
     fixed = build_app(demo_model_dir, options=DeploymentOptions(num_replicas=2))
     assert fixed._bound_deployment._deployment_config.num_replicas == 2
     assert "resources" not in fixed._bound_deployment.ray_actor_options
+
+
+def test_serve_sizes_replicas_to_the_pool_or_to_the_one_machine():
+    assert size_replicas([4.0, 2.0], 6.0) == (2, 1.5, 2), "one per pool node, sized by the smallest"
+    assert size_replicas([1.0, 1.0], 2.0, num_cpus=1.0) == (2, 1.0, 2), "--num-cpus fills the pool"
+    assert size_replicas([4.0, 2.0], 6.0, num_cpus=2.0) == (3, 2.0, 3)
+    assert size_replicas([1.0], 1.0, num_cpus=2.0) == (1, 2.0, 0), "too big for every node: one, left pending"
+    assert size_replicas([], 2.0) == (1, 1.5, 1), "one machine: one replica of all but the reserve"
+    assert size_replicas([], 8.0, num_cpus=2.0) == (1, 2.0, 4), "one machine keeps one replica of the size asked"
