@@ -79,6 +79,9 @@ class ScriptedClient:
         self.errors = list(errors)
         self.poison = poison
         self.calls = 0
+        self.answered = 0
+        """Calls that got an answer or an error: not those their caller cancelled while out (the
+        run report does not count those either, `raypipe.metrics.MetricsInterceptor`)."""
         self.paragraphs_ok = 0
         self.texts_sent: list[str] = []
 
@@ -86,6 +89,7 @@ class ScriptedClient:
         self.calls += 1
         self.texts_sent += texts
         await asyncio.sleep(0)
+        self.answered += 1
         if self.errors:
             raise self.errors.pop(0)
         if self.poison in texts:
