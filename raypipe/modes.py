@@ -211,7 +211,7 @@ def _run(
     try:
         input_uri = config.input.uri if config.input else None
         plan, resumed = state.plan(lambda: make_plan(state), input_uri=input_uri, model_version=version)
-        if resumed and config.input is not None and (plan.bad_shards or _has_whole_files(plan)):
+        if resumed and config.input is not None and (plan.bad_shards or any(u.planned_whole for u in plan.units)):
             listing = list_input(config.input.uri, format=config.input.format)
             plan = _refresh_whole_files(_retry_bad_shards(config, plan, listing), listing, state.pending(plan))
             state.save_plan(plan)
@@ -352,7 +352,7 @@ def _with_whole_file_maxima(state: RunState, plan: Plan, done: set[str], skew_s:
     truncate timestamps to the millisecond (never up: checked in the unit tests), so a rewrite
     may re-read rows of that last millisecond and never skips one. A file whose rows reach
     beyond now + `skew_s` (a sentinel) gets none: a rewrite of it is read whole."""
-    whole = {u.key: u.shard for u in plan.units if u.format == "parquet" and u.row_stop is None and u.key in done}
+    whole = {u.key: u.shard for u in plan.units if u.planned_whole and u.key in done}
     if not whole:
         return plan
     maxima = state.table.max_updated_at_by_unit(state.run_id)
@@ -466,17 +466,13 @@ def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: da
     return Plan(mode, config.input.uri, units, bad, window, observations=observations)
 
 
-def _has_whole_files(plan: Plan) -> bool:
-    return any(u.format == "parquet" and u.row_stop is None for u in plan.units)
-
-
 def _refresh_whole_files(plan: Plan, listing: InputListing, pending: list[WorkUnit]) -> Plan:
     """A resumed run reads each of its pending whole-file units (`sources.plan_listing`) as the
     file is now: one mended or rewritten since planning (a bad shard fixed in place) would
     otherwise never read under this run id (`ShardChangedError`). A unit that is the whole file
     has no row range of an older version to keep; a unit cut from a footer keeps its
     fingerprint, and a committed unit keeps the one it was read at."""
-    todo = {u.key for u in pending if u.format == "parquet" and u.row_stop is None}
+    todo = {u.key for u in pending if u.planned_whole}
     units = [
         dataclasses.replace(u, fingerprint=listing.fingerprints[u.shard])
         if u.key in todo and u.shard in listing.fingerprints

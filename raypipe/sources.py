@@ -188,6 +188,12 @@ class WorkUnit:
         return f"{stem}-{self.row_start}-{digest}"
 
     @property
+    def planned_whole(self) -> bool:
+        """A Parquet shard planned as one unit from its listed size (`plan_listing`): no footer
+        read at planning, the whole file read as it is when read."""
+        return self.format == "parquet" and self.row_stop is None
+
+    @property
     def expected_rows(self) -> int | None:
         return None if self.row_stop is None else self.row_stop - self.row_start
 

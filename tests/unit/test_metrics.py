@@ -380,3 +380,16 @@ def test_server_metrics_settings_read_the_agent_from_the_replica_environment():
 def test_report_renders_as_html_for_notebooks():
     html = _report(status="completed")._repr_html_()
     assert "<table" in html and "r1" in html and "UNAVAILABLE" in html and "COMPLETED" in html
+
+
+def test_progress_eta_goes_by_units_when_the_plan_does_not_know_every_units_rows():
+    """Files planned whole from their size (and JSON lines) have no row count before they are read."""
+    now = [0.0]
+    p = Progress(4, None, 10.0, bar=False, stream=io.StringIO(), clock=lambda: now[0])
+    assert p.eta_s() is None, "no rate before the first unit"
+    now[0] = 3.0
+    p.update(_unit(0, ok=50))
+    assert p.eta_s() == 9.0, "3 units left at 3 s each"
+    now[0] = 4.0
+    p.update(_unit(1, ok=500))
+    assert p.eta_s() == 4.0
