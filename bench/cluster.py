@@ -24,6 +24,8 @@ from typing import Any
 
 import psutil
 
+from bench.tcp_proxy import free_port
+
 __all__ = [
     "Cluster",
     "LocalNodes",
@@ -278,14 +280,6 @@ def heavy_lock(path: str | None) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Node:
     name: str
@@ -353,8 +347,8 @@ class LocalNodes:
             # Fixed defaults (the agent's HTTP port 52365, the metrics port) would collide between
             # nodes of one host: the second node's agent could not bind, and a head without its
             # agent takes no `ray job submit` ("No available agent to submit job").
-            f"--dashboard-agent-listen-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
             f"--num-cpus={num_cpus:g}",
             f"--object-store-memory={self.object_store_mb * 2**20}",
             f"--temp-dir={temp_dir}",

@@ -14,7 +14,6 @@ import io
 import itertools
 import json
 import os
-import socket
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 
 from bench import corpus as corpus_mod
 from bench.cluster import Cluster, heavy_lock, run_measured
-from bench.tcp_proxy import TcpProxy
+from bench.tcp_proxy import TcpProxy, free_port
 
 if TYPE_CHECKING:
     from bench.run import Bench
@@ -35,12 +34,6 @@ WATERMARK = datetime(2026, 6, 1, tzinfo=UTC)
 _SHARDS = 20
 _ROW_GROUP = 10_000
 _BUCKET = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_table(rows: int, *, seed: int, layout: str) -> tuple[list[Any], Any, int, Any]:
@@ -159,7 +152,7 @@ def run_daily(bench: Bench, demo: Path) -> dict[str, Any]:
     from bench.s3server import MotoServer
 
     args = bench.args
-    moto_port = _free_port()
+    moto_port = free_port()
     server = MotoServer(moto_port)
     server.start()
     proxy = TcpProxy(moto_port).start()  # counts the bytes the runs fetch

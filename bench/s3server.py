@@ -7,7 +7,6 @@ same process cannot answer them, and the call times out.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,14 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from bench.tcp_proxy import free_port
+
 __all__ = ["MotoServer"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MotoServer:
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
 

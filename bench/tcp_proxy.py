@@ -19,11 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
-__all__ = ["TcpProxy"]
+__all__ = ["TcpProxy", "free_port"]
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class TcpProxy:

@@ -9,20 +9,13 @@ through TLS.
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import trustme
 
-from bench.tcp_proxy import TcpProxy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench.tcp_proxy import TcpProxy, free_port
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.tcp_proxy import free_port
+
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
