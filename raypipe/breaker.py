@@ -7,8 +7,11 @@ before it goes out. After `failure_threshold` consecutive
 transient failures the breaker opens: the service is presumed down (a replica restarting,
 the proxy redeploying) and hammering it would only slow the restart. Unlike a classic
 breaker, an open circuit does not fail calls at once: `acquire` *waits*, so the job pauses
-while the service comes back, and only a caller that has waited longer than `max_wait_s`
-in total gets `CircuitOpenError`.
+while the service comes back. `max_wait_s` bounds the outage, not a call: once the breaker
+has stayed open (failed probes included) for `max_wait_s` since it opened, every waiting and
+every new caller gets `CircuitOpenError` and no probe goes out any more. A caller that became
+the probe, failed and asks again does not start a wait of its own, so a service that fails
+every call stops the run within `max_wait_s` + one reset period (plus the call in flight).
 
     failure_threshold consecutive                 reset timeout elapsed:
     transient failures                            the next caller becomes the probe
@@ -38,16 +41,17 @@ others waiting (up to their `max_wait_s`)::
         result = await call()
         success = True
     except ModelServiceError as exc:
-        success = not exc.transient      # the service answered: it is up
+        success = rows_at_fault(exc)     # the caller's choice: see `record`
         raise
     finally:
         breaker.record(permit, success=success)
 
-Where it sits: **breaker (one permit per call)** → retry → limiter → client. It counts calls,
-not retry attempts: a call records one outcome, after its retries. An attempt checks
-`admits(permit)` right before it goes out, so one admitted while the breaker was closed does
-not go out after it opened. The breaker knows nothing of gRPC: the caller decides what a
-failure is.
+Where it sits (`raypipe.actor.InferenceActor._call`, the one caller): limiter (an in-flight
+slot, held for the whole call) → **breaker (one permit per call)** → retry (attempts with
+backoff) → each attempt checks `admits(permit)` → client. It counts calls, not retry
+attempts: a call records one outcome, after its retries. An attempt checks `admits(permit)`
+right before it goes out, so one admitted while the breaker was closed does not go out after
+it opened. The breaker knows nothing of gRPC: the caller decides what a failure is.
 """
 
 from __future__ import annotations
@@ -159,25 +163,27 @@ class CircuitBreaker:
         return self._state
 
     async def acquire(self) -> Permit:
-        """Wait until a call may go out; raise `CircuitOpenError` after `max_wait_s`."""
+        """Wait until a call may go out; raise `CircuitOpenError` once the outage has lasted
+        `max_wait_s` (counted from the opening, whoever waits and however often they ask)."""
         start = self._clock()
-        deadline = start + self._max_wait_s
         while True:
             now = self._clock()
             if self._state is BreakerState.CLOSED:
                 return Permit(self._generation, is_probe=False)
+            deadline = self._opened_at + self._max_wait_s
+            if now >= deadline:
+                self._rejected += 1
+                raise CircuitOpenError(
+                    f"model service circuit open for {now - self._opened_at:.1f}s "
+                    f"(breaker.max_wait_s {self._max_wait_s:g}); this caller waited {now - start:.1f}s",
+                    waited_s=now - self._opened_at,
+                    retry_after_s=self._retry_after(now),
+                )
             if self._state is BreakerState.OPEN and now >= self._probe_at:
                 self._state = BreakerState.HALF_OPEN
                 self._probes += 1
                 self._notify()
                 return Permit(self._generation, is_probe=True)
-            if now >= deadline:
-                self._rejected += 1
-                raise CircuitOpenError(
-                    f"model service circuit open; waited {now - start:.1f}s",
-                    waited_s=now - start,
-                    retry_after_s=self._retry_after(now),
-                )
             wake_at = deadline
             if self._state is BreakerState.OPEN:
                 wake_at = min(wake_at, self._probe_at)
@@ -190,10 +196,12 @@ class CircuitBreaker:
         return self._state is BreakerState.CLOSED or (permit._is_probe and self._state is BreakerState.HALF_OPEN)
 
     def record(self, permit: Permit, *, success: bool) -> None:
-        """Report how the attempt made under `permit` went.
+        """Report how the call made under `permit` went, after its retries.
 
-        `success=False` only for transient service failures (unavailable, timeout, overload,
-        cancelled); a permanent error is a success here, since the service answered.
+        The caller decides what a failure is. The actor records `success=True` for an answer,
+        and for a failed call only when a canary call under the same permit was answered (the
+        rows were at fault, not the service); every other failed call, permanent codes
+        included, is `success=False`.
         """
         if permit._recorded:
             return

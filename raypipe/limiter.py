@@ -10,8 +10,11 @@ with `acquire()` before a call and gives it back with `release(latency_s=..., dr
 - `AdaptiveLimiter` finds the cap by itself: AIMD (as TCP Reno) driven by what the server
   says about its load, never by raw latency (below).
 
-Where it sits: breaker → retry → **limiter (in-flight cap)** → client. It is also where
-backpressure reaches Ray Data: an actor whose slots are full stops taking new work.
+Where it sits (`raypipe.actor.InferenceActor._call`): **limiter (an in-flight slot, taken
+first and held for the whole call, its breaker wait, retries and backoff included)** →
+breaker (one permit per call) → retry → client. So a call waiting on an open breaker holds
+its slot, and an outage costs at most `limit` calls. It is also where backpressure reaches
+Ray Data: an actor whose slots are full stops taking new work.
 
 Why not latency: the server batches across callers, so on a busy, healthy replica most of a
 call's latency is waiting for the batch ahead of it to finish. That wait is what keeps the

@@ -277,9 +277,9 @@ def test_open_waiter_gives_up_after_max_wait() -> None:
         await vt.sleep(1.0)
         with pytest.raises(CircuitOpenError) as caught:
             await breaker.acquire()
-        assert vt.now == 3.5  # on time: the sleep was capped at the caller's own deadline
+        assert vt.now == 2.5  # on time: max_wait_s counts from the opening, not from this call
         assert caught.value.waited_s == 2.5
-        assert caught.value.retry_after_s == 6.5
+        assert caught.value.retry_after_s == 7.5
 
     vt.run(main())
     assert breaker.stats().calls_rejected == 1
@@ -295,7 +295,7 @@ def test_waiter_gives_up_while_a_probe_is_in_flight() -> None:
         assert vt.now == 1.0
         with pytest.raises(CircuitOpenError) as caught:
             await breaker.acquire()
-        assert vt.now == 4.0
+        assert vt.now == 3.0  # the outage's deadline, though this caller began waiting at 1.0
         assert caught.value.waited_s == 3.0
         assert caught.value.retry_after_s == 0.0
         breaker.record(probe, success=True)
@@ -397,3 +397,36 @@ def test_time_open_counts_open_and_half_open_periods() -> None:
     assert stats.probes == 1
     assert stats.state is BreakerState.OPEN
     assert stats.calls_rejected == 0
+
+
+def test_max_wait_counts_the_outage_not_each_call() -> None:
+    """A service failing every call: callers that keep becoming the probe, failing and asking
+    again do not start new waits; every caller gives up within max_wait_s + one reset period
+    of the opening."""
+    vt = VirtualTime()
+    breaker = make(vt, reset_timeout_s=1.0, max_reset_timeout_s=2.0, max_wait_s=10.0)
+    gave_up: list[float] = []
+
+    async def caller() -> None:
+        for _ in range(200):  # bounded: on the per-call deadline this loop never stops
+            permit = await breaker.acquire()
+            await vt.sleep(0.5)  # the call goes out and fails
+            breaker.record(permit, success=False)
+        raise AssertionError("the breaker never gave up")
+
+    async def guarded() -> None:
+        try:
+            await caller()
+        except CircuitOpenError:
+            gave_up.append(vt.now)
+
+    async def main() -> float:
+        await trip(breaker)
+        opened = vt.now
+        await asyncio.gather(*(guarded() for _ in range(3)))
+        return opened
+
+    opened = vt.run(main())
+    assert len(gave_up) == 3
+    assert max(gave_up) <= opened + 10.0 + 2.0
+    assert breaker.stats().calls_rejected == 3
