@@ -15,11 +15,15 @@ A run calls its state's owner (`raypipe.runstate.RunState`) once per step:
    the run recorded as committed (fenced) when every unit is, the watermark moved forward
    (never backwards), and the report written to `runs/<run_id>.json`.
 
-A daily run selects rows with `watermark < updated_at <= until` (`until` defaults to the time
-the run was planned); row groups and Hive partitions outside the window are never read. A
-backfill records what its input was read as of (the latest `updated_at` in the footers, else
-its planning time), so the first daily after it infers only the delta. A replay re-infers a
-run's committed dead letters and replaces them, in the same commit, with what they became.
+A daily reads the input files no run has read whole yet (new files, and files whose size or
+ETag changed), whole, whatever their rows' `updated_at`: it selects by the files seen
+(`RunState.files_seen`), not by a watermark. A file rewritten in place is read for its rows
+updated at or after the latest `updated_at` read of it before (rows at that instant are
+re-read and answered from the table by reuse); `--since` also re-reads the files read
+before, for their rows updated after it. A backfill records what its input was read as of
+(the latest `updated_at` in the footers, else its planning time): the watermark, which is
+informational and never moves backwards. A replay re-infers a run's committed dead letters
+and replaces them, in the same commit, with what they became.
 """
 
 from __future__ import annotations
@@ -267,7 +271,6 @@ def _run(
                 for outcome in run_units(
                     todo,
                     columns=_columns(config) if config.input else ColumnNames(),
-                    window=plan.window,
                     on_bad_shard=_on_bad_shard(config, mode) if config.input else "fail",
                     settings=settings,
                     actors=config.actors,

@@ -35,9 +35,11 @@ __all__ = ["UnitDatasource", "UnitResult", "run_units"]
 logger = logging.getLogger("raypipe")
 
 
-def _read_block(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None, on_bad_shard: str) -> list[pa.Table]:
-    if unit.since is not None:  # a daily's --since over a file read before: only its newer rows
-        window = DeltaWindow.since(datetime.fromisoformat(unit.since))
+def _read_block(unit: WorkUnit, columns: ColumnNames, on_bad_shard: str) -> list[pa.Table]:
+    """The unit's rows. A unit is read whole unless it carries its own `since` (a file read
+    before: a daily's `--since`, a rewrite's newer rows); a new file is read whole whatever
+    its rows' `updated_at`, null included, so a late file is never lost to a window."""
+    window = None if unit.since is None else DeltaWindow.since(datetime.fromisoformat(unit.since))
     try:
         table = read_unit(unit, columns, window)
     except (OSError, pa.ArrowException, InputError, ValueError) as e:
@@ -60,12 +62,10 @@ class UnitDatasource(Datasource):
         self,
         units: Sequence[WorkUnit],
         columns: ColumnNames,
-        window: DeltaWindow | None = None,
         on_bad_shard: Literal["fail", "record"] = "fail",
     ) -> None:
         self._units = list(units)
         self._columns = columns
-        self._window = window
         self._on_bad_shard = on_bad_shard
 
     def get_name(self) -> str:
@@ -80,7 +80,7 @@ class UnitDatasource(Datasource):
         schema = unit_block_schema()
         return [
             ReadTask(
-                functools.partial(_read_block, unit, self._columns, self._window, self._on_bad_shard),
+                functools.partial(_read_block, unit, self._columns, self._on_bad_shard),
                 BlockMetadata(num_rows=unit.expected_rows, size_bytes=None, exec_stats=None, input_files=(unit.shard,)),
                 schema=schema,
             )
@@ -102,7 +102,6 @@ def run_units(
     units: Sequence[WorkUnit],
     *,
     columns: ColumnNames,
-    window: DeltaWindow | None,
     on_bad_shard: Literal["fail", "record"],
     settings: ActorSettings,
     actors: ActorPoolConfig,
@@ -119,7 +118,7 @@ def run_units(
     # Unit blocks must reach the actors whole: never split them into smaller blocks.
     ctx.target_max_block_size = max(ctx.target_max_block_size or 0, 512 * 1024 * 1024)
     ds = ray.data.read_datasource(
-        UnitDatasource(units, columns, window, on_bad_shard),
+        UnitDatasource(units, columns, on_bad_shard),
         override_num_blocks=len(units),
         num_cpus=0.25,
     )

@@ -83,8 +83,10 @@ class ColumnNames:
 class DeltaWindow:
     """Selects rows with `after < updated_at <= until` (daily runs).
 
-    Rows whose `updated_at` is null are never in a window: a backfill infers them, dailies
-    skip them (the plan counts them from the Parquet statistics, `PlanObservations`).
+    A window applies only to a file a run has read before (a unit with its own `since`: a
+    daily's `--since`, a rewrite's newer rows); new files are read whole. Rows whose
+    `updated_at` is null are never in a window: they are read with the file that holds them,
+    when it is new.
     """
 
     after: datetime | None
@@ -118,7 +120,8 @@ class PlanObservations:
     """Shard -> its latest updated_at up to `limit` (ISO): recorded with the files seen, so a
     file rewritten later is read for its rows updated after it."""
     null_updated_at_rows: int = 0
-    """Rows with a null updated_at in the shards planned (statistics); dailies skip them."""
+    """Rows with a null updated_at in the shards planned (statistics); read when their file is
+    new, never by a window over a file read before."""
     row_groups_total: int = 0
     row_groups_pruned: int = 0
     """Row groups a daily skipped because their updated_at statistics lie outside its window."""
