@@ -81,7 +81,12 @@ class ColumnNames:
 
 @dataclass(frozen=True)
 class DeltaWindow:
-    """Selects rows with `after < updated_at <= until` (daily runs).
+    """Selects rows with `after <= updated_at <= until` (daily runs).
+
+    `after` is inclusive: a file rewritten in place is read from the latest `updated_at` read
+    of it before, so rows appended at exactly that instant (a batch export stamps every row
+    with one time) are read; the rows re-read at that instant are answered from the table by
+    reuse.
 
     A window applies only to a file a run has read before (a unit with its own `since`: a
     daily's `--since`, a rewrite's newer rows); new files are read whole. Rows whose
@@ -94,7 +99,7 @@ class DeltaWindow:
 
     @classmethod
     def since(cls, after: datetime) -> DeltaWindow:
-        """Every row updated after `after` (a daily's `--since`; a rewritten file's newer rows)."""
+        """Every row updated at or after `after` (a daily's `--since`; a rewritten file's newer rows)."""
         return cls(after, datetime(9999, 12, 31, tzinfo=UTC))
 
     def may_hold(self, lo: datetime | None, hi: datetime | None) -> bool:
@@ -103,7 +108,7 @@ class DeltaWindow:
             return True  # no statistics: read it
         if lo > self.until:
             return False
-        return self.after is None or hi > self.after
+        return self.after is None or hi >= self.after
 
 
 @dataclass
@@ -824,10 +829,10 @@ def _unit_len(unit: WorkUnit, first_row: int, available: int) -> int:
 
 
 def _in_window(updated: pa.ChunkedArray | pa.Array, window: DeltaWindow) -> Any:
-    """Boolean mask of `after < updated <= until`; null timestamps are outside every window."""
+    """Boolean mask of `after <= updated <= until`; null timestamps are outside every window."""
     keep = pc.less_equal(updated, pa.scalar(window.until, pa.timestamp("us", tz="UTC")))
     if window.after is not None:
-        keep = pc.and_(keep, pc.greater(updated, pa.scalar(window.after, pa.timestamp("us", tz="UTC"))))
+        keep = pc.and_(keep, pc.greater_equal(updated, pa.scalar(window.after, pa.timestamp("us", tz="UTC"))))
     return pc.fill_null(keep, False)
 
 

@@ -151,7 +151,7 @@ def test_delta_window_selects_new_and_changed_rows(tmp_path):
         updated_at=pa.array(ts, pa.timestamp("us", tz="UTC")),
     )
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, need_updated_at=True)
-    window = DeltaWindow(after=ts[0], until=ts[2])
+    window = DeltaWindow(after=ts[1], until=ts[2])  # both ends inclusive
     table = read_unit(units[0], COLS, window)
     assert table.column("id").to_pylist() == ["b", "c"]
     assert table.column("_row").to_pylist() == [1, 2]
@@ -368,3 +368,15 @@ def test_a_sample_with_no_rows_to_measure_plans_every_shard_from_its_footer(tmp_
         listing.shards, sizes=listing.sizes, footer_sample=2, unit_rows=100, columns=COLS, observations=seen
     )
     assert seen.whole_files == 0 and seen.footers_read == 10 and all(u.row_stop == 0 for u in units)
+
+
+def test_a_rewrite_reads_appended_rows_stamped_at_the_recorded_maximum(tmp_path):
+    """A batch export stamps every row with one time: rows appended at exactly the maximum read
+    before are planned and read (the rows re-read at that instant are answered by reuse)."""
+    stamp = datetime(2026, 1, 1, tzinfo=UTC)
+    ts = pa.array([stamp] * 4, pa.timestamp("us", tz="UTC"))
+    write_parquet(tmp_path / "a.parquet", ["a", "b", "c", "d"], ["w", "x", "y", "z"], updated_at=ts)
+    window = DeltaWindow.since(stamp)  # the file was read before up to `stamp`; "c" and "d" were appended
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, need_updated_at=True, window=window)
+    assert len(units) == 1
+    assert read_unit(units[0], COLS, window).column("id").to_pylist() == ["a", "b", "c", "d"]
