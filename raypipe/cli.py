@@ -26,7 +26,6 @@ import argparse
 import json
 import logging
 import sys
-from datetime import datetime
 from typing import Any
 
 __all__ = ["main"]
@@ -39,7 +38,9 @@ def _set_pairs(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--set takes section.key=value, not {pair!r}")
+            from raypipe.errors import ConfigError
+
+            raise ConfigError(f"--set takes section.key=value, not {pair!r}")
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:
@@ -244,27 +245,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from raypipe import api, modes
+    from raypipe import api
     from raypipe.report import RunReport
 
-    config = api.build_config(
-        input=getattr(args, "input", None),
-        output=args.output,
-        service=args.service,
-        run_id=args.replay_id if args.command == "replay" else args.run_id,
-        config_file=args.config,
-        settings=_set_pairs(args.set + (["output.take_over_lease=true"] if args.force else [])),
-    )
+    common: dict[str, Any] = {
+        "service": args.service,
+        "config_file": args.config,
+        "settings": _set_pairs(args.set + (["output.take_over_lease=true"] if args.force else [])),
+    }
     report: RunReport
     if args.command == "backfill":
-        report = modes.backfill(config)
+        report = api.backfill(args.input, args.output, run_id=args.run_id, **common)
     elif args.command == "daily":
-        since = None if args.since is None else datetime.fromisoformat(args.since)
-        report = modes.daily(config, since=since)
+        report = api.daily(args.input, args.output, run_id=args.run_id, since=args.since, **common)
     else:
-        report = modes.replay(config, of_run=args.run_id)
+        report = api.replay(args.output, run_id=args.run_id, replay_id=args.replay_id, **common)
     print(report.render())
-    print(f"  report        {config.output.uri.rstrip('/')}/runs/{report.run_id}.json")
+    print(f"  report        {(report.output or args.output or '').rstrip('/')}/runs/{report.run_id}.json")
     return EXIT_OK if report.status == "completed" else EXIT_INCOMPLETE
 
 

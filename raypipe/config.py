@@ -10,12 +10,13 @@ Nothing here reads the environment or a file at import time; `load_config` does,
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlparse
 
 import yaml
@@ -385,6 +386,9 @@ class PipelineConfig(_Frozen):
     """Names the run; the same id resumes it. Default: `<mode>-<UTC timestamp>-<6 random hex digits>` (a new run)."""
     progress_interval_s: float = Field(10.0, gt=0)
     """How often progress is logged."""
+    core_hour_usd: float = Field(0.04, ge=0)
+    """Price of one CPU core for an hour, for the report's cost per million paragraphs (`raypipe.cost`);
+    the default is about an on-demand cloud vCPU of a compute-optimised instance."""
 
     @field_validator("run_id")
     @classmethod
@@ -444,14 +448,39 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def _describe(err: ValidationError) -> str:
-    lines = []
+    """The errors on one line, each at its dotted path; an unknown key names the nearest valid one."""
+    parts = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {where}: unknown setting")
+            near = _nearest_key(e["loc"])
+            parts.append(f"{where}: unknown setting" + (f" (did you mean {near}?)" if near else ""))
         else:
-            lines.append(f"  {where}: {e['msg']}")
-    return "\n".join(lines)
+            parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def _nearest_key(loc: tuple[int | str, ...]) -> str | None:
+    """The valid dotted key closest to an unknown one (`input.unit_row` -> `input.unit_rows`)."""
+    model: type[BaseModel] = PipelineConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        inner = _model_of(field.annotation) if field is not None else None
+        if inner is None:
+            return None
+        model = inner
+    near = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return ".".join([*(str(p) for p in loc[:-1]), near[0]]) if near else None
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The config section an annotation holds (`InputConfig | None` -> `InputConfig`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
 
 
 def load_config(
@@ -478,4 +507,4 @@ def load_config(
     try:
         return PipelineConfig.model_validate(merged, context={"offline": offline})
     except ValidationError as e:
-        raise ConfigError("invalid configuration:\n" + _describe(e)) from e
+        raise ConfigError("invalid configuration: " + _describe(e)) from e

@@ -78,3 +78,20 @@ def test_max_actors_is_unset_by_default_and_bounds_are_checked():
     assert load_config(None, {"output": {"uri": "/o"}, "actors": {"min_actors": 3}}).actors.min_actors == 3
     with pytest.raises(ConfigError, match="min_actors 3 > max_actors 2"):
         load_config(None, {"output": {"uri": "/o"}, "actors": {"min_actors": 3, "max_actors": 2}})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"input": {"uri": "/i", "unit_row": 5}}, "input.unit_row: unknown setting (did you mean input.unit_rows?)"),
+        ({"inputs": {"uri": "/i"}}, "inputs: unknown setting (did you mean input?)"),
+        ({"client": {"retry": {"max_atempts": 2}}}, "(did you mean client.retry.max_attempts?)"),
+        ({"zzz": 1}, "zzz: unknown setting"),
+    ],
+)
+def test_an_unknown_key_names_the_nearest_valid_one_on_one_line(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"output": {"uri": "/o"}, **overrides})
+    assert says in str(e.value) and "\n" not in str(e.value)
+    if "zzz" in says:
+        assert "did you mean" not in str(e.value)

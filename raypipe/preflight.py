@@ -1,0 +1,235 @@
+"""Preflight: what a run checks before it calls the model service or writes anything.
+
+A run's first steps have effects: it checks the model service (waiting up to
+`service.connect_timeout_s` for it), then takes the output's lease, creates the table, stores
+an attempt and, when it fails, a "failed" report. Input, output and settings that are wrong
+should cost none of that: a typo in `--input` must not leave a table behind, nor be reported
+as a service that is down. So the public run functions (`raypipe.api`, which the CLI calls)
+run `check_run` first, and a wrong value ends the run in about a second, before Ray starts,
+with one line naming the fix (`ConfigError` or `InputError`: exit 2 in the CLI).
+
+What is checked, each as cheaply as it can be (a listing, one footer, no rows):
+- times: `since` is an ISO time with a zone, or a timezone-aware `datetime` (`parse_since`);
+- the input (backfill, daily): it exists, lists at least one shard (`sources.list_input`,
+  quarantined shards left out), and its first shard has the id and text columns with usable
+  types (`sources.plan_units` on that one shard: its Parquet footer, or its first JSON line).
+  A daily records bad shards and goes on (`input.on_bad_shard: record`), so a daily is
+  refused only when its first and its last shard both lack the same column: that is a
+  setting (`input.text_column`), not one bad file;
+- the output: a local path that is a folder or can be made one, not inside the input folder
+  (the next run would read its own results as input); an S3 bucket that exists;
+- a replay: the output holds an outcomes table and the run to replay.
+
+Nothing here writes, starts Ray or calls the model service; the run modes check again what
+they rely on, later (a shard can change between this look and the run).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import posixpath
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from raypipe.config import PipelineConfig
+from raypipe.errors import ConfigError, InputError, NoShardsError, SchemaError
+
+__all__ = ["check_run", "parse_since"]
+
+Mode = Literal["backfill", "daily", "replay"]
+
+_EXAMPLE_TIME = "2026-11-20T00:00:00Z"
+
+
+def parse_since(value: str | datetime | None) -> datetime | None:
+    """`since` as the CLI and the API take it: an ISO 8601 time with a zone (`Z` or `+01:00`),
+    or a timezone-aware `datetime`. A time without a zone is refused, not guessed."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise ConfigError(
+                f"since {value!r} is not an ISO time: give one with a zone, e.g. {_EXAMPLE_TIME}"
+            ) from None
+    elif isinstance(value, datetime):
+        parsed = value
+    else:
+        raise ConfigError(f"since must be an ISO time string or a datetime, not {type(value).__name__}")
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        raise ConfigError(f"since {value!s} has no time zone: add one, e.g. {_EXAMPLE_TIME} (Z is UTC)")
+    return parsed
+
+
+def check_run(config: PipelineConfig, mode: Mode, *, of_run: str | None = None) -> None:
+    """Raises `ConfigError` or `InputError` if the run cannot start; reads, never writes.
+
+    `of_run` is the run a replay re-infers."""
+    _check_output(config)
+    if mode == "replay":
+        if of_run is None:
+            raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
+        _check_replay(config.output.uri, of_run)
+        return
+    if config.input is None:
+        raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
+    _check_input(config, mode)
+
+
+# -- input ------------------------------------------------------------------------------------
+_INPUT_HINT = "set --input (input.uri) to a Parquet or JSON-lines file, a folder of them, or a glob"
+
+
+def _check_input(config: PipelineConfig, mode: Mode) -> None:
+    from raypipe.sources import ColumnNames, ShardFormat, list_input, plan_units
+
+    settings = config.input
+    assert settings is not None
+    try:
+        listing = list_input(settings.uri, format=settings.format, quarantined=_quarantined(config))
+    except NoShardsError as e:
+        raise NoShardsError(f"{e}: {_INPUT_HINT}") from e
+    except (OSError, ValueError) as e:  # a bucket that does not exist, a path we may not list
+        raise InputError(f"cannot list input {settings.uri}: {type(e).__name__}: {e}: {_INPUT_HINT}") from e
+    columns = ColumnNames(settings.id_column, settings.text_column, settings.updated_at_column)
+
+    def first_error(shard: tuple[str, ShardFormat]) -> InputError | None:
+        try:
+            plan_units([shard], unit_rows=settings.unit_rows, columns=columns, threads=1)
+        except InputError as e:
+            return e
+        return None
+
+    error = first_error(listing.shards[0])
+    if error is None:
+        return
+    policy = settings.on_bad_shard or ("record" if mode == "daily" else "fail")
+    if policy == "record":
+        # One bad file is the daily's to record; the same column missing at both ends is a setting.
+        if not isinstance(error, SchemaError):
+            return
+        if len(listing.shards) > 1:
+            last = first_error(listing.shards[-1])
+            if not (isinstance(last, SchemaError) and last.column == error.column):
+                return
+    hinted = copy.copy(error)  # keeps its type and fields (shard, column)
+    hinted.args = (f"{error}: {_schema_hint(error, config)}",)
+    raise hinted from error
+
+
+def _schema_hint(error: InputError, config: PipelineConfig) -> str:
+    assert config.input is not None
+    column = getattr(error, "column", None)
+    setting = {
+        config.input.id_column: "input.id_column",
+        config.input.text_column: "input.text_column",
+        config.input.updated_at_column: "input.updated_at_column",
+    }.get(column or "")
+    if setting is None:
+        return "fix the shard, or quarantine it (raypipe shards quarantine)"
+    return f"name the column with --set {setting}=NAME, or fix the shard"
+
+
+def _quarantined(config: PipelineConfig) -> frozenset[str]:
+    """Shards set aside on this output (read only: a missing output has none)."""
+    from raypipe.runstate import QUARANTINE
+    from raypipe.store import OutputStore
+
+    store = OutputStore(config.output.uri)
+    try:
+        data = store.read_json_or_none(store.state(QUARANTINE)) or {}
+    except OSError:
+        return frozenset()  # the output's own check reports an unreadable output
+    return frozenset(data.get("shards", {}))
+
+
+# -- output -----------------------------------------------------------------------------------
+def _check_output(config: PipelineConfig) -> None:
+    uri = config.output.uri
+    parsed = urlparse(uri)
+    if parsed.scheme in ("s3", "s3a"):
+        _check_bucket(uri, parsed.netloc)
+    else:
+        _check_local_output(Path(parsed.path if parsed.scheme == "file" else uri))
+    if config.input is not None:
+        _check_not_inside(uri, config.input.uri)
+
+
+def _check_local_output(path: Path) -> None:
+    path = path.expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output {path} is a file: give a folder (it is created if missing)")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"output {path} cannot be created: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"output {path} is not writable: {parent} refuses this user; choose another output")
+
+
+def _check_bucket(uri: str, bucket: str) -> None:
+    from fsspec.core import url_to_fs
+
+    fs, _ = url_to_fs(uri)
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise ConfigError(f"output {uri}: bucket {bucket!r} does not exist; create it or choose another") from None
+    except OSError:
+        pass  # e.g. 403 on the bucket itself while its prefix is writable: the run reports what it cannot do
+
+
+def _check_not_inside(output: str, input: str) -> None:
+    """The output must not sit in the input's folder: the next run would read its results."""
+    if any(ch in input for ch in "*?["):
+        return
+    out, inp = _comparable(output), _comparable(input)
+    if out is not None and inp is not None and (out == inp or out.startswith(inp.rstrip("/") + "/")):
+        raise ConfigError(
+            f"output {output} is inside input {input}: the next run would read its results as input; "
+            "choose an output outside the input"
+        )
+
+
+def _comparable(uri: str) -> str | None:
+    parsed = urlparse(uri)
+    if parsed.scheme in ("s3", "s3a"):
+        return posixpath.normpath(f"s3/{parsed.netloc}/{parsed.path.lstrip('/')}")
+    if parsed.scheme in ("", "file"):
+        return str(Path(parsed.path if parsed.scheme == "file" else uri).expanduser().absolute())
+    return None
+
+
+# -- replay -----------------------------------------------------------------------------------
+def _check_replay(output: str, of_run: str) -> None:
+    from raypipe.outcomes import read_outcomes
+    from raypipe.sinks import OutcomeTable
+    from raypipe.store import OutputStore
+
+    if not OutcomeTable(output).exists():
+        raise ConfigError(
+            f"output {output} holds no outcomes table: give --output of the run to replay "
+            "(an output of the earlier layout needs `raypipe migrate` first)"
+        )
+    store = OutputStore(output)
+    if store.exists(store.report_file(of_run)):
+        return
+    if read_outcomes(output, of_run, columns=["unit"]).num_rows:
+        return
+    runs = [posixpath.basename(p)[: -len(".json")] for p in store.list_files(store.path("runs"), ".json")]
+    runs = [r for r in runs if ".replay-" not in r]
+    near = difflib.get_close_matches(of_run, runs, n=1)
+    hint = (
+        f"did you mean {near[0]}?"
+        if near
+        else f"its runs: {', '.join(runs[-5:])}"
+        if runs
+        else "no run has finished there"
+    )
+    raise ConfigError(f"no run {of_run!r} at {output}: {hint}")
