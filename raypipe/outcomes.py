@@ -139,7 +139,9 @@ def migrate(output: str) -> dict[str, int]:
     into the outcomes table, one commit per run; the old files are left in place.
 
     Only units with a commit marker are copied (an unfinished attempt's files never were
-    committed). A run already in the table is skipped, so the command can be rerun.
+    committed), and only a run with its `COMMITTED.json` is recorded as committed in the
+    table: a half-done legacy run, resumed under its run id, infers its other units. A run
+    already in the table is skipped, so the command can be rerun.
     """
     import pyarrow.parquet as pq
 
@@ -201,8 +203,9 @@ def migrate(output: str) -> dict[str, int]:
                 custom_metadata={"raypipe.operation": "migrate", "raypipe.run_id": run_id}
             ),
         )
-        fence = table.take_over(run_id, holder="migrate")
-        table.mark_committed(fence, {"raypipe.migrated": "true"})
+        if old.is_committed(run_id):  # else a half-done legacy run: resuming it does its other units
+            fence = table.take_over(run_id, holder="migrate")
+            table.mark_committed(fence, {"raypipe.migrated": "true"})
         copied["runs"] += 1
         copied["rows"] += rows.num_rows
         logger.info("migrated run %s: %d rows", run_id, rows.num_rows)

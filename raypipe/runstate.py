@@ -355,6 +355,10 @@ class LegacyLayout:
         except FileNotFoundError:
             return []
 
+    def is_committed(self, run_id: str) -> bool:
+        """Did the run finish (its `COMMITTED.json`, the earlier layout's run commit)?"""
+        return self.store.read_json_or_none(self.store.run_state(run_id, COMMITTED)) is not None
+
     def committed_units(self, run_id: str) -> set[str]:
         folder = self.store.run_state(run_id, "units")
         return {p.rsplit("/", 1)[-1].removesuffix(".json") for p in self.store.list_files(folder, ".json")}

@@ -83,4 +83,20 @@ def test_migrate_copies_committed_units_of_the_earlier_layout_once(tmp_path):
     rows = {r["id"]: r for r in raypipe.read_outcomes(str(tmp_path), "old").to_pylist()}
     assert set(rows) == {"id-u1", "id-dead"}
     assert rows["id-dead"]["outcome"] == "dead_letter" and rows["id-dead"]["inferred_at"] == T0
-    assert OutcomeTable(str(tmp_path)).is_committed("old")
+
+
+def test_migrate_marks_committed_only_the_legacy_runs_that_were(tmp_path):
+    """A legacy run is committed only with its COMMITTED.json: a half-done legacy backfill,
+    migrated, resumes its other units instead of saying "already committed"."""
+    store = OutputStore(str(tmp_path))
+    for run_id in ("done", "half"):
+        path = tmp_path / "results" / f"run={run_id}" / "u1.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": [f"{run_id}-1"], "status": ["ok"], "run_id": [run_id]}), path)
+        store.write_json(store.run_state(run_id, "units", "u1.json"), {"rows": 1})
+    store.write_json(store.run_state("done", "COMMITTED.json"), {"run_id": "done", "at": T0.isoformat()})
+    assert migrate(str(tmp_path)) == {"runs": 2, "rows": 2}
+    table = OutcomeTable(str(tmp_path))
+    assert table.is_committed("done")
+    assert not table.is_committed("half")
+    assert table.committed_units("half") == {"u1"}  # its migrated unit is not redone on resume
