@@ -208,6 +208,9 @@ def _parser() -> argparse.ArgumentParser:
     vacuum.add_argument("--output", required=True)
     vacuum.add_argument("--retention-hours", type=float, default=168.0)
     vacuum.add_argument("--dry-run", action="store_true")
+    vacuum.add_argument(
+        "--force", action="store_true", help="allow a retention under 168 h (only when no run writes to the output)"
+    )
     shards = sub.add_parser("shards", help="set input shards aside").add_subparsers(
         dest="shards_command", required=True
     )
@@ -504,7 +507,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             if args.command == "compact":
                 done = outcomes.compact(args.output, run_ids=args.run_id)
             elif args.command == "vacuum":
-                done = outcomes.vacuum(args.output, retention_hours=args.retention_hours, dry_run=args.dry_run)
+                done = outcomes.vacuum(
+                    args.output, retention_hours=args.retention_hours, dry_run=args.dry_run, force=args.force
+                )
             else:
                 done = outcomes.migrate(args.output)
             print(json.dumps(done))

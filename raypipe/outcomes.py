@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -21,9 +22,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypipe.errors import ConfigError
 from raypipe.sinks import OUTCOME_DEAD_LETTER, OUTCOME_RESULT, OutcomeTable
 
-__all__ = ["LATEST_SQL", "Ledger", "compact", "latest", "ledger", "migrate", "read_outcomes", "vacuum"]
+__all__ = [
+    "LATEST_SQL",
+    "VACUUM_FLOOR_HOURS",
+    "Ledger",
+    "compact",
+    "latest",
+    "ledger",
+    "migrate",
+    "read_outcomes",
+    "vacuum",
+]
 
 logger = logging.getLogger("raypipe")
 
@@ -116,16 +128,37 @@ def compact(output: str, *, run_ids: list[str] | None = None, target_size: int |
     return {"runs": len(runs), **{k: v for k, v in metrics.items() if isinstance(v, int | float)}}
 
 
-def vacuum(output: str, *, retention_hours: float = 168.0, dry_run: bool = False) -> dict[str, Any]:
+VACUUM_FLOOR_HOURS = 168.0
+"""The shortest retention `vacuum` takes unless forced: Delta's own default
+(`delta.deletedFileRetentionDuration`, 7 days), far above the longest a unit may take between
+writing its file and committing it (a unit's inference, breaker waits, commit retries)."""
+
+
+def vacuum(
+    output: str, *, retention_hours: float = VACUUM_FLOOR_HOURS, dry_run: bool = False, force: bool = False
+) -> dict[str, Any]:
     """Delta `vacuum`: deletes data files no commit references and that are older than the
     retention (fenced-off or failed commits, files compacted away), and the commit log's
-    expired entries; then the run state of runs committed before the retention."""
+    expired entries; then the run state of runs committed before the retention.
+
+    A file written by a live attempt is referenced by no commit until its unit commits, so a
+    short retention could delete it under that commit. A retention under `VACUUM_FLOOR_HOURS`
+    is refused (`ConfigError`) unless `force`; the retention is rounded up to whole hours
+    (delta-rs takes an int), never down.
+    """
     from raypipe.runstate import drop_finished_state
 
+    if not retention_hours >= 0:
+        raise ConfigError(f"vacuum: --retention-hours must be >= 0, got {retention_hours}")
+    if retention_hours < VACUUM_FLOOR_HOURS and not force:
+        raise ConfigError(
+            f"vacuum: a retention of {retention_hours:g} h is under {VACUUM_FLOOR_HOURS:g} h and may delete the files "
+            "of a unit a live run has written but not committed yet; pass --force if no run writes to this output"
+        )
     table = OutcomeTable(output)
     dt = table.load()
     files = dt.vacuum(
-        retention_hours=int(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True
+        retention_hours=math.ceil(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True
     )
     if not dry_run:
         dt.cleanup_metadata()

@@ -141,7 +141,7 @@ def test_files_a_crashed_writer_left_are_invisible_and_vacuumed(tmp_path):
     assert read_outcomes(str(tmp_path / "out")).num_rows == 0
     UnitCommitter(table.take_over("r1")).commit(UNIT, rows({"A": "result", "B": "result"}, version="m"))
     assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "result", "m"): 1})
-    done = vacuum(str(tmp_path / "out"), retention_hours=0)
+    done = vacuum(str(tmp_path / "out"), retention_hours=0, force=True)
     assert done["files"] >= 1 and not orphan.exists()
     assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "result", "m"): 1})
 

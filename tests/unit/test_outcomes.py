@@ -3,13 +3,17 @@ on a real local Delta table."""
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 import raypipe
-from raypipe.outcomes import migrate
+from raypipe.errors import ConfigError
+from raypipe.outcomes import migrate, vacuum
 from raypipe.sinks import OutcomeTable, UnitCommitter
 from raypipe.store import OutputStore
 from tests.fakes import LABELS
@@ -100,3 +104,22 @@ def test_migrate_marks_committed_only_the_legacy_runs_that_were(tmp_path):
     assert table.is_committed("done")
     assert not table.is_committed("half")
     assert table.committed_units("half") == {"u1"}  # its migrated unit is not redone on resume
+
+
+def test_vacuum_refuses_a_retention_under_the_floor_and_never_truncates(tmp_path):
+    """A file a live attempt has written but not yet committed is younger than any unit: a
+    retention under the floor is refused unless forced, and 0.9 h never becomes 0 h."""
+    commit(tmp_path, "r1", "u1", ["a"], version="A", updated=T0)
+    pending = tmp_path / "outcomes" / "run_id=r2" / "part-live.parquet"
+    pending.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"id": ["b"]}), pending)
+    with pytest.raises(ConfigError, match="--force"):
+        vacuum(str(tmp_path), retention_hours=0.9)
+    assert pending.exists()
+    vacuum(str(tmp_path), retention_hours=0.9, force=True)
+    assert pending.exists(), "written a moment ago: inside 0.9 h"
+    two_hours_ago = time.time() - 2 * 3600
+    os.utime(pending, (two_hours_ago, two_hours_ago))
+    assert vacuum(str(tmp_path), retention_hours=0.9, force=True)["files"] == 1
+    assert not pending.exists()
+    assert raypipe.read_outcomes(str(tmp_path)).column("id").to_pylist() == ["a"]
