@@ -5,6 +5,7 @@ Each test is bounded in time (pytest-timeout) and in the number of calls it make
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -14,6 +15,7 @@ from ray import serve
 
 import raypipe
 from bench.tcp_proxy import TcpProxy
+from raypipe.errors import CircuitOpenError
 from raypipe.samples import write_sample_corpus
 from serve_app.deploy import DeploymentOptions
 from serve_app.settings import FaultInjection, ServerSettings
@@ -185,6 +187,39 @@ def test_an_outage_opens_the_breaker_and_calls_while_open_stay_bounded(tmp_path,
     calls_bound = limit_max + threshold * report.breaker_openings + probes_bound
     assert failed <= 4 * calls_bound, report.status_counts
     assert report.breaker_time_open_s <= outage_s + 10  # closes soon after the service is back
+
+
+@pytest.mark.timeout(240)
+def test_a_service_failing_every_call_stops_the_run_within_max_wait(tmp_path, corpus, serve_address, deploy_app):
+    """INTERNAL on every call: the breaker stops the run within max_wait_s + one reset period
+    of opening (not once per call), the failed report keeps its calls, a healthy rerun completes."""
+    app = deploy_app("broken", ServerSettings(fault=FaultInjection(fail_fraction=1.0, status="INTERNAL")))
+    out = tmp_path / "out"
+    max_wait_s, reset_cap_s = 8.0, 2.0
+    breaker = {"reset_timeout_s": 1.0, "max_reset_timeout_s": reset_cap_s, "max_wait_s": max_wait_s}
+    t0 = time.monotonic()
+    with pytest.raises(CircuitOpenError):
+        raypipe.backfill(
+            corpus.uri,
+            str(out),
+            service=serve_address,
+            run_id="broken",
+            settings=settings(app, client={"breaker": breaker}),
+        )
+    elapsed = time.monotonic() - t0
+    stored = json.loads((out / "runs" / "broken.json").read_text())
+    print(f"broken service: stopped after {elapsed:.1f} s, {stored['calls']} calls {stored['status_counts']}")
+    assert stored["status"] == "failed"
+    assert stored["calls"] > 0 and stored["status_counts"].get("INTERNAL", 0) > 0
+    assert stored["breaker_openings"] >= 1
+    assert stored["rows_dead_letters"] == 0  # a broken service is not bad input
+    # The outage bound, plus the pipeline's start (actors, first calls) before the breaker opens.
+    assert elapsed <= max_wait_s + reset_cap_s + 45
+    report = raypipe.backfill(
+        corpus.uri, str(out), service=serve_address, run_id="broken", settings=settings("raypipe")
+    )
+    assert report.status == "completed"
+    assert_nothing_lost(out, corpus.ids)
 
 
 def probes_within(open_s: float, reset_s: float = 1.0, cap_s: float = 4.0) -> int:
