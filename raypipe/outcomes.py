@@ -1,9 +1,10 @@
 """Reading the outcomes table, and keeping it in shape.
 
 - `read_outcomes(output, run_id=None)`: every committed row (results and dead letters).
-- `latest(output)`: one row per id: the newest source version (`updated_at`), then the newest
-  inference. `LATEST_SQL` is the same view as plain SQL over a relation named `outcomes`;
-  the README shows it for DuckDB, Spark, Athena and Trino, and `latest` runs exactly it.
+- `latest(output)`: one row per id: the newest source version (`updated_at`), a result before
+  a dead letter of the same version, then the newest inference, then `run_id`, `source`,
+  `row`. `LATEST_SQL` states that order once, as plain SQL over a relation named
+  `outcomes`; the docs show it for DuckDB, Spark, Athena and Trino, and `latest` runs it.
 - `ledger(output, run_id)`: a run's committed rows by outcome, the report's row counts.
 - `compact` and `vacuum`: Delta's own `optimize` and `vacuum` (small files; files no commit
   references, such as those of a fenced-off attempt), plus removing finished runs' state.
@@ -42,13 +43,23 @@ logger = logging.getLogger("raypipe")
 LATEST_SQL = """
 SELECT * EXCLUDE (rn) FROM (
   SELECT *, row_number() OVER (
-    PARTITION BY id ORDER BY updated_at DESC NULLS LAST, inferred_at DESC, outcome DESC
+    PARTITION BY id
+    ORDER BY updated_at DESC NULLS LAST,
+             CASE WHEN outcome = 'result' THEN 0 ELSE 1 END,
+             inferred_at DESC NULLS LAST,
+             run_id DESC, source DESC NULLS LAST, "row" DESC NULLS LAST
   ) AS rn
   FROM outcomes
 ) WHERE rn = 1
 """.strip()
-"""One row per id: newest source version, then newest inference (a result before a dead
-letter written in the same instant). `EXCLUDE` is DuckDB's; other engines list the columns."""
+"""One row per id, the same row for every query (the order is total):
+1. the newest source version (`updated_at`; a row without one is older than any with one);
+2. within a source version, a result before a dead letter: a dead letter wins only over
+   results of an older source version, never over a valid result of its own;
+3. then the newest inference (`inferred_at`: a re-backfill with a new model wins);
+4. then the greatest `run_id`, `source`, `row`: a tie-breaker, so the answer never depends
+   on the order files are scanned in.
+`EXCLUDE` is DuckDB's; other engines list the columns."""
 
 
 def _dataset(output: str) -> Any:
@@ -64,8 +75,9 @@ def read_outcomes(output: str, run_id: str | None = None, *, columns: list[str] 
 
 
 def latest(output: str) -> pa.Table:
-    """One row per id (results and dead letters): the newest source version, then the newest
-    inference. Runs `LATEST_SQL` with DuckDB over the committed files."""
+    """One row per id (results and dead letters) in the order `LATEST_SQL` states: the newest
+    source version, a result before a dead letter of that version, the newest inference, then
+    `run_id`, `source`, `row`. Runs `LATEST_SQL` with DuckDB over the committed files."""
     import duckdb
 
     con = duckdb.connect()

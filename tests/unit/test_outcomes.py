@@ -21,7 +21,18 @@ from tests.fakes import LABELS
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def commit(out, run_id: str, unit: str, ids: list[str], *, version: str, updated: datetime | None, outcome="result"):
+def commit(
+    out,
+    run_id: str,
+    unit: str,
+    ids: list[str],
+    *,
+    version: str,
+    updated: datetime | None,
+    outcome="result",
+    inferred: datetime | None = None,
+    source: str = "in.parquet",
+):
     table = OutcomeTable(str(out))
     table.ensure(LABELS)
     n = len(ids)
@@ -34,8 +45,8 @@ def commit(out, run_id: str, unit: str, ids: list[str], *, version: str, updated
             "status": ["ok" if outcome == "result" else None] * n,
             "model_version": [version] * n,
             "updated_at": pa.array([updated] * n, pa.timestamp("us", tz="UTC")),
-            "inferred_at": pa.array([datetime.now(UTC)] * n, pa.timestamp("us", tz="UTC")),
-            "source": ["in.parquet"] * n,
+            "inferred_at": pa.array([inferred or datetime.now(UTC)] * n, pa.timestamp("us", tz="UTC")),
+            "source": [source] * n,
             "row": list(range(n)),
         }
     )
@@ -60,11 +71,32 @@ def test_latest_after_a_rebackfill_with_a_new_model_shows_the_new_model_for_ever
     assert raypipe.read_outcomes(str(tmp_path), "daily-1").num_rows == 10
 
 
-def test_a_dead_lettered_id_appears_once_with_its_outcome(tmp_path):
-    commit(tmp_path, "r1", "u1", ["a", "b"], version="A", updated=None)
-    commit(tmp_path, "r2", "u1", ["b"], version="A", updated=None, outcome="dead_letter")
-    latest = {r["id"]: r["outcome"] for r in raypipe.latest(str(tmp_path)).to_pylist()}
-    assert latest == {"a": "result", "b": "dead_letter"}
+def test_a_dead_letter_wins_only_over_results_of_an_older_source_version(tmp_path):
+    """A newer dead letter does not hide a valid result of the same source version; it does
+    hide one of an older version (the row changed and its new text failed)."""
+    commit(tmp_path, "r1", "u1", ["a", "b", "c"], version="A", updated=T0)
+    commit(tmp_path, "r2", "u1", ["b"], version="B", updated=T0, outcome="dead_letter")
+    commit(tmp_path, "r3", "u1", ["c"], version="A", updated=T0 + timedelta(days=1), outcome="dead_letter")
+    commit(tmp_path, "r4", "u1", ["d"], version="A", updated=None, outcome="dead_letter")
+    latest = {r["id"]: (r["outcome"], r["run_id"]) for r in raypipe.latest(str(tmp_path)).to_pylist()}
+    assert latest == {
+        "a": ("result", "r1"),
+        "b": ("result", "r1"),
+        "c": ("dead_letter", "r3"),
+        "d": ("dead_letter", "r4"),
+    }
+
+
+def test_latest_breaks_ties_on_run_id_then_source_then_row(tmp_path):
+    """Same source version, same inference instant: the greatest run id, then source, then row
+    wins, every time, whatever order the files are scanned in."""
+    at = T0 + timedelta(hours=1)
+    commit(tmp_path, "r-c", "u2", ["x"], version="r-c/z", updated=T0, inferred=at, source="z.parquet")
+    for run_id in ("r-b", "r-c", "r-a"):
+        commit(tmp_path, run_id, "u1", ["x"], version=run_id, updated=T0, inferred=at)
+    for _ in range(5):
+        rows = raypipe.latest(str(tmp_path)).to_pylist()
+        assert [(r["run_id"], r["source"]) for r in rows] == [("r-c", "z.parquet")]
 
 
 def test_migrate_copies_committed_units_of_the_earlier_layout_once(tmp_path):
