@@ -48,7 +48,9 @@ Resource = dict[str, Any]
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = REPO / "kuberay" / "overlays"
-DEFAULT_CRDS = REPO.parent / "shared" / "kuberay-crds"
+DEFAULT_CRDS = REPO / "kuberay" / "crds"
+"""The CRDs of KubeRay v1.7.0, copied unchanged (kuberay/crds/README.md says from where)."""
+CRD_KINDS = ("RayCluster", "RayJob", "RayService", "RayCronJob")
 K8S_VERSION = "1.32"
 """Kubernetes version whose schemas check the core kinds (kubectl's, here)."""
 
@@ -71,7 +73,12 @@ class RenderError(RuntimeError):
 
 def render(directory: Path | str) -> list[Resource]:
     """The resources `kubectl kustomize DIRECTORY` renders (offline); fresh objects on every call."""
-    return [doc for doc in yaml.load_all(_kustomize(str(Path(directory).resolve())), Loader=_Loader) if doc]
+    return [doc for doc in yaml.load_all(render_text(directory), Loader=_Loader) if doc]
+
+
+def render_text(directory: Path | str) -> str:
+    """What `kubectl kustomize DIRECTORY` prints (offline)."""
+    return _kustomize(str(Path(directory).resolve()))
 
 
 @functools.cache
@@ -206,12 +213,18 @@ def strict(schema: Any) -> Any:
     return out
 
 
+class SchemasUnavailable(FileNotFoundError):
+    """The CRD schemas cannot be read, so no ray.io resource can be checked against them."""
+
+
 @functools.cache
 def crd_schemas(crd_dir: Path) -> dict[str, dict[str, Any]]:
-    """Strict v1 schemas by kind, from the CustomResourceDefinitions in `crd_dir`."""
+    """Strict v1 schemas by kind, from the CustomResourceDefinitions in `crd_dir` (all of CRD_KINDS)."""
+    if not Path(crd_dir).is_dir():
+        raise SchemasUnavailable(f"no KubeRay CRD folder at {crd_dir}")
     files = sorted(Path(crd_dir).glob("*.yaml"))
     if not files:
-        raise FileNotFoundError(f"no CRD files in {crd_dir}")
+        raise SchemasUnavailable(f"no CRD files (*.yaml) in {crd_dir}")
     schemas = {}
     for path in files:
         crd = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
@@ -220,6 +233,9 @@ def crd_schemas(crd_dir: Path) -> dict[str, dict[str, Any]]:
         for version in crd["spec"]["versions"]:
             if version["name"] == "v1":
                 schemas[crd["spec"]["names"]["kind"]] = strict(version["schema"]["openAPIV3Schema"])
+    missing = [kind for kind in CRD_KINDS if kind not in schemas]
+    if missing:
+        raise SchemasUnavailable(f"no ray.io/v1 CRD for {', '.join(missing)} in {crd_dir}")
     return schemas
 
 
@@ -491,18 +507,18 @@ def operator_problems(resources: list[Resource]) -> list[str]:
 def check(
     resources: list[Resource], *, crd_dir: Path | None = DEFAULT_CRDS, model_dir: Path | None = None
 ) -> dict[str, list[str]]:
-    """Every check's problems by check name; a check that cannot run says why under its name."""
+    """Every check's problems by check name; a check that cannot run is a problem, saying why."""
     from kuberay import entrypoints, policy, serve_check
 
     results: dict[str, list[str]] = {}
-    if crd_dir is not None and Path(crd_dir).is_dir():
-        results["schema"] = schema_problems(resources, crd_dir)
-    else:
-        results["schema"] = [f"skipped: no KubeRay CRDs at {crd_dir}"]
+    try:
+        results["schema"] = schema_problems(resources, DEFAULT_CRDS if crd_dir is None else crd_dir)
+    except SchemasUnavailable as e:
+        results["schema"] = [f"cannot check the KubeRay CRD schemas: {e}"]
     try:
         results["core"] = core_problems(resources)
     except ImportError:
-        results["core"] = ["skipped: the kubernetes-validate package is not installed"]
+        results["core"] = ["cannot check the core kinds: the kubernetes-validate package is not installed"]
     results["operator"] = operator_problems(resources)
     results["serve"] = serve_check.serve_problems(resources, model_dir=model_dir)
     results["entrypoints"] = entrypoints.entrypoint_problems(resources)
@@ -513,9 +529,16 @@ def check(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kuberay.validate", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="*", type=Path, help="kustomize directories (default: every overlay)")
-    parser.add_argument("--crds", type=Path, default=DEFAULT_CRDS, help="folder of KubeRay CRD YAML files")
+    parser.add_argument(
+        "--crds", type=Path, default=DEFAULT_CRDS, help="folder of KubeRay CRD YAML files (default: kuberay/crds)"
+    )
     parser.add_argument("--model-dir", type=Path, help="a model directory to build the Serve app against")
     args = parser.parse_args(argv)
+    try:
+        crd_schemas(args.crds)
+    except SchemasUnavailable as e:
+        print(f"FAILED: cannot check the KubeRay CRD schemas: {e}")
+        return 1
     failed = False
     for directory in args.dirs or sorted(p for p in OVERLAYS.iterdir() if p.is_dir()):
         try:
@@ -525,9 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             continue
         for name, problems in check(resources, crd_dir=args.crds, model_dir=args.model_dir).items():
-            skipped = problems and problems[0].startswith("skipped:")
-            failed |= bool(problems) and not skipped
-            print(f"{directory} {name}: {'ok' if not problems else ''}")
+            failed |= bool(problems)
+            print(f"{directory} {name}: {'ok' if not problems else 'FAILED'}")
             for problem in problems:
                 print(f"    {problem}")
     return 1 if failed else 0

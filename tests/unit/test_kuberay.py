@@ -2,7 +2,8 @@
 
 - the KubeRay 1.7 CRD schemas, made strict (`additionalProperties: false` wherever an object
   declares `properties`), for RayService, RayJob, RayCronJob and the RayJob template the legacy
-  CronJob keeps in a ConfigMap; skipped, saying so, when ../shared/kuberay-crds is absent;
+  CronJob keeps in a ConfigMap, from the copy in kuberay/crds (checked against its README's
+  hashes); `python -m kuberay.validate` fails when it cannot read them;
 - Kubernetes' own schemas (strict) for the core kinds: NetworkPolicy, CronJob, ConfigMap, RBAC;
 - the operator's cross-field rules, which no schema holds;
 - raypipe's deployment rules (pool, requests = limits, non-root, ClusterIP...); the network,
@@ -16,6 +17,8 @@ test_kuberay_entrypoints.py). Offline: `kubectl kustomize` renders, nothing is a
 from __future__ import annotations
 
 import copy
+import hashlib
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +41,6 @@ def rendered(directory: str | Path) -> list[Resource]:
 
 @pytest.fixture(scope="module")
 def crds() -> Path:
-    if not validate.DEFAULT_CRDS.is_dir():
-        pytest.skip(
-            f"KubeRay CRD schemas not found at {validate.DEFAULT_CRDS} (a checkout without ../shared): "
-            "schema validation skipped; the other checks still run"
-        )
     return validate.DEFAULT_CRDS
 
 
@@ -114,11 +112,36 @@ def test_strict_closes_objects_that_declare_properties() -> None:
     assert "additionalProperties" not in schema  # the input is not changed
 
 
+def test_the_crd_schemas_are_kuberay_1_7_0_as_named() -> None:
+    """kuberay/crds holds the four CRDs its README names, byte for byte, and nothing else."""
+    readme = (validate.DEFAULT_CRDS / "README.md").read_text(encoding="utf-8")
+    assert "v1.7.0" in readme
+    named = dict(re.findall(r"\| `(ray\.io_\w+\.yaml)` \| `([0-9a-f]{64})` \|", readme))
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in validate.DEFAULT_CRDS.glob("*.yaml")}
+    assert files == named
+    assert set(validate.crd_schemas(validate.DEFAULT_CRDS)) == set(validate.CRD_KINDS)
+
+
 def test_missing_crd_folder_is_reported_not_passed(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(validate.SchemasUnavailable):
         validate.crd_schemas(tmp_path)
     results = validate.check([], crd_dir=tmp_path / "absent")
-    assert results["schema"] == [f"skipped: no KubeRay CRDs at {tmp_path / 'absent'}"]
+    assert results["schema"] == [
+        f"cannot check the KubeRay CRD schemas: no KubeRay CRD folder at {tmp_path / 'absent'}"
+    ]
+    (tmp_path / "rayjobs.yaml").write_text((validate.DEFAULT_CRDS / "ray.io_rayjobs.yaml").read_text("utf-8"), "utf-8")
+    with pytest.raises(validate.SchemasUnavailable, match=r"no ray\.io/v1 CRD for RayCluster, RayService, RayCronJob"):
+        validate.crd_schemas(tmp_path)
+
+
+@pytest.mark.parametrize("crds", ["absent", "empty"])
+def test_the_cli_fails_in_one_line_when_it_cannot_check_schemas(
+    crds: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty").mkdir()
+    assert validate.main([str(validate.OVERLAYS / "dev"), "--crds", str(tmp_path / crds)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("FAILED: cannot check the KubeRay CRD schemas:"), out
 
 
 @pytest.mark.parametrize(
@@ -410,6 +433,30 @@ PROJECT_BREAKS: dict[str, tuple[str, Mutation, str]] = {
             0
         ].update(value="raypipe"),
         "RAYPIPE_IMAGE raypipe is not the container's image",
+    ),
+    "model-worker-without-agent-host": (
+        "prod",
+        lambda rs: _worker_group(_rayservice(rs)["rayClusterConfig"])["template"]["spec"]["containers"][0].pop("env"),
+        "needs env DD_AGENT_HOST from fieldRef status.hostIP",
+    ),
+    "daily-head-with-a-fixed-agent-host": (
+        "prod",
+        lambda rs: _head(_daily(rs)["jobTemplate"]["rayClusterSpec"]).update(
+            env=[{"name": "DD_AGENT_HOST", "value": "datadog-agent"}]
+        ),
+        "RayCronJob/raypipe-daily.spec.jobTemplate.rayClusterSpec.headGroupSpec.template.containers[ray-head]: "
+        "needs env DD_AGENT_HOST",
+    ),
+    "backfill-submitter-without-agent-host": (
+        "dev",
+        lambda rs: _backfill(rs)["submitterPodTemplate"]["spec"]["containers"][0].update(
+            env=[
+                v
+                for v in _backfill(rs)["submitterPodTemplate"]["spec"]["containers"][0]["env"]
+                if v["name"] != "DD_AGENT_HOST"
+            ]
+        ),
+        "submitterPodTemplate.containers[ray-job-submitter]: needs env DD_AGENT_HOST",
     ),
     "backfill-without-step-label": (
         "prod",
