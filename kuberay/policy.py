@@ -18,6 +18,9 @@
 - The jobs: their own clusters (no clusterSelector onto the serving cluster), pods labelled
   as model clients, a bounded life (activeDeadlineSeconds), retries, and clean-up (a TTL
   after shutdown, or deletionRules); exactly one daily schedule.
+- Metrics: every container that runs raypipe or Ray in a Ray pod or a submitter (not the
+  legacy scheduler, which only creates RayJobs) sends DogStatsD to the Datadog agent on its
+  node: `DD_AGENT_HOST` from the downward API's `status.hostIP`.
 - One image per rendering (plus the TLS proxy's, pinned), tagged, and no CHANGE-ME placeholder.
 - The apply steps of docs/kuberay.md: the label raypipe.io/job splits a rendering into the
   model service (no label), the backfill (`backfill`: the RayJob) and the daily schedule
@@ -41,6 +44,7 @@ MODEL_CLIENT_LABEL = "raypipe.io/model-client"
 JOB_LABEL = "raypipe.io/job"
 SIDECARS = {"tls-proxy": "the model-tls component's TLS proxy"}
 """Containers that run their own (pinned) image beside raypipe's."""
+AGENT_HOST_VAR = "DD_AGENT_HOST"
 _SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|ACCESS_KEY|SESSION|CREDENTIAL", re.IGNORECASE)
 _AWS_KEY_ID = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")
 
@@ -171,6 +175,23 @@ def _job_problems(resources: list[Resource]) -> list[str]:
     return problems
 
 
+def _metrics_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    for where, pod in pod_templates(resources):
+        if where.startswith("CronJob/"):
+            continue  # the legacy scheduler creates RayJobs and emits nothing
+        for c in get(pod, "spec", "containers", default=[]):
+            if c.get("name") in SIDECARS:
+                continue
+            var = next((v for v in c.get("env") or [] if v.get("name") == AGENT_HOST_VAR), None)
+            if get(var, "valueFrom", "fieldRef", "fieldPath") != "status.hostIP":
+                problems.append(
+                    f"{where}.containers[{c.get('name')}]: needs env {AGENT_HOST_VAR} from fieldRef status.hostIP "
+                    "(the Datadog agent on the node), or no metric reaches Datadog"
+                )
+    return problems
+
+
 def _image_problems(resources: list[Resource]) -> list[str]:
     problems = []
     images = {}
@@ -227,6 +248,7 @@ def project_problems(resources: list[Resource]) -> list[str]:
         + network_problems(resources)
         + identity_problems(resources)
         + _job_problems(resources)
+        + _metrics_problems(resources)
         + _image_problems(resources)
         + _step_problems(resources)
     )
