@@ -4,7 +4,7 @@
     raypipe model export (--from-hf DIR | --from-savedmodel DIR --labels A,B --tokenizer DIR) OUT
     raypipe model check DIR
     raypipe model optimize DIR [--sample URI] [--threshold 0.99] [--no-int8]
-    raypipe serve --model DIR [--grpc-port 9000] [--detach]
+    raypipe serve --model DIR [--grpc-port 9000] [--detach] [--wait-s 300]
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
     raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
@@ -71,6 +71,13 @@ def _replicas(value: str) -> int | str:
     if count < 1:
         raise argparse.ArgumentTypeError("needs at least 1 replica (or auto)")
     return count
+
+
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError("must be a number of seconds > 0")
+    return seconds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -176,6 +183,13 @@ def _parser() -> argparse.ArgumentParser:
         help="serve --precision even if its recorded agreement is under min_agreement",
     )
     serve.add_argument("--detach", action="store_true", help="deploy and return (needs a running cluster)")
+    serve.add_argument(
+        "--wait-s",
+        type=_positive_seconds,
+        default=None,
+        help="most seconds to wait for every replica to be RUNNING; past it, exit 1 naming the replicas not "
+        "RUNNING, their nodes and what they wait for (default 300; raise it where the cluster adds nodes)",
+    )
 
     backfill = sub.add_parser("backfill", help="classify every paragraph of the input")
     _add_run_args(backfill, with_input=True)
@@ -282,13 +296,11 @@ def _model(args: argparse.Namespace) -> int:
             _optimize(args)
         else:
             from serve_app.export import check_model_dir
-            from serve_app.runtimes import read_record
+            from serve_app.optimize import render_table
+            from serve_app.runtimes import read_records
 
             print(check_model_dir(args.dir, texts=args.text).render())
-            record = read_record(args.dir)
-            if record is not None:
-                from serve_app.optimize import render_table
-
+            for record in read_records(args.dir):  # one per CPU class that measured
                 print()
                 print(render_table(record, threshold=args.threshold))
     # ModelDirError (and ExportError, a subclass) names the file at fault; ValueError is a bad
@@ -355,7 +367,9 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from serve_app.deploy import (
+        DEFAULT_WAIT_S,
         POOL_RESOURCE,
+        AppNotRunningError,
         Autoscaling,
         DeploymentOptions,
         deploy,
@@ -397,21 +411,26 @@ def _serve(args: argparse.Namespace) -> int:
             look_back_period_s=args.look_back_period_s,
         )
         replicas = args.min_replicas
-    address = deploy(
-        args.model,
-        app_name=args.app_name,
-        grpc_port=args.grpc_port,
-        http_port=args.http_port,
-        settings=settings,
-        options=DeploymentOptions(
-            num_replicas=int(replicas),
-            autoscaling=autoscaling,
-            resources=((POOL_RESOURCE, 1.0),) if pool else (),
-            num_cpus=cpus,
-            max_ongoing_requests=args.max_ongoing_requests,
-            max_queued_requests=args.max_queued_requests,
-        ),
-    )
+    try:
+        address = deploy(
+            args.model,
+            app_name=args.app_name,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            settings=settings,
+            options=DeploymentOptions(
+                num_replicas=int(replicas),
+                autoscaling=autoscaling,
+                resources=((POOL_RESOURCE, 1.0),) if pool else (),
+                num_cpus=cpus,
+                max_ongoing_requests=args.max_ongoing_requests,
+                max_queued_requests=args.max_queued_requests,
+            ),
+            wait_s=args.wait_s or DEFAULT_WAIT_S,
+        )
+    except AppNotRunningError as e:
+        print(f"raypipe: {e} (it stays deployed; `serve status` follows it, --wait-s waits longer)", file=sys.stderr)
+        return EXIT_FAILED
     shape = (
         f"{autoscaling.min_replicas}-{autoscaling.max_replicas} replicas (auto)"
         if autoscaling
@@ -475,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # "Found credentials in environment variables" on every S3 run: not news to the user.
+        for name in ("botocore", "aiobotocore", "s3fs"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     from protos.quiet import filtered_stderr
 
     # Known native lines a healthy run prints on a CPU machine (protos.quiet.NOISE), nothing else.

@@ -5,13 +5,20 @@ port and servicer list cannot change while Serve runs, so `start_grpc_proxy` che
 already running instead of silently keeping an old port. Several applications (say a clean
 one and a fault-injected one) can share the proxy: clients pick one with the `application`
 metadata.
+
+`deploy` waits for the application to be RUNNING for at most `wait_s`. Serve's own wait has no
+end: a replica that no node can hold (its CPUs, or the pool resource, on no alive node: a pool
+node lost and its replacement not yet joined) keeps it waiting in silence. Past the deadline
+`AppNotRunningError` says, on one line, which deployments and replicas are not RUNNING, on
+which nodes, and what they wait for (`describe_not_running`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -23,17 +30,23 @@ from protos.wire import SERVICER_FUNCTION
 from serve_app.settings import ServerSettings
 
 __all__ = [
+    "DEFAULT_WAIT_S",
     "POOL_RESOURCE",
     "SERVICER_FUNCTION",
+    "AppNotRunningError",
     "Autoscaling",
     "DeploymentOptions",
+    "NodeRoom",
     "build_app",
+    "cluster_room",
     "deploy",
+    "describe_not_running",
     "fit_pool",
     "fit_replicas",
     "pool_nodes",
     "size_replicas",
     "start_grpc_proxy",
+    "wait_until_running",
 ]
 
 
@@ -177,6 +190,10 @@ def build_app(
     ).bind(str(Path(model_dir).resolve()), settings.to_dict())
 
 
+#: How long a question to Serve's controller may take before `raypipe serve` gives up on it.
+CONTROLLER_TIMEOUT_S = 60.0
+
+
 def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None) -> None:
     """Starts Serve with a gRPC proxy on grpc_port, or checks that the running one matches.
 
@@ -191,12 +208,18 @@ def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None) -> None:
 
     client = _get_global_client()
     assert client is not None, "serve.start() just ran"
-    running = cast(gRPCOptions, ray.get(client._controller.get_grpc_config.remote()))
+    running = cast(gRPCOptions, ray.get(client._controller.get_grpc_config.remote(), timeout=CONTROLLER_TIMEOUT_S))
     if running.port != grpc_port or SERVICER_FUNCTION not in running.grpc_servicer_functions:
         raise RuntimeError(
             f"Serve is already running with gRPC port {running.port} and servicers "
             f"{running.grpc_servicer_functions}; restart Serve to use port {grpc_port}"
         )
+
+
+#: `raypipe serve`'s default deadline for the app to be RUNNING: a replica of a bert-base model
+#: loads and warms up in well under a minute on 2 cores; an autoscaling cluster adding a node
+#: for a replica may need a few (raise `--wait-s` there).
+DEFAULT_WAIT_S = 300.0
 
 
 def deploy(
@@ -207,10 +230,166 @@ def deploy(
     http_port: int | None = None,
     settings: ServerSettings | None = None,
     options: DeploymentOptions | None = None,
+    wait_s: float = DEFAULT_WAIT_S,
 ) -> str:
-    """Deploys the app on the connected Ray cluster; returns the gRPC address clients use."""
+    """Deploys the app on the connected Ray cluster; returns the gRPC address clients use.
+
+    Returns once every deployment is RUNNING (replicas loaded and warmed); raises
+    `RuntimeError` if a replica's constructor fails (a bad model directory, say), and
+    `AppNotRunningError` if the app is not RUNNING after `wait_s` seconds (the app stays
+    deployed: Serve keeps trying, and `serve.status()` follows it)."""
+    if not wait_s > 0:
+        raise ValueError(f"wait_s must be > 0, not {wait_s}")
     start_grpc_proxy(grpc_port, http_port=http_port)
-    # serve.run returns once every deployment is healthy (replicas loaded and warmed), and
-    # raises if a replica's constructor fails, e.g. on a bad model directory.
-    serve.run(build_app(model_dir, settings, options), name=app_name, route_prefix=f"/{app_name}")
+    # `serve.run` waits for RUNNING without an end; this submits, then waits with a deadline.
+    from ray.serve.api import _run
+
+    _run(build_app(model_dir, settings, options), _blocking=False, name=app_name, route_prefix=f"/{app_name}")
+    wait_until_running(app_name, wait_s=wait_s)
     return f"127.0.0.1:{grpc_port}"
+
+
+class AppNotRunningError(TimeoutError):
+    """The application was not RUNNING by the deadline; the message says what it waits for."""
+
+    def __init__(self, message: str, *, app_name: str, waited_s: float) -> None:
+        super().__init__(message)
+        self.app_name = app_name
+        self.waited_s = waited_s
+
+
+@dataclass(frozen=True)
+class NodeRoom:
+    """One alive node's resources: what it has, and what is free now."""
+
+    node_id: str
+    ip: str
+    total: Mapping[str, float]
+    available: Mapping[str, float]
+
+    def holds(self, required: Mapping[str, float]) -> bool:
+        return all(self.available.get(k, 0.0) >= v for k, v in required.items() if v > 0)
+
+
+def cluster_room() -> list[NodeRoom]:
+    """Every alive node's total and free resources (`ray.nodes()`, the GCS's free resources)."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    return [
+        NodeRoom(
+            n["NodeID"],
+            str(n.get("NodeManagerAddress", "?")),
+            dict(n.get("Resources") or {}),
+            free.get(n["NodeID"], {}),
+        )
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+def _serve_details() -> dict[str, Any]:
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    assert client is not None, "serve.start() ran before"
+    return cast(dict[str, Any], client.get_serve_details())
+
+
+def wait_until_running(
+    app_name: str,
+    *,
+    wait_s: float,
+    details: Callable[[], Mapping[str, Any]] = _serve_details,
+    nodes: Callable[[], list[NodeRoom]] = cluster_room,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    poll_s: float = 1.0,
+) -> None:
+    """Returns once `app_name` is RUNNING; raises `RuntimeError` if it failed to deploy, or
+    `AppNotRunningError` (what it waits for, `describe_not_running`) after `wait_s` seconds.
+
+    `details` is Serve's status (`get_serve_details()`: applications -> deployments ->
+    replicas) and `nodes` the cluster's room; tests pass fakes, and a clock and sleep."""
+    start = clock()
+    while True:
+        app = (details().get("applications") or {}).get(app_name)
+        status = _name(app.get("status")) if app else "NOT_STARTED"
+        if status == "RUNNING":
+            return
+        if status == "DEPLOY_FAILED":
+            raise RuntimeError(f"Deploying application {app_name} failed: {app.get('message') if app else ''}")
+        waited = clock() - start
+        if waited >= wait_s:
+            raise AppNotRunningError(
+                describe_not_running(app_name, app, nodes(), waited_s=waited), app_name=app_name, waited_s=waited
+            )
+        sleep(min(poll_s, max(wait_s - waited, 0.0)))
+
+
+def _name(value: Any) -> str:
+    """An enum's value or a plain string, as Serve's details hold either."""
+    return str(getattr(value, "value", value))
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def describe_not_running(
+    app_name: str, app: Mapping[str, Any] | None, nodes: list[NodeRoom], *, waited_s: float
+) -> str:
+    """One line: each deployment not HEALTHY, its replicas not RUNNING with their state and
+    node, and what the unplaced ones wait for (the resources no alive node has free)."""
+    head = f"application {app_name!r} not RUNNING after {waited_s:.0f} s"
+    if app is None:
+        return f"{head}: Serve does not know it (deleted, or the controller restarted)"
+    parts: list[str] = []
+    for name, dep in sorted((app.get("deployments") or {}).items()):
+        if _name(dep.get("status")) == "HEALTHY":
+            continue
+        replicas = list(dep.get("replicas") or [])
+        target = int(dep.get("target_num_replicas") or 0)
+        running = sum(1 for r in replicas if _name(r.get("state")) == "RUNNING")
+        words = [f"deployment {name} {_name(dep.get('status'))}, {running}/{target} replicas RUNNING"]
+        unplaced = max(target - len(replicas), 0)
+        for r in replicas:
+            state = _name(r.get("state"))
+            if state == "RUNNING":
+                continue
+            if not r.get("node_id"):
+                unplaced += 1
+                continue
+            words.append(
+                f"replica {str(r.get('replica_id', '?'))[:8]} {state} on node {r.get('node_ip') or '?'} "
+                f"({str(r['node_id'])[:8]}): started, not ready (the model loading, or its constructor failing "
+                "and restarting: see the replica's log)"
+            )
+        if unplaced:
+            words.append(f"{unplaced} replica{'s' if unplaced != 1 else ''} on no node yet: {_room(dep, nodes)}")
+        parts.append("; ".join(words))
+    if not parts:
+        message = str(app.get("message") or "").strip().splitlines()
+        parts.append(f"status {_name(app.get('status'))}" + (f" ({message[0]})" if message else ""))
+    return f"{head}: " + " | ".join(parts)
+
+
+def _room(dep: Mapping[str, Any], nodes: list[NodeRoom]) -> str:
+    required = {str(k): float(v) for k, v in (dep.get("required_resources") or {}).items() if float(v) > 0}
+    ask = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(required.items())) or "nothing"
+    fits = [n for n in nodes if n.holds(required)]
+    if fits:
+        where = ", ".join(n.ip for n in fits[:3])
+        return f"each needs {ask}, which node {where} has free: waiting for Ray to place it (or its runtime_env)"
+    if not nodes:
+        return f"each needs {ask}, and no node is alive"
+    seen = []
+    for n in nodes[:6]:
+        have = ", ".join(
+            f"{k} {_fmt(n.available.get(k, 0.0))} of {_fmt(n.total[k])} free" if k in n.total else f"no {k}"
+            for k in sorted(required)
+        )
+        seen.append(f"{n.ip} ({n.node_id[:8]}): {have}")
+    more = f"; {len(nodes) - 6} more" if len(nodes) > 6 else ""
+    return f"waits for resources: each needs {ask}, and no alive node has that free ({'; '.join(seen)}{more})"

@@ -6,12 +6,15 @@ import pytest
 
 from serve_app.deploy import (
     POOL_RESOURCE,
+    AppNotRunningError,
     Autoscaling,
     DeploymentOptions,
+    NodeRoom,
     build_app,
     fit_pool,
     pool_nodes,
     size_replicas,
+    wait_until_running,
 )
 
 
@@ -58,3 +61,101 @@ def test_serve_sizes_replicas_to_the_pool_or_to_the_one_machine():
     assert size_replicas([1.0], 1.0, num_cpus=2.0) == (1, 2.0, 0), "too big for every node: one, left pending"
     assert size_replicas([], 2.0) == (1, 1.5, 1), "one machine: one replica of all but the reserve"
     assert size_replicas([], 8.0, num_cpus=2.0) == (1, 2.0, 4), "one machine keeps one replica of the size asked"
+
+
+# -- the deadline of `raypipe serve` (a fake Serve status, a fake clock) --------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+def replica(rid: str, state: str, node: str | None = None, ip: str | None = None) -> dict:
+    return {"replica_id": rid, "state": state, "node_id": node, "node_ip": ip}
+
+
+def serve_app(status: str, *replicas: dict, target: int = 2, dep_status: str = "UPDATING", **extra) -> dict:
+    deployment = {
+        "status": dep_status,
+        "target_num_replicas": target,
+        "required_resources": {"CPU": 1.5, POOL_RESOURCE: 1.0},
+        "replicas": list(replicas),
+    }
+    return {"applications": {"raypipe": {"status": status, "deployments": {"EmotionClassifier": deployment}, **extra}}}
+
+
+POOL = [
+    NodeRoom("aaaaaaaa11", "10.0.0.1", {"CPU": 0.0}, {"CPU": 0.0}),  # the head: no pool resource
+    NodeRoom("bbbbbbbb22", "10.0.0.2", {"CPU": 2.0, POOL_RESOURCE: 1000.0}, {"CPU": 0.5, POOL_RESOURCE: 999.0}),
+]
+
+
+def test_serve_waits_until_the_app_is_running():
+    clock = Clock()
+    states = iter([serve_app("DEPLOYING"), serve_app("DEPLOYING"), serve_app("RUNNING")])
+    wait_until_running(
+        "raypipe", wait_s=30, details=lambda: next(states), nodes=lambda: POOL, clock=clock, sleep=clock.sleep
+    )
+    assert clock.sleeps == [1.0, 1.0]
+
+
+def test_past_its_deadline_serve_names_the_replicas_their_nodes_and_what_they_wait_for():
+    clock = Clock()
+    stuck = serve_app(
+        "DEPLOYING",
+        replica("r1-running", "RUNNING", "bbbbbbbb22", "10.0.0.2"),
+        replica("r2-unplaced", "STARTING"),  # a pool node was lost: no node holds its CPUs
+        target=3,  # and one replica not even created yet
+    )
+    with pytest.raises(AppNotRunningError) as e:
+        wait_until_running(
+            "raypipe", wait_s=5, details=lambda: stuck, nodes=lambda: POOL, clock=clock, sleep=clock.sleep
+        )
+    message = str(e.value)
+    assert "\n" not in message and e.value.waited_s == 5 and sum(clock.sleeps) == 5
+    assert "application 'raypipe' not RUNNING after 5 s" in message
+    assert "deployment EmotionClassifier UPDATING, 1/3 replicas RUNNING" in message
+    assert "2 replicas on no node yet" in message
+    assert f"each needs CPU 1.5, {POOL_RESOURCE} 1, and no alive node has that free" in message
+    assert f"10.0.0.1 (aaaaaaaa): CPU 0 of 0 free, no {POOL_RESOURCE}" in message
+    assert f"10.0.0.2 (bbbbbbbb): CPU 0.5 of 2 free, {POOL_RESOURCE} 999 of 1000 free" in message
+
+
+def test_a_replica_placed_but_not_ready_is_named_with_its_node():
+    clock = Clock()
+    loading = serve_app("DEPLOYING", replica("r1abcdefgh", "STARTING", "bbbbbbbb22", "10.0.0.2"), target=1)
+    with pytest.raises(AppNotRunningError, match=r"replica r1abcdef STARTING on node 10\.0\.0\.2 \(bbbbbbbb\)"):
+        wait_until_running(
+            "raypipe", wait_s=2, details=lambda: loading, nodes=lambda: POOL, clock=clock, sleep=clock.sleep
+        )
+
+
+def test_room_on_a_node_says_the_wait_is_ray_placing_the_replica():
+    roomy = [
+        NodeRoom("cccccccc33", "10.0.0.3", {"CPU": 4.0, POOL_RESOURCE: 1000.0}, {"CPU": 4.0, POOL_RESOURCE: 1000.0})
+    ]
+    clock = Clock()
+    pending = serve_app("DEPLOYING", replica("r1", "STARTING"), target=1)
+    with pytest.raises(AppNotRunningError, match=r"which node 10\.0\.0\.3 has free: waiting for Ray to place it"):
+        wait_until_running(
+            "raypipe", wait_s=1, details=lambda: pending, nodes=lambda: roomy, clock=clock, sleep=clock.sleep
+        )
+
+
+def test_a_failed_deploy_raises_at_once_and_a_vanished_app_is_named():
+    clock = Clock()
+    failed = serve_app("DEPLOY_FAILED", message="replica constructor: no model card in /m")
+    with pytest.raises(RuntimeError, match="no model card") as e:
+        wait_until_running(
+            "raypipe", wait_s=9, details=lambda: failed, nodes=lambda: POOL, clock=clock, sleep=clock.sleep
+        )
+    assert not isinstance(e.value, AppNotRunningError) and clock.sleeps == []
+    with pytest.raises(AppNotRunningError, match="Serve does not know it"):
+        wait_until_running("raypipe", wait_s=1, details=lambda: {}, nodes=lambda: POOL, clock=clock, sleep=clock.sleep)
