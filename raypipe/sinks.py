@@ -340,10 +340,19 @@ class OutcomeTable:
         return latest
 
 
-_REPLACE_PREDICATE = (
-    "t.run_id = s.run_id AND t.unit = s.unit AND t.outcome = 'dead_letter' "
-    "AND t.id = s.id AND t.source = s.source AND t.row = s.row"
-)
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _replace_predicate(run_id: str, unit: str) -> str:
+    """A replay's MERGE condition. The run and unit as literals let delta-rs prune the scan
+    (and the files its conflict check records as read) to the unit's own file; from the source
+    columns alone it infers the whole `run_id` partition, and replays of different units of
+    one run would conflict with each other."""
+    return (
+        f"t.run_id = {_sql_string(run_id)} AND t.unit = {_sql_string(unit)} AND t.outcome = 'dead_letter' "
+        "AND t.run_id = s.run_id AND t.unit = s.unit AND t.id = s.id AND t.source = s.source AND t.row = s.row"
+    )
 
 
 def _check_generation(dt: Any, fence: TableFence, slot: int) -> None:
@@ -425,10 +434,11 @@ class UnitCommitter:
                         custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
                     )
                     if rows.num_rows and replace_dead_letters:
+                        conformed = self._conform(rows, self._schema)
                         (
                             dt.merge(
-                                self._conform(rows, self._schema),
-                                predicate=_REPLACE_PREDICATE,
+                                conformed,
+                                predicate=_replace_predicate(conformed.column("run_id")[0].as_py(), unit),
                                 source_alias="s",
                                 target_alias="t",
                                 commit_properties=props,
