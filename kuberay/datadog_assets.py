@@ -24,7 +24,9 @@ each naming the widget or monitor and what is wrong; an empty list means it pass
 - `monitor_problems`: a query of the form `time_agg(last_N): expression > threshold` whose
   threshold is `options.thresholds.critical`, with the warning on the quiet side of it; every
   metric in the expression grouped alike; the message's `{{tag.name}}` among those groups; the
-  `raypipe` commands it quotes parse with the real CLI; the docs anchors it names exist.
+  `raypipe` commands it quotes parse with the real CLI; the docs anchors it names exist;
+  `notify_no_data` off on monitors grouped by run (a run's metrics stop when it ends) and on,
+  with a `no_data_timeframe` of at least the window, on ungrouped ones (their silence is news).
 
 Datadog lowercases tag values, so values are compared without case (`status:unavailable`
 matches the code's `UNAVAILABLE`).
@@ -382,11 +384,38 @@ def monitor_problems(monitors: Any) -> list[str]:
         if len(groups) > 1:
             out.append(f"{label}: the metrics are grouped differently {sorted(groups)}; Datadog joins them by group")
         by = set(next(iter(groups), ()))
+        out += [f"{label}: {p}" for p in _no_data_problems(monitor.get("options", {}), by, m["window"])]
         message = monitor.get("message", "")
         for tag in _MESSAGE_GROUP.findall(message):
             if tag not in by:
                 out.append(f"{label}: the message names {{{{{tag}.name}}}}, not a group of the query ({sorted(by)})")
         out += [f"{label}: {p}" for p in message_problems(message)]
+    return out
+
+
+_WINDOW_MINUTES = {"m": 1, "h": 60, "d": 1440}
+
+
+def _no_data_problems(options: dict[str, Any], by: set[str], window: str) -> list[str]:
+    """Missing data alerts where its absence is the news, and only there.
+
+    A monitor grouped by `run_id` (or `actor`) watches runs, and a run's metrics stop when it
+    ends: alerting on their absence would page after every run. A monitor over the whole fleet
+    (no group) watches for something that should keep coming, such as a finished daily run: with
+    `notify_no_data` off it would stay silent exactly when nothing arrives.
+    """
+    out = []
+    notify = options.get("notify_no_data", False)
+    per_run = bool(by & {"run_id", "actor"})
+    if per_run and notify:
+        out.append(f"notify_no_data on a monitor grouped by {sorted(by)}: every run that ends would alert")
+    if not by and not notify:
+        out.append("an ungrouped monitor needs notify_no_data: when nothing arrives it would stay silent")
+    if notify:
+        minutes = int(window[:-1]) * _WINDOW_MINUTES[window[-1]]
+        timeframe = options.get("no_data_timeframe")
+        if not isinstance(timeframe, int) or timeframe < minutes:
+            out.append(f"no_data_timeframe {timeframe} must be set, in minutes, to at least the window ({minutes})")
     return out
 
 

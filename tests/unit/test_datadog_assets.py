@@ -252,9 +252,55 @@ def test_two_monitors_of_one_name_are_reported():
 
 def test_every_monitor_message_says_what_to_do_and_links_its_section():
     for m in MONITORS:
-        assert "docs/datadog.md#" in m["message"], m["name"]
+        assert re.search(r"docs/(datadog|kuberay)\.md#", m["message"]), m["name"]
         assert {"service:raypipe", "managed_by:raypipe-assets"} <= set(m["tags"])
-        assert m["options"]["notify_no_data"] is False, "runs end: their metrics stop with them"
+        if "by {run_id}" in m["query"]:
+            assert m["options"]["notify_no_data"] is False, "runs end: their metrics stop with them"
+
+
+def _hours(window: str) -> float:
+    return int(window[:-1]) * {"m": 1 / 60, "h": 1, "d": 24}[window[-1]]
+
+
+def test_a_daily_run_that_never_reports_finishing_alerts_within_the_next_day():
+    """A driver killed before `run.finished`, or a tick that started nothing, sends no data: one
+    ungrouped monitor alerts on that silence, over a window that outlasts a run's deadline and
+    ends before the next tick's run could hide the missed one."""
+    from kuberay import validate
+
+    m = _monitor(MONITORS, "no daily run finished")
+    query = dd._MONITOR_QUERY.match(m["query"])
+    assert query is not None
+    refs, _ = dd.parse_refs(query["expr"])
+    assert [(r.metric, r.by) for r in refs] == [("raypipe.run.finished", ())], "over all runs, ungrouped"
+    assert "mode:daily" in m["query"] and query["op"] == "<" and float(query["threshold"]) == 1
+    assert m["options"]["notify_no_data"] is True
+    window_h = _hours(query["window"])
+    assert m["options"]["no_data_timeframe"] >= window_h * 60
+    for overlay in ("prod", "prod-kuberay-1.5"):
+        (daily,) = [j for j in validate.jobs(validate.render(validate.OVERLAYS / overlay)) if j.scheduled]
+        longest_run_h = daily.spec["activeDeadlineSeconds"] * (daily.spec["backoffLimit"] + 1) / 3600
+        # two successive finishes are at most a day plus the longest run apart: no false alert
+        assert window_h >= 24 + longest_run_h, (overlay, window_h, longest_run_h)
+        # a missed tick is seen before the next tick starts another run
+        assert window_h < 48 - 1, (overlay, window_h)
+
+
+@pytest.mark.parametrize(
+    ("word", "options", "words"),
+    [
+        ("failed", {"notify_no_data": True, "no_data_timeframe": 10}, ("every run that ends would alert",)),
+        ("no daily run finished", {"notify_no_data": False}, ("ungrouped monitor needs notify_no_data",)),
+        ("no daily run finished", {"no_data_timeframe": 60}, ("no_data_timeframe 60", "(2160)")),
+        ("no daily run finished", {"no_data_timeframe": None}, ("no_data_timeframe None",)),
+    ],
+)
+def test_missing_data_alerts_only_where_silence_is_the_news(
+    word: str, options: dict[str, Any], words: tuple[str, ...]
+) -> None:
+    monitors = copy.deepcopy(MONITORS)
+    _monitor(monitors, word)["options"].update(options)
+    _has(dd.monitor_problems(monitors), *words)
 
 
 # --- the rest ---------------------------------------------------------------------------------

@@ -100,6 +100,21 @@ def test_every_rayjob_spec_is_found() -> None:
     assert legacy == {("RayJob/raypipe-backfill", False), ("ConfigMap/raypipe-daily-rayjob", True)}
 
 
+def test_the_docs_port_forward_only_to_services_kuberay_makes() -> None:
+    """A RayJob's cluster (and so its head Service) has a random suffix: the docs find it by label."""
+    doc = (validate.REPO / "docs" / "kuberay.md").read_text(encoding="utf-8")
+    services = {
+        f"{r['metadata']['name']}-{suffix}"
+        for r in rendered("prod")
+        if r["kind"] == "RayService"
+        for suffix in ("head-svc", "serve-svc")
+    }
+    named = re.findall(r"port-forward\s+svc/([\w-]+)", doc)
+    assert named and set(named) <= services, named
+    assert "get rayjob raypipe-backfill -o jsonpath='{.status.rayClusterName}'" in doc
+    assert "get svc -l ray.io/cluster=$C,ray.io/node-type=head -o name" in doc
+
+
 def test_strict_closes_objects_that_declare_properties() -> None:
     schema = {
         "type": "object",
