@@ -47,7 +47,7 @@ from raypipe.config import ClientConfig, PipelineConfig
 from raypipe.dedup import build_index
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
 from raypipe.metrics import RunMetrics
-from raypipe.outcomes import read_outcomes
+from raypipe.outcomes import Ledger
 from raypipe.pipeline import run_units
 from raypipe.progress import Progress
 from raypipe.report import AttemptStats, RunReport
@@ -210,6 +210,7 @@ def _run(
 
     fence = state.begin(tuple(labels))
     run_metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
+    plan: Plan | None = None
     attempt = AttemptStats(attempt=state.attempt)
     write_report = True
     try:
@@ -318,7 +319,7 @@ def _run(
         report.throughput_rows_per_s = round(report.rows_this_attempt / report.wall_s, 2) if report.wall_s else 0.0
         try:
             if write_report:
-                _fold_report(state, report, attempt, replay=mode == "replay")
+                _fold_report(state, report, attempt, plan=plan)
             run_metrics.finish(report)
             if write_report and not state.lease.lost:
                 state.save_attempt(attempt)
@@ -328,18 +329,23 @@ def _run(
     return report
 
 
-def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, replay: bool) -> None:
+def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, plan: Plan | None) -> None:
     """The report's figures: rows from the table (committed only), calls from every attempt.
 
-    A replay's rows replace another run's dead letters, so its rows are what its attempts
-    committed."""
+    A replay's rows replace another run's dead letters: its rows are what the dead letters of
+    its committed units became (`RunState.replay_ledger`, from the table, so an attempt killed
+    after committing counts too); for a plan stored without its table version, what its
+    attempts reported committing."""
     attempts = [*state.earlier_attempts(), attempt]
     report.fold_attempts(attempts)
-    if replay:
-        counts: Counter[str] = Counter()
-        for a in attempts:
-            counts.update(a.ledger())
-        report.apply_ledger(dict(counts))
+    if state.mode == "replay":
+        replayed = state.replay_ledger(plan) if plan is not None else None
+        if replayed is None:
+            counts: Counter[str] = Counter()
+            for a in attempts:
+                counts.update(a.ledger())
+            replayed = Ledger(counts)
+        report.apply_ledger(dict(replayed))
     else:
         report.apply_ledger(state.ledger())
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
@@ -579,7 +585,12 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
         table = OutcomeTable(config.output.uri)
         if not table.exists():
             raise ConfigError(f"no run {of_run!r} at {config.output.uri}")
-        rows = read_outcomes(config.output.uri, of_run, columns=["unit", "outcome"])
+        version = table.load().version()  # what the report's rows are counted against
+        rows = (
+            table.load_version(version)
+            .to_pyarrow_dataset()
+            .to_table(filter=pc.field("run_id") == of_run, columns=["unit", "outcome"])
+        )
         if rows.num_rows == 0 and store.read_json_or_none(store.report_file(of_run)) is None:
             raise ConfigError(f"no run {of_run!r} at {config.output.uri}")
         dead = rows.filter(pc.equal(rows.column("outcome"), "dead_letter"))
@@ -588,6 +599,6 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
             WorkUnit(config.output.uri, "dead_letters", 0, n, name=u, source_run=of_run)
             for u, n in sorted(counts.items())
         ]
-        return Plan("replay", None, units, [], None, replay_of=of_run)
+        return Plan("replay", None, units, [], None, replay_of=of_run, observations={"table_version": version})
 
     return _run(config, "replay", make_plan, results_run_id=lambda run_id, plan: of_run)

@@ -33,6 +33,7 @@ __all__ = [
     "compact",
     "latest",
     "ledger",
+    "ledger_of",
     "migrate",
     "read_outcomes",
     "vacuum",
@@ -110,7 +111,11 @@ def ledger(output: str, run_id: str) -> Ledger:
     table = OutcomeTable(output)
     if not table.exists():
         return Ledger()
-    rows = read_outcomes(output, run_id, columns=["outcome", "status", "error_kind"])
+    return ledger_of(read_outcomes(output, run_id, columns=["outcome", "status", "error_kind"]))
+
+
+def ledger_of(rows: pa.Table) -> Ledger:
+    """Rows (with `outcome`, `status`, `error_kind`) counted in `Ledger`'s form."""
     counts: Counter[str] = Counter()
     if rows.num_rows:
         grouped = rows.group_by(["outcome", "status", "error_kind"]).aggregate([([], "count_all")])

@@ -37,11 +37,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raypipe.config import PipelineConfig
 from raypipe.errors import ConfigError
 from raypipe.lease import Lease
-from raypipe.outcomes import Ledger, ledger
+from raypipe.outcomes import Ledger, ledger, ledger_of
 from raypipe.report import AttemptStats, RunReport
 from raypipe.sinks import OutcomeTable, TableFence
 from raypipe.sources import DeltaWindow, WorkUnit
@@ -194,9 +195,40 @@ class RunState:
         self.store.write_json(self.store.run_state(self.run_id, "plan.json"), plan.to_dict())
 
     def pending(self, plan: Plan) -> list[WorkUnit]:
-        """Units of the plan without committed rows (read after the takeover, so final)."""
+        """Units of the plan not committed yet (read after the takeover, so final).
+
+        A backfill's or daily's units are listed from the log's file statistics; a replay's
+        rows land in the run it replays, so its units are found by their own transactions."""
         done = self.table.committed_units(self.run_id)
+        if plan.mode == "replay":
+            done = self.table.units_with_transaction(self.run_id, [u.key for u in plan.units])
         return [u for u in plan.units if u.key not in done]
+
+    def replay_ledger(self, plan: Plan) -> Ledger | None:
+        """What a replay's committed units made of the dead letters it was planned on, from the
+        table (so rows an attempt converted before it was killed or fenced off count): the rows
+        that were dead letters at the plan's table version, as they are now. None for a plan
+        stored without its table version."""
+        version = (plan.observations or {}).get("table_version")
+        if plan.replay_of is None or version is None:
+            return None
+        units = sorted(self.table.units_with_transaction(self.run_id, [u.key for u in plan.units]))
+        if not units:
+            return Ledger()
+        key = ["id", "unit", "source", "row"]
+        in_units = (pc.field("run_id") == plan.replay_of) & pc.field("unit").isin(units)
+        before = (
+            self.table.load_version(int(version))
+            .to_pyarrow_dataset()
+            .to_table(filter=in_units & (pc.field("outcome") == "dead_letter"), columns=key)
+        )
+        now = (
+            self.table.load()
+            .to_pyarrow_dataset()
+            .to_table(filter=in_units, columns=[*key, "outcome", "status", "error_kind"])
+        )
+        became = before.join(now, key, join_type="inner")
+        return ledger_of(became)
 
     def watermark(self) -> datetime | None:
         mark = self.store.read_json_or_none(self.store.state(WATERMARK))

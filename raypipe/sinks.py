@@ -202,6 +202,12 @@ class OutcomeTable:
                 raise SinkError(f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri) from e
             raise _as_sink_error(e, self.uri) from e
 
+    def load_version(self, version: int) -> Any:
+        """The table as it was at `version` (time travel; the log keeps it for its retention)."""
+        from deltalake import DeltaTable
+
+        return DeltaTable(self.uri, version=version, storage_options=self._options)
+
     def ensure(self, labels: tuple[str, ...]) -> None:
         """Creates the table, or adds the columns of labels it does not have yet."""
         from deltalake import DeltaTable, write_deltalake
@@ -321,6 +327,16 @@ class OutcomeTable:
                 path=self.uri,
             )
         return {u for u in lo if u is not None}
+
+    def units_with_transaction(self, run_id: str, units: list[str]) -> set[str]:
+        """The units of `units` whose own transaction `run_id` committed (with rows or none).
+
+        One lookup per unit (about a millisecond each): for a replay's units, whose rows land
+        in the run they replay and so cannot be listed from `run_id`'s files."""
+        if not units or not self.exists():
+            return set()
+        dt = self.load()
+        return {u for u in units if dt.transaction_version(_unit_app(run_id, u)) is not None}
 
     def max_updated_at_by_unit(self, run_id: str) -> dict[str, datetime]:
         """The latest `updated_at` (UTC, to the millisecond: Delta's statistics) in each

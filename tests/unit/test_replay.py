@@ -67,3 +67,58 @@ def test_replays_of_different_units_do_not_conflict(tmp_path):
     rows = read_outcomes(str(tmp_path), RUN)
     outcome = dict(zip(rows.column("id").to_pylist(), rows.column("outcome").to_pylist(), strict=True))
     assert sorted(outcome.values()).count("dead_letter") == 1 and len(outcome) == 6
+
+
+def replay_state(out):
+    from raypipe.api import build_config
+    from raypipe.runstate import RunState
+
+    cfg = build_config(output=str(out), service="127.0.0.1:1", run_id=REPLAY)
+    return RunState(cfg, "replay", REPLAY)
+
+
+def replay_plan(out, units: list[str]):
+    from raypipe.runstate import Plan
+    from raypipe.sources import WorkUnit
+
+    table = OutcomeTable(str(out))
+    version = table.load().version()
+    return Plan(
+        "replay",
+        None,
+        [WorkUnit(str(out), "dead_letters", 0, 2, name=u, source_run=RUN) for u in units],
+        [],
+        None,
+        replay_of=RUN,
+        observations={"table_version": version},
+    )
+
+
+def test_a_resumed_replay_does_not_infer_units_an_earlier_attempt_committed(tmp_path):
+    """Attempt 1 committed unit a (its rows stayed dead letters) and was killed; attempt 2's
+    pending units are b only: a's dead letters are not inferred again to be thrown away."""
+    a, b = unit_names(2)
+    original_run(tmp_path, [a, b])
+    plan = replay_plan(tmp_path, [a, b])
+    killed = UnitCommitter(OutcomeTable(str(tmp_path)).take_over(REPLAY))
+    again = {f"{a}-d1": "dead_letter", f"{a}-d2": "dead_letter"}
+    assert killed.commit(a, unit_rows(a, again, kind="rejected"), replace_dead_letters=True)
+    state = replay_state(tmp_path)
+    assert [u.key for u in state.pending(plan)] == [b]
+
+
+def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(tmp_path):
+    """The killed attempt saved no statistics; the report's rows come from the table: what the
+    dead letters of the replayed units became."""
+    from raypipe.modes import _fold_report
+    from raypipe.report import AttemptStats, RunReport
+
+    a, b = unit_names(2)
+    original_run(tmp_path, [a, b])
+    plan = replay_plan(tmp_path, [a, b])
+    killed = UnitCommitter(OutcomeTable(str(tmp_path)).take_over(REPLAY))
+    assert killed.commit(a, unit_rows(a, {f"{a}-d1": "result", f"{a}-d2": "dead_letter"}), replace_dead_letters=True)
+    state = replay_state(tmp_path)
+    report = RunReport(run_id=REPLAY, mode="replay")
+    _fold_report(state, report, AttemptStats(attempt=state.attempt), plan=plan)
+    assert (report.rows_ok, report.rows_dead_letters) == (1, 1)
