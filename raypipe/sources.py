@@ -862,13 +862,17 @@ def prune_partitions(
 def _read_dead_letters(unit: WorkUnit) -> pa.Table:
     """A unit's committed dead letters of run `unit.source_run`, read from the outcomes table
     (`unit.shard` is the output URI); the rows keep their original source and row."""
-    from raypipe.outcomes import read_outcomes
+    from raypipe.sinks import OutcomeTable
 
-    flt_run = unit.source_run or ""
-    dead = read_outcomes(unit.shard, flt_run, columns=["id", "text", "updated_at", "source", "row", "unit", "outcome"])
-    dead = dead.filter(
-        pc.and_(pc.equal(dead.column("unit"), unit.key), pc.equal(dead.column("outcome"), "dead_letter"))
+    # The unit and outcome in the scan's filter: the log's file statistics skip the run's other
+    # units' files, so a replay reads each unit's file once, not the run's partition per unit.
+    flt = (
+        (pc.field("run_id") == (unit.source_run or ""))
+        & (pc.field("unit") == unit.key)
+        & (pc.field("outcome") == "dead_letter")
     )
+    dataset = OutcomeTable(unit.shard).load().to_pyarrow_dataset()
+    dead = dataset.to_table(filter=flt, columns=["id", "text", "updated_at", "source", "row"])
     n = dead.num_rows
     return pa.table(
         {

@@ -122,3 +122,13 @@ def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(t
     report = RunReport(run_id=REPLAY, mode="replay")
     _fold_report(state, report, AttemptStats(attempt=state.attempt), plan=plan)
     assert (report.rows_ok, report.rows_dead_letters) == (1, 1)
+
+
+def test_a_replay_unit_reads_its_own_dead_letters_only(tmp_path):
+    from raypipe.sources import ColumnNames, WorkUnit, read_unit
+
+    a, b = unit_names(2)
+    original_run(tmp_path, [a, b])
+    block = read_unit(WorkUnit(str(tmp_path), "dead_letters", 0, 2, name=b, source_run=RUN), ColumnNames())
+    assert sorted(block.column("id").to_pylist()) == [f"{b}-d1", f"{b}-d2"]
+    assert set(block.column("_unit").to_pylist()) == {b} and block.column("_row").to_pylist() == [1, 2]
