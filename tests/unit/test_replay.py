@@ -131,4 +131,4 @@ def test_a_replay_unit_reads_its_own_dead_letters_only(tmp_path):
     original_run(tmp_path, [a, b])
     block = read_unit(WorkUnit(str(tmp_path), "dead_letters", 0, 2, name=b, source_run=RUN), ColumnNames())
     assert sorted(block.column("id").to_pylist()) == [f"{b}-d1", f"{b}-d2"]
-    assert set(block.column("_unit").to_pylist()) == {b} and block.column("_row").to_pylist() == [1, 2]
+    assert set(block.column("_unit").to_pylist()) == {b} and sorted(block.column("_row").to_pylist()) == [0, 1]
