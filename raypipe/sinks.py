@@ -23,7 +23,10 @@ their units share a slot, and then the later one retries on a fresh snapshot.
 
 A unit also carries its own transaction (`raypipe/<run>/unit/<unit>`), so a unit committed
 twice in one generation (a Ray task retried after its actor died past the commit) is
-committed once: the retry sees the unit's transaction and skips. Each unit writes one data
+committed once: the retry sees the unit's transaction and skips. Unit transactions carry
+`lastUpdated`, so the table's `delta.setTransactionRetentionDuration` (90 days) prunes them
+from snapshots and checkpoints; the slots and the run's own commit (`raypipe/<run>/committed`)
+carry none and are kept: they are the fence and the record that the run is committed. Each unit writes one data
 file whose `unit` column holds the unit key, so the committed units of a run are read from
 the log's file statistics alone (`committed_units`), without reading data.
 """
@@ -389,10 +392,17 @@ class UnitCommitter:
     incrementally); commits of several actors run side by side (see the module docstring).
     """
 
-    def __init__(self, fence: TableFence, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        fence: TableFence,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.fence = fence
         self._table = OutcomeTable(fence.output_uri)
         self._sleep = sleep
+        self._clock = clock
         self._dt: Any = None
         self._schema: pa.Schema | None = None
         self._lock = threading.Lock()
@@ -445,7 +455,9 @@ class UnitCommitter:
                     props = CommitProperties(
                         app_transactions=[
                             Transaction(_slot_app(run_id, slot), generation),
-                            Transaction(_unit_app(run_id, unit), generation),
+                            # Stamped, so the table's transaction retention prunes it: ~47k
+                            # units per backfill would otherwise sit in every snapshot forever.
+                            Transaction(_unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),
                         ],
                         custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
                     )

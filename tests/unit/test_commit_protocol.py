@@ -241,3 +241,20 @@ def test_each_units_latest_updated_at_comes_from_the_logs_statistics_never_round
         "u-b": datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC),
     }
     assert table.max_updated_at_by_unit("other-run") == {}
+
+
+def test_unit_transactions_carry_last_updated_so_the_table_retention_prunes_them(tmp_path):
+    """A unit's own transaction is kept for the table's transaction retention (90 days), not
+    forever; the run's fencing slots carry no time and stay."""
+    table = table_for(tmp_path)
+    fence = table.take_over("r1")
+    long_ago = (datetime.now(UTC) - timedelta(days=100)).timestamp()
+    assert UnitCommitter(fence, clock=lambda: long_ago).commit(UNIT, rows({"A": "result"}, version="m"))
+    recent = "shard-1-def"
+    assert UnitCommitter(fence).commit(
+        recent, rows({"B": "result"}, version="m").set_column(2, "unit", pa.array([recent]))
+    )
+    dt = table.load()
+    assert dt.transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # expired: pruned
+    assert dt.transaction_version(f"raypipe/r1/unit/{recent}") == fence.generation
+    assert table.generation("r1") == fence.generation
