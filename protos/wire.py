@@ -15,6 +15,8 @@ TIMING_KEYS = {
     "compute_s": "raypipe-compute-ms",  # the forward passes of its batch
     "replica_s": "raypipe-replica-ms",  # arrival in the replica -> answer
     "batches_ahead": "raypipe-batches-ahead",  # batches started after its arrival, before its own
+    "model_cpu_s": "raypipe-model-cpu-ms",  # its rows' share of its batch's forward passes, core-ms
 }
 """Trailing metadata of a successful Classify answer (values are decimal strings): the
-replica's timing, which the client's in-flight limiter reads."""
+replica's timing, which the client's in-flight limiter reads, and the model's cost of the call
+(`raypipe.cost`)."""

@@ -327,6 +327,9 @@ class InferenceActor:
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
         sent = [o for t in tasks for o in t.result()]
+        for o in sent:
+            if o.result is not None:
+                stats.answered_by[o.result.setting or "unknown"] += len(o.rows)
         outcomes = refused + copied + sent + _share_answers(sent, duplicates)
         return self._outcome_rows(rows, outcomes, empty, stats)
 
@@ -503,6 +506,8 @@ class InferenceActor:
         latency = time.monotonic() - started
         samples.append((latency, False, result))
         self._count_call(stats, "OK", latency)
+        if result.server is not None:
+            stats.model_cpu_s += result.server.model_cpu_s
         return result
 
     @staticmethod

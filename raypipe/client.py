@@ -78,17 +78,20 @@ class ServerTiming:
     """Arrival in the replica to the answer."""
     batches_ahead: int
     """Batches the replica started after the call arrived and before the call's own."""
+    model_cpu_s: float = 0.0
+    """The call's share (by rows) of its batch's forward passes, in core-seconds (0 from older servers)."""
 
     @classmethod
     def from_metadata(cls, metadata: Sequence[tuple[str, str | bytes]] | None) -> ServerTiming | None:
         """Parses trailing metadata; None when the server sent no (or malformed) timing."""
         values = {k: v for k, v in metadata or () if isinstance(v, str)}
         try:
-            ms = {name: float(values[key]) for name, key in TIMING_KEYS.items() if name != "batches_ahead"}
+            ms = {name: float(values[TIMING_KEYS[name]]) for name in ("queue_s", "compute_s", "replica_s")}
             ahead = int(values[TIMING_KEYS["batches_ahead"]])
+            model_ms = float(values.get(TIMING_KEYS["model_cpu_s"], 0.0))
         except (KeyError, ValueError):
             return None
-        return cls(ms["queue_s"] / 1000, ms["compute_s"] / 1000, ms["replica_s"] / 1000, ahead)
+        return cls(ms["queue_s"] / 1000, ms["compute_s"] / 1000, ms["replica_s"] / 1000, ahead, model_ms / 1000)
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class BatchResult:
     truncated: np.ndarray  # bool [n]
     server: ServerTiming | None = None
     """What the replica reported about the call, if it did."""
+    setting: str = ""
+    """The runtime x precision that computed the answers ("openvino:fp32"; "" from an older server)."""
 
 
 class Deadlines:
@@ -164,6 +169,8 @@ class ModelInfo:
     model_version: str
     max_sequence_length: int
     max_batch_size: int
+    setting: str = ""
+    """The runtime x precision the answering replica computes with."""
 
 
 class ModelClient(Protocol):
@@ -257,7 +264,7 @@ class GrpcModelClient:
             )
         probs = np.array([list(p.probabilities) for p in preds], dtype=np.float32).reshape(len(preds), len(labels))
         truncated = np.array([p.truncated for p in preds], dtype=bool)
-        return BatchResult(labels, response.model_version, probs, truncated, server)
+        return BatchResult(labels, response.model_version, probs, truncated, server, response.setting)
 
     async def model_info(self) -> ModelInfo:
         try:
@@ -266,7 +273,9 @@ class GrpcModelClient:
             )
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, address=self.address) from e
-        return ModelInfo(tuple(info.labels), info.model_version, info.max_sequence_length, info.max_batch_size)
+        return ModelInfo(
+            tuple(info.labels), info.model_version, info.max_sequence_length, info.max_batch_size, info.setting
+        )
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -320,7 +329,9 @@ def check_service(
                 status_code=err.status_code,
                 address=address,
             ) from e
-    return ModelInfo(tuple(info.labels), info.model_version, info.max_sequence_length, info.max_batch_size)
+    return ModelInfo(
+        tuple(info.labels), info.model_version, info.max_sequence_length, info.max_batch_size, info.setting
+    )
 
 
 def _raise_if_tls(address: str, security: ChannelSecurity, error: grpc.RpcError, *, timeout_s: float) -> None:

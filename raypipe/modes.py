@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 from raypipe.actor import ActorSettings
 from raypipe.client import ChannelSecurity, check_service
 from raypipe.config import ClientConfig, PipelineConfig
+from raypipe.cost import CpuMeter
 from raypipe.dedup import build_index
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
 from raypipe.metrics import RunMetrics
@@ -209,9 +210,10 @@ def _run(
     report.labels, report.model_version = list(labels), version
 
     fence = state.begin(tuple(labels))
-    run_metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
     plan: Plan | None = None
+    run_metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
     attempt = AttemptStats(attempt=state.attempt)
+    meter: CpuMeter | None = None  # what the run costs, from its first unit on (`raypipe.cost`)
     write_report = True
     try:
         input_uri = config.input.uri if config.input else None
@@ -261,6 +263,7 @@ def _run(
         committed_now: set[str] = set()
         if todo:
             _ensure_ray()
+            meter = CpuMeter.start()
             progress = Progress(
                 len(todo),
                 None if any(u.expected_rows is None for u in todo) else sum(u.expected_rows or 0 for u in todo),
@@ -317,6 +320,11 @@ def _run(
         report.finished_at = datetime.now(UTC).isoformat()
         report.wall_s = round(time.monotonic() - t0, 3)
         report.throughput_rows_per_s = round(report.rows_this_attempt / report.wall_s, 2) if report.wall_s else 0.0
+        if meter is not None:
+            cost = meter.finish(
+                paragraphs=report.rows_this_attempt, model_cpu_s=attempt.model_cpu_s, core_hour_usd=config.core_hour_usd
+            )
+            report.cost = None if cost is None else cost.to_dict()
         try:
             if write_report:
                 _fold_report(state, report, attempt, plan=plan)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ddsketch import DDSketch
 
-__all__ = ["LATENCY_RELATIVE_ERROR", "AttemptStats", "LatencySketch", "RunReport", "UnitStats"]
+__all__ = ["LATENCY_RELATIVE_ERROR", "AttemptStats", "LatencySketch", "RunReport", "UnitStats", "render_cost"]
 
 #: Relative error of every latency quantile the report states: the sketch answers a value
 #: within this fraction of the exact order statistic (DDSketch's guarantee).
@@ -131,12 +131,17 @@ class UnitStats:
     """False when the unit was found committed already (a retried task) and nothing was written."""
     copied: int = 0
     """Rows answered without a call: their text had a committed answer, or another row's."""
+    answered_by: Counter[str] = field(default_factory=Counter)
+    """Rows the service answered, by the runtime x precision that computed them ("openvino:fp32")."""
+    model_cpu_s: float = 0.0
+    """Core-seconds the replicas' forward passes spent on this unit's calls (their own report)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["latency"] = self.latency.to_dict()
         d["dead_letter_kinds"] = dict(self.dead_letter_kinds)
         d["status_counts"] = dict(self.status_counts)
+        d["answered_by"] = dict(self.answered_by)
         return d
 
     @classmethod
@@ -146,6 +151,7 @@ class UnitStats:
         d["latency"] = LatencySketch.from_dict(d.get("latency"))
         d["dead_letter_kinds"] = Counter(d.get("dead_letter_kinds") or {})
         d["status_counts"] = Counter(d.get("status_counts") or {})
+        d["answered_by"] = Counter(d.get("answered_by") or {})
         return cls(**d)
 
 
@@ -174,6 +180,8 @@ class AttemptStats:
     latency: LatencySketch = field(default_factory=LatencySketch)
     actors: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each actor's latest breaker/limiter snapshot."""
+    answered_by: Counter[str] = field(default_factory=Counter)
+    model_cpu_s: float = 0.0
 
     def add(self, u: UnitStats) -> None:
         self.units += 1
@@ -184,6 +192,8 @@ class AttemptStats:
             self.dead_letters += u.dead_letters
             self.dead_letter_kinds.update(u.dead_letter_kinds)
             self.copied += u.copied
+            self.answered_by.update(u.answered_by)
+        self.model_cpu_s += u.model_cpu_s
         self.calls += u.calls
         self.status_counts.update(u.status_counts)
         self.retries += u.retries
@@ -200,6 +210,7 @@ class AttemptStats:
         d["latency"] = self.latency.to_dict()
         d["status_counts"] = dict(self.status_counts)
         d["dead_letter_kinds"] = dict(self.dead_letter_kinds)
+        d["answered_by"] = dict(self.answered_by)
         return d
 
     def ledger(self) -> dict[str, int]:
@@ -216,7 +227,17 @@ class AttemptStats:
         d["latency"] = LatencySketch.from_dict(d.get("latency"))
         d["status_counts"] = Counter(d.get("status_counts") or {})
         d["dead_letter_kinds"] = Counter(d.get("dead_letter_kinds") or {})
+        d["answered_by"] = Counter(d.get("answered_by") or {})
         return cls(**d)
+
+
+def render_cost(cost: dict[str, Any]) -> str:
+    """The report's cost line from `raypipe.cost.Cost.to_dict`."""
+    return (
+        f"{cost['cpu_s_per_1k']:,.2f} CPU-s per 1,000 paragraphs (model {cost['model_share']:.0%})"
+        f" | ${cost['usd_per_million']:,.3f} per million at ${cost['core_hour_usd']:g}/core-hour"
+        f" | {cost['cores_busy']:.2f} cores busy on {cost['nodes']} node(s)"
+    )
 
 
 @dataclass
@@ -270,6 +291,12 @@ class RunReport:
     planning: dict[str, Any] | None = None
     """What planning saw without reading rows: row groups pruned by a daily's window, rows with a
     null updated_at (never in a window), the point a backfill read its input as of."""
+    answered_by: dict[str, int] = field(default_factory=dict)
+    """Rows the service answered, by runtime x precision ("openvino:bf16"), over every attempt: on a
+    pool of mixed CPUs each replica serves its own CPU's fastest gated setting."""
+    cost: dict[str, Any] | None = None
+    """What this attempt cost (`raypipe.cost.Cost.to_dict`): CPU-seconds of every process of the
+    cluster per 1,000 paragraphs, the model's share, the price per million paragraphs."""
     error: str | None = None
 
     @classmethod
@@ -285,6 +312,7 @@ class RunReport:
     def fold_attempts(self, attempts: Iterable[AttemptStats]) -> None:
         """Call statistics summed over every attempt of the run (this one and earlier ones)."""
         statuses: Counter[str] = Counter()
+        answered_by: Counter[str] = Counter()
         latency = LatencySketch()
         actors: list[dict[str, Any]] = []
         self.calls = self.retries = self.canaries = self.rows_copied = 0
@@ -292,6 +320,7 @@ class RunReport:
         for a in attempts:
             self.rows_copied += a.copied
             statuses.update(a.status_counts)
+            answered_by.update(a.answered_by)
             self.calls += a.calls
             self.retries += a.retries
             self.canaries += a.canaries
@@ -300,6 +329,7 @@ class RunReport:
             actors += a.actors.values()
         self.commit_s = round(self.commit_s, 3)
         self.status_counts = dict(statuses)
+        self.answered_by = dict(answered_by)
         self.latency_ms = {  # a quantile within the sketch's error may pass the exact max: cap it
             name: None if (p := latency.quantile(q)) is None else round(min(p, latency.max or p) * 1000, 3)
             for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
@@ -358,6 +388,14 @@ class RunReport:
             )
         if self.status_counts:
             lines.append("  gRPC status   " + " | ".join(f"{k} {v:,}" for k, v in sorted(self.status_counts.items())))
+        if self.answered_by:
+            lines.append(
+                "  answered by   "
+                + " | ".join(f"{k} {v:,} rows" for k, v in sorted(self.answered_by.items(), key=lambda kv: -kv[1]))
+                + f" | without a call {self.rows_copied:,}"
+            )
+        if self.cost:
+            lines.append("  cost          " + render_cost(self.cost))
         if self.dead_letter_kinds:
             lines.append(
                 "  dead letters  " + " | ".join(f"{k} {v:,}" for k, v in sorted(self.dead_letter_kinds.items()))

@@ -138,6 +138,8 @@ class _Done:
     started: float
     compute_s: float
     batch_index: int
+    model_cpu_s: float
+    """This call's rows' share of the batch's forward passes, in core-seconds (wall x threads)."""
 
 
 def batch_weight(jobs: list[_Job]) -> int:
@@ -154,8 +156,8 @@ def batch_weight(jobs: list[_Job]) -> int:
 @serve.deployment(name="EmotionClassifier", max_ongoing_requests=64, health_check_period_s=5)
 class EmotionClassifier:
     def __init__(self, model_dir: str, settings: dict[str, Any] | None = None) -> None:
-        from serve_app.model import EmotionModel, configure_precision, configure_tf_threads
-        from serve_app.runtimes import resolve
+        from serve_app.model import EmotionModel, configure_precision, configure_tf_threads, read_model_card
+        from serve_app.runtimes import resolve, served_version
 
         self._settings = ServerSettings.from_dict(settings)
         self._threads = thread_layout(self._settings, _replica_cpus())
@@ -177,11 +179,16 @@ class EmotionClassifier:
         )
         self._model.warmup()
         self._labels = list(self._model.card.labels)
-        # Answers not computed by TensorFlow fp32 may differ from its: the version says what made them.
-        self._version = self._model.card.version + serving.version_suffix
-        logger.info(
-            "EmotionClassifier %s ready: %s %s (%s)", self._version, serving.runtime, serving.precision, serving.reason
+        # The version names what changes answers (`serve_app.runtimes.served_version`); the
+        # setting says what computed them.
+        self._version = served_version(
+            self._model.card.version,
+            serving,
+            max_sequence_length=self._model.card.max_sequence_length,
+            model_max=read_model_card(model_dir).max_sequence_length,
         )
+        self._setting = serving.setting
+        logger.info("EmotionClassifier %s ready: %s (%s)", self._version, serving.setting, serving.reason)
         # `model_threads` batches compute at once, each on its own thread (and, by default,
         # on one core: see ServerSettings.model_threads). Tokenizing has its own thread, so
         # it overlaps the forward passes.
@@ -202,7 +209,11 @@ class EmotionClassifier:
         if self._fault.enabled:
             logger.warning("fault injection is ON for this replica: %s", self._fault)
         self._metrics = ServerMetrics.build(
-            self._settings.metrics, environ=os.environ, app=_app_name(), model_version=self._version
+            self._settings.metrics,
+            environ=os.environ,
+            app=_app_name(),
+            model_version=self._version,
+            setting=self._setting,
         )
 
     async def Classify(
@@ -233,6 +244,7 @@ class EmotionClassifier:
             "queue_s": done.started - arrived,
             "compute_s": done.compute_s,
             "replica_s": time.monotonic() - arrived,
+            "model_cpu_s": done.model_cpu_s,
         }
         metadata = [(TIMING_KEYS[k], f"{v * 1000:.1f}") for k, v in timing.items()]
         metadata.append((TIMING_KEYS["batches_ahead"], str(done.batch_index - job.batches_at_arrival - 1)))
@@ -249,6 +261,7 @@ class EmotionClassifier:
             ],
             labels=self._labels,
             model_version=self._version,
+            setting=self._setting,
         )
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, batch_size_fn=batch_weight)
@@ -265,12 +278,19 @@ class EmotionClassifier:
         self._model_counts["busy_ms"] += round(compute_s * 1000)
         self._model_counts["padded_tokens"] += predictions.padded_tokens
         self._metrics.batch(calls=len(jobs), rows=len(merged), tokens=merged.tokens, compute_s=compute_s)
+        # Core-seconds of the passes, shared by rows: a pass runs on `intra_op` threads.
+        per_row = compute_s * self._threads.intra_op / max(1, len(merged))
         out, start = [], 0
         for job in jobs:
             stop = start + len(job.tokenized)
             out.append(
                 _Done(
-                    predictions.probabilities[start:stop], predictions.truncated[start:stop], started, compute_s, index
+                    predictions.probabilities[start:stop],
+                    predictions.truncated[start:stop],
+                    started,
+                    compute_s,
+                    index,
+                    per_row * (stop - start),
                 )
             )
             start = stop
@@ -282,6 +302,7 @@ class EmotionClassifier:
             model_version=self._version,
             max_sequence_length=self._model.card.max_sequence_length,
             max_batch_size=self._settings.max_batch_size,
+            setting=self._setting,
         )
 
     def stats(self) -> dict[str, dict[str, int]]:

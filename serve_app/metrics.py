@@ -12,7 +12,9 @@
 
 They are declared once, in `CATALOG`, and sent through it; the Datadog dashboard and monitors
 (`kuberay/datadog/`) are checked against it. Every metric is tagged `app` (the Serve
-application) and `model_version`. The sinks are raypipe's (`protos.telemetry`: DogStatsD with
+application), `model_version` and `setting` (the runtime x precision that computes, e.g.
+``openvino:bf16``: on a pool of mixed CPUs, `server.paragraphs` by `setting` says which setting
+answered how many paragraphs). The sinks are raypipe's (`protos.telemetry`: DogStatsD with
 an absent agent logged once, Ray metrics); this module knows nothing of the client's pipeline.
 Settings come from `ServerSettings.metrics`.
 """
@@ -42,7 +44,7 @@ BATCH_ROWS = MetricDef("server.batch.rows", "distribution", "paragraphs in one b
 BATCH_TOKENS = MetricDef("server.batch.tokens", "distribution", "tokens in one batch")
 MODEL_MS = MetricDef("server.model_ms", "distribution", "one batch's forward passes, ms")
 
-SERVER_TAGS = ("app", "model_version")
+SERVER_TAGS = ("app", "model_version", "setting")
 """The tags every replica metric carries (`ServerMetrics.build`)."""
 
 CATALOG = Catalog(
@@ -91,9 +93,15 @@ class ServerMetrics:
 
     @classmethod
     def build(
-        cls, settings: ServerMetricsSettings, *, environ: Mapping[str, str], app: str, model_version: str
+        cls,
+        settings: ServerMetricsSettings,
+        *,
+        environ: Mapping[str, str],
+        app: str,
+        model_version: str,
+        setting: str = "",
     ) -> ServerMetrics:
-        return cls(settings.spec(environ, {"app": app, "model_version": model_version}).build())
+        return cls(settings.spec(environ, {"app": app, "model_version": model_version, "setting": setting}).build())
 
     def request(self, status: str, paragraphs: int) -> None:
         """A Classify call was answered with `status` (OK or an error code)."""

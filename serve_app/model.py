@@ -58,6 +58,7 @@ __all__ = [
     "configure_precision",
     "configure_tf_threads",
     "cpu_flags",
+    "cpu_model_name",
     "has_native_bf16",
     "load_serving_signature",
     "padded_length",
@@ -214,6 +215,18 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
     return frozenset()
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as Linux reports it ("" where /proc/cpuinfo is unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return ""
 
 
 def has_native_bf16(flags: frozenset[str]) -> bool:

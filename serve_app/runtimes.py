@@ -3,23 +3,36 @@
 A *setting* is a runtime x precision: TensorFlow fp32 (the reference: export, ``raypipe model
 check`` and every agreement are measured against it), TensorFlow bf16 (oneDNN auto mixed
 precision), OpenVINO fp32 / bf16 / int8 (`serve_app.compiled`; int8 is the NNCF-quantized IR of
-`serve_app.optimize`). ``raypipe model optimize DIR`` measures each setting this CPU supports on
-a sample of the user's text and writes the result beside the model card, ``DIR/runtimes.json``
-(`RuntimeRecord`): speed, top-label agreement with TensorFlow fp32 on held-out texts, largest
-probability difference.
+`serve_app.optimize`). Measuring a setting (`serve_app.optimize.measure`, run by ``raypipe model
+export`` on its check texts and by ``raypipe model optimize DIR --sample URI`` on the user's)
+gives its speed on this CPU, its top-label agreement with TensorFlow fp32 on two sets of texts,
+*in domain* (the user's sample, or the check texts) and *out of domain* (`serve_app.gate_texts`,
+prose the project ships), and its largest probability difference. ``DIR/runtimes.json`` holds
+one `RuntimeRecord` per CPU that measured (keyed by its kernel flags): a pool of mixed CPUs
+keeps one entry for each, and every replica reads its own CPU's.
 
 `choose` turns the server settings (``runtime``, ``precision``, ``min_agreement``,
-``force_precision``), the record and the CPU's flags into the one `Serving` a replica loads:
+``force_precision``), this CPU's record and its flags into the one `Serving` a replica loads.
+The defaults are ``runtime: auto``, ``precision: auto``: fast by default, never different
+unmeasured.
 
-- ``precision: auto`` serves the fastest recorded setting this CPU supports whose agreement is
-  at least ``min_agreement`` (TensorFlow fp32 always qualifies). With no record (or one made
-  for other SavedModel files) it serves fp32: nothing that changes answers is picked unmeasured.
-- An explicit precision is served if the CPU supports it, unless the record says its agreement
-  is under ``min_agreement``: then the replica refuses to start (`GateError`) unless
-  ``force_precision``. int8 exists only as a measured build, so it always has a record.
+- ``precision: auto`` serves the fastest setting of this CPU's record that passes the gate.
+  **The gate**: a setting passes when the worse of its in-domain and out-of-domain agreement is
+  at least ``min_agreement``; a setting that changes answers (bf16, int8) must have both
+  measured. With no record for this CPU (or one made for other SavedModel files) the replica
+  serves the fastest *equal-answer* setting, OpenVINO fp32 where OpenVINO is installed (its
+  probabilities are TensorFlow's within 1e-4: float sums in another order), else TensorFlow
+  fp32: nothing that changes answers is picked unmeasured.
+- An explicit precision is served if the CPU supports it, unless the record says it fails the
+  gate: then the replica refuses to start (`GateError`) unless ``force_precision``. int8 exists
+  only as a measured build, so it always has a record.
 
-Answers carry what produced them: `Serving.version_suffix` is appended to the model version
-(``""`` for TensorFlow fp32, ``+bf16`` for TensorFlow bf16, ``+ov-fp32``, ``+ov-bf16``, ``+ov-int8``).
+**The model version** says what produced the answers (`Serving.version_suffix`): equal-answer
+settings (fp32 on either runtime) add nothing, so a changed default between them neither
+re-infers nor stops reusing a committed answer; settings that change answers add ``+bf16``
+(TensorFlow bf16), ``+ov-bf16`` or ``+ov-int8``. The setting itself (``openvino:fp32``) travels
+beside the version in every answer (`Serving.setting`), so the run report and the metrics say
+which setting answered how many rows.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from serve_app.model import ModelDirError, cpu_flags, has_native_bf16
 from serve_app.settings import RUNTIME_SETTINGS, ServerSettings
 
 __all__ = [
+    "EQUAL_ANSWER_SETTINGS",
     "RECORD_FILE",
     "RUNTIME_SETTINGS",
     "GateError",
@@ -43,8 +57,11 @@ __all__ = [
     "RuntimeRecord",
     "Serving",
     "choose",
+    "cpu_key",
     "read_record",
+    "read_records",
     "resolve",
+    "served_version",
     "supported_settings",
     "write_record",
 ]
@@ -53,8 +70,12 @@ logger = logging.getLogger(__name__)
 
 #: The measured record, beside ``model.json``.
 RECORD_FILE = "runtimes.json"
-_RECORD_FORMAT = "raypipe-runtimes/1"
+_RECORD_FORMAT = "raypipe-runtimes/2"
+_RECORD_FORMAT_V1 = "raypipe-runtimes/1"  # one record, no out-of-domain figure: still read
 REFERENCE = ("tensorflow", "fp32")
+#: Settings whose answers are the reference's (fp32 arithmetic, float sums in another order).
+EQUAL_ANSWER_SETTINGS = (("openvino", "fp32"), REFERENCE)
+"""Fastest first, as far as every CPU measured so far goes (OpenVINO fp32 ran 1.06-1.4x TF fp32)."""
 
 
 class GateError(ValueError):
@@ -72,73 +93,117 @@ class GateError(ValueError):
 
 @dataclass(frozen=True)
 class Measurement:
-    """One setting measured against TensorFlow fp32 on the held-out part of a sample."""
+    """One setting measured against TensorFlow fp32, in domain and out of domain."""
 
     runtime: str
     precision: str
     para_per_s: float
     """In-process paragraphs per second (the model's own batching, this CPU's threads)."""
     agreement: float
-    """Fraction of held-out texts whose top label equals TensorFlow fp32's (1.0 for the reference)."""
+    """The gate's figure: the worse of `agreement_in` and `agreement_out` (1.0 for the reference)."""
     max_abs_dp: float
     """Largest absolute difference of any probability from TensorFlow fp32's."""
     speedup: float = 1.0
     """``para_per_s`` over TensorFlow fp32's in the same run."""
     note: str = ""
     """What else the measurement found (e.g. int8 layers kept in fp32)."""
+    agreement_in: float | None = None
+    """Top-label agreement with TensorFlow fp32 on the in-domain texts (the user's sample)."""
+    agreement_out: float | None = None
+    """The same on the out-of-domain texts the project ships; None when not measured (an old record)."""
 
     @property
     def setting(self) -> tuple[str, str]:
         return (self.runtime, self.precision)
 
+    def passes(self, min_agreement: float) -> bool:
+        """The gate (module docstring): equal-answer settings need the figure they have; others both."""
+        if self.setting == REFERENCE:
+            return True
+        if self.setting not in EQUAL_ANSWER_SETTINGS and self.agreement_out is None:
+            return False
+        return self.agreement >= min_agreement
+
+
+def cpu_key(flags: Iterable[str]) -> tuple[str, ...]:
+    """The kernel-relevant CPU flags a record is kept under (speed ranks are that CPU class's)."""
+    return tuple(sorted(f for f in flags if f.startswith(("avx", "amx"))))
+
 
 @dataclass(frozen=True)
 class RuntimeRecord:
-    """``DIR/runtimes.json``: what ``raypipe model optimize`` measured, and on what."""
+    """One CPU's entry of ``DIR/runtimes.json``: what was measured, and on what."""
 
     saved_model: str
     """Fingerprint (`serve_app.compiled.saved_model_digest`) of the SavedModel measured."""
     measurements: tuple[Measurement, ...]
     cpu_flags: tuple[str, ...] = ()
-    """The kernel-relevant flags of the CPU that measured (speed ranks are that CPU's)."""
+    """The kernel-relevant flags of the CPU that measured (`cpu_key`)."""
     sample: dict[str, Any] = field(default_factory=dict)
-    """Where the texts came from, how many were used for calibration and held out."""
+    """Where the texts came from, how many were used for calibration and held out, in and out of domain."""
     versions: dict[str, str] = field(default_factory=dict)
     measured_at: str = ""
+    cpu: str = ""
+    """The CPU's model name, for people (the key is `cpu_flags`)."""
 
     def get(self, runtime: str, precision: str) -> Measurement | None:
         return next((m for m in self.measurements if m.setting == (runtime, precision)), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": _RECORD_FORMAT, **asdict(self)}
+        return asdict(self)
 
-
-def read_record(model_dir: Path | str) -> RuntimeRecord | None:
-    """The model directory's record, or None when it has none; `ModelDirError` when unreadable."""
-    path = Path(model_dir) / RECORD_FILE
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        if raw.get("format") != _RECORD_FORMAT:
-            raise ValueError(f"format must be {_RECORD_FORMAT!r}, got {raw.get('format')!r}")
-        return RuntimeRecord(
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RuntimeRecord:
+        measurements = []
+        for m in raw["measurements"]:
+            m = dict(m)
+            m.setdefault("agreement_in", m["agreement"])  # a v1 record measured one set of texts
+            measurements.append(Measurement(**m))
+        return cls(
             saved_model=str(raw["saved_model"]),
-            measurements=tuple(Measurement(**m) for m in raw["measurements"]),
+            measurements=tuple(measurements),
             cpu_flags=tuple(raw.get("cpu_flags", ())),
             sample=dict(raw.get("sample", {})),
             versions=dict(raw.get("versions", {})),
             measured_at=str(raw.get("measured_at", "")),
+            cpu=str(raw.get("cpu", "")),
         )
+
+
+def read_records(model_dir: Path | str) -> list[RuntimeRecord]:
+    """Every CPU's record in the model directory (empty when it has none); `ModelDirError` when unreadable."""
+    path = Path(model_dir) / RECORD_FILE
+    if not path.is_file():
+        return []
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw.get("format") == _RECORD_FORMAT_V1:
+            return [RuntimeRecord.from_json(raw)]
+        if raw.get("format") != _RECORD_FORMAT:
+            raise ValueError(f"format must be {_RECORD_FORMAT!r}, got {raw.get('format')!r}")
+        return [RuntimeRecord.from_json(r) for r in raw["records"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ModelDirError(path, f"cannot read the runtime record: {e}") from e
 
 
+def read_record(model_dir: Path | str, *, flags: frozenset[str] | None = None) -> RuntimeRecord | None:
+    """The record of the CPU with these flags (default: this one), or None when it was never measured here."""
+    key = cpu_key(cpu_flags() if flags is None else flags)
+    return next((r for r in read_records(model_dir) if r.cpu_flags == key), None)
+
+
 def write_record(model_dir: Path | str, record: RuntimeRecord) -> Path:
-    """Write ``DIR/runtimes.json`` atomically (a reader sees the old record or the new one)."""
+    """Put ``record`` in ``DIR/runtimes.json`` in place of its CPU's entry, atomically (a reader
+    sees the old file or the new one). Entries of other SavedModel files are dropped."""
     path = Path(model_dir) / RECORD_FILE
+    try:
+        kept = [r for r in read_records(model_dir) if r.cpu_flags != record.cpu_flags]
+    except ModelDirError:
+        kept = []  # a damaged file is replaced
+    kept = [r for r in kept if r.saved_model == record.saved_model]
+    body = {"format": _RECORD_FORMAT, "records": [r.to_json() for r in [*kept, record]]}
     tmp = path.with_name(f".{RECORD_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record.to_json(), indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
 
@@ -168,13 +233,32 @@ class Serving:
     precision: str
     reason: str
     agreement: float | None = None
-    """The recorded held-out agreement of this setting, when measured."""
+    """The recorded gate agreement of this setting, when measured."""
+
+    @property
+    def setting(self) -> str:
+        """``runtime:precision``, as answers, the run report and the metrics name it."""
+        return f"{self.runtime}:{self.precision}"
 
     @property
     def version_suffix(self) -> str:
+        """Appended to the model version: nothing for an equal-answer setting (module docstring)."""
+        if self.precision == "fp32":
+            return ""
         if self.runtime == "tensorflow":
-            return "" if self.precision == "fp32" else f"+{self.precision}"
+            return f"+{self.precision}"
         return f"+ov-{self.precision}"
+
+
+def served_version(base: str, serving: Serving, *, max_sequence_length: int, model_max: int) -> str:
+    """The model version a replica answers with: the card's, then what changes answers.
+
+    ``+len{N}`` when the server cuts texts shorter than the model takes (`ServerSettings.
+    max_sequence_length`: a text's answer depends on it), then `Serving.version_suffix`. Answer
+    reuse keys on the version, so an answer made under other such settings is never reused.
+    """
+    length = f"+len{max_sequence_length}" if max_sequence_length < model_max else ""
+    return f"{base}{length}{serving.version_suffix}"
 
 
 def choose(
@@ -190,8 +274,9 @@ def choose(
 ) -> Serving:
     """The setting a replica serves (see the module docstring).
 
-    ``saved_model``: the fingerprint of the SavedModel being served; a record made for another
-    is ignored (logged). ``openvino``: whether the runtime is installed.
+    ``record``: this CPU's record; one measured on a CPU with other kernel flags, or for another
+    SavedModel (``saved_model``: the fingerprint of the one being served), is ignored (logged).
+    ``openvino``: whether the runtime is installed.
     """
     if runtime not in RUNTIME_SETTINGS:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIME_SETTINGS)}, not {runtime!r}")
@@ -199,6 +284,9 @@ def choose(
         logger.warning(
             "the runtime record was measured on other SavedModel files; ignoring it (run `raypipe model optimize`)"
         )
+        record = None
+    if record is not None and record.cpu_flags != cpu_key(flags):
+        logger.info("the runtime record was measured on another CPU class; this replica's CPU has none")
         record = None
     supported = supported_settings(flags, openvino=openvino)
     runtimes = ("tensorflow", "openvino") if runtime == "auto" else (runtime,)
@@ -213,19 +301,18 @@ def choose(
             precision,
             _unsupported(precision, runtimes, flags, openvino),
         )
-    if len(candidates) > 1 and record is not None:
-        # runtime auto with an explicit precision: the fastest measured runtime for it.
-        measured = [m for m in (record.get(*s) for s in candidates) if m is not None]
+    if len(candidates) > 1:
+        # runtime auto with an explicit precision: the fastest measured runtime for it, else the
+        # equal-answer order (OpenVINO first) for fp32.
+        measured = [m for m in (record.get(*s) for s in candidates) if m is not None] if record else []
         if measured:
-            best = max(measured, key=lambda m: m.para_per_s)
-            candidates = [best.setting]
+            candidates = [max(measured, key=lambda m: m.para_per_s).setting]
+        elif precision == "fp32":
+            candidates = [s for s in EQUAL_ANSWER_SETTINGS if s in candidates]
     chosen = candidates[0]
     measurement = record.get(*chosen) if record is not None else None
-    if chosen != REFERENCE and measurement is not None and measurement.agreement < min_agreement:
-        problem = (
-            f"measured top-label agreement with TensorFlow fp32 is {measurement.agreement:.2%}, under the "
-            f"required {min_agreement:.2%} (runtimes.json)"
-        )
+    if chosen != REFERENCE and measurement is not None and not measurement.passes(min_agreement):
+        problem = f"{_figures(measurement)}, under the required {min_agreement:.2%} (runtimes.json)"
         if not force:
             raise GateError(*chosen, problem + "; set force_precision to serve it anyway")
         logger.warning("%s %s served although %s (force_precision)", *chosen, problem)
@@ -241,7 +328,8 @@ def resolve(model_dir: Path | str, settings: ServerSettings, *, flags: frozenset
     from importlib.util import find_spec
 
     model_dir = Path(model_dir)
-    record = read_record(model_dir)
+    flags = cpu_flags() if flags is None else flags
+    record = read_record(model_dir, flags=flags)
     fingerprint = None
     if record is not None:
         from serve_app.compiled import saved_model_digest
@@ -250,7 +338,7 @@ def resolve(model_dir: Path | str, settings: ServerSettings, *, flags: frozenset
     return choose(
         runtime=settings.runtime,
         precision=settings.precision,
-        flags=cpu_flags() if flags is None else flags,
+        flags=flags,
         record=record,
         saved_model=fingerprint,
         min_agreement=settings.min_agreement,
@@ -263,22 +351,24 @@ def _auto(
     runtimes: Iterable[str], supported: list[tuple[str, str]], record: RuntimeRecord | None, min_agreement: float
 ) -> Serving:
     allowed = [s for s in supported if s[0] in runtimes]
-    fallback = REFERENCE if REFERENCE in allowed else allowed[0]
+    equal = [s for s in EQUAL_ANSWER_SETTINGS if s in allowed]
+    fallback = equal[0] if equal else allowed[0]
     if record is None:
-        return Serving(*fallback, reason="auto: no measured record for this model (raypipe model optimize), fp32")
-    eligible = [
-        m
-        for m in (record.get(*s) for s in allowed)
-        if m is not None and (m.setting == REFERENCE or m.agreement >= min_agreement)
-    ]
+        return Serving(
+            *fallback, reason="auto: no measured record for this CPU, the fastest setting with the reference's answers"
+        )
+    eligible = [m for m in (record.get(*s) for s in allowed) if m is not None and m.passes(min_agreement)]
     if not eligible:
-        return Serving(*fallback, reason="auto: no measured setting passes the agreement gate, fp32")
+        return Serving(*fallback, reason="auto: no measured setting passes the agreement gate; the reference's answers")
     best = max(eligible, key=lambda m: m.para_per_s)
-    reason = (
-        f"auto: fastest measured at >= {min_agreement:.2%} agreement "
-        f"({best.speedup:.2f}x TF fp32, {best.agreement:.2%})"
-    )
+    reason = f"auto: fastest measured that passes the gate ({best.speedup:.2f}x TF fp32, {_figures(best)})"
     return Serving(best.runtime, best.precision, reason=reason, agreement=best.agreement)
+
+
+def _figures(m: Measurement) -> str:
+    inside = "?" if m.agreement_in is None else f"{m.agreement_in:.2%}"
+    outside = "not measured" if m.agreement_out is None else f"{m.agreement_out:.2%}"
+    return f"top-label agreement with TensorFlow fp32 {inside} in domain, {outside} out of domain"
 
 
 def _unsupported(precision: str, runtimes: tuple[str, ...], flags: frozenset[str], openvino: bool) -> str:

@@ -83,20 +83,20 @@ class ServerSettings:
     inter_op_threads: int | None = None
     """TensorFlow inter-op threads; default: `model_threads` (each concurrent pass runs its
     ops on one)."""
-    precision: str = "fp32"
-    """`fp32`; `bf16` (needs AVX512_BF16 or AMX); `int8` (OpenVINO only: the NNCF build of
-    `raypipe model optimize DIR`); or `auto`: the fastest setting `raypipe model optimize`
-    measured on this model whose top-label agreement with TensorFlow fp32 is at least
-    `min_agreement` (fp32 when nothing was measured). See `serve_app.runtimes` and README
-    "Performance"."""
-    runtime: str = "tensorflow"
-    """`tensorflow` (the SavedModel as exported: the reference), `openvino` (the SavedModel
-    compiled by OpenVINO for this CPU; converted once per model, OpenVINO version and machine,
-    or ahead by `raypipe model optimize DIR`), or `auto` (whichever the measured record says
-    is faster for the precision)."""
+    precision: str = "auto"
+    """`auto` (default): the fastest setting this CPU's measured record passes through the
+    agreement gate, or with no record for this CPU the fastest with the reference's answers
+    (OpenVINO fp32); or one precision: `fp32`, `bf16` (needs AVX512_BF16 or AMX), `int8`
+    (OpenVINO only: the NNCF build of `raypipe model optimize DIR`). See `serve_app.runtimes`."""
+    runtime: str = "auto"
+    """`auto` (default: whichever runtime the choice of `precision` lands on), `tensorflow` (the
+    SavedModel as exported: the reference), or `openvino` (the SavedModel compiled by OpenVINO
+    for this CPU; converted once per model, OpenVINO version and machine, or ahead by
+    `raypipe model export`/`optimize`)."""
     min_agreement: float = 0.99
-    """The gate: a precision whose recorded held-out top-label agreement with TensorFlow fp32
-    (``DIR/runtimes.json``) is under this is never served, unless `force_precision`."""
+    """The gate: a setting whose recorded top-label agreement with TensorFlow fp32
+    (``DIR/runtimes.json``), the worse of in domain and out of domain, is under this is never
+    served, unless `force_precision`."""
     force_precision: bool = False
     """Serve the asked precision even when its recorded agreement is under `min_agreement`."""
     fault: FaultInjection = field(default_factory=FaultInjection)

@@ -167,6 +167,27 @@ def finish(
     logger.info("exported %s: %s, served = source within %.1e", card["version"], source["path"], worst)
 
 
+#: Texts of the default sample an export measures the runtimes on (in domain for emotion models).
+MEASURE_TEXTS = 600
+
+
+def measure_runtimes(model_dir: Path) -> None:
+    """Measure every setting this CPU supports on the check texts and the shipped out-of-domain
+    texts (`serve_app.optimize.measure`, no int8) and record it (``runtimes.json``), so the
+    exported model is served at the fastest setting that passes the gate from its first start.
+    ``raypipe model optimize DIR --sample URI`` refines the figures on the user's own text."""
+    import os
+
+    from serve_app.optimize import default_sample, measure, split_sample
+    from serve_app.runtimes import write_record
+
+    sample = split_sample(default_sample(MEASURE_TEXTS), source="check texts (export)")
+    record = measure(model_dir, sample, threads=os.cpu_count() or 1, rounds=2)
+    write_record(model_dir, record)
+    best = max((m for m in record.measurements if m.passes(0.99)), key=lambda m: m.para_per_s)
+    logger.info("measured the runtimes on this CPU: %s %s is the fastest that passes", best.runtime, best.precision)
+
+
 def softmax_rows(logits: np.ndarray) -> np.ndarray:
     z = np.asarray(logits, dtype=np.float64)
     z = np.exp(z - z.max(axis=-1, keepdims=True))

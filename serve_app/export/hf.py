@@ -26,6 +26,7 @@ from serve_app.export._common import (
     finish,
     load_source_tokenizer,
     local_dir,
+    measure_runtimes,
     resolve_max_length,
     vocabulary_size,
 )
@@ -49,6 +50,7 @@ def export_hf_checkpoint(
     max_sequence_length: int | None = None,
     name: str | None = None,
     overwrite: bool = False,
+    measure: bool = True,
 ) -> Path:
     """Export a local Hugging Face sequence-classification checkpoint; return ``out_dir``.
 
@@ -88,6 +90,8 @@ def export_hf_checkpoint(
     with building(Path(out_dir), overwrite=overwrite, source=src) as tmp:
         save_hf_classifier(model, tmp / "saved_model")
         finish(tmp, tokenizer, served_labels, max_len, prefix, source, reference, softmax=True)
+        if measure:
+            measure_runtimes(tmp)
     return Path(out_dir).absolute()
 
 

@@ -26,6 +26,7 @@ from serve_app.export._common import (
     finish,
     load_source_tokenizer,
     local_dir,
+    measure_runtimes,
     resolve_max_length,
 )
 from serve_app.export.signature import save_serving_model
@@ -56,6 +57,7 @@ def export_saved_model(
     max_sequence_length: int | None = None,
     name: str | None = None,
     overwrite: bool = False,
+    measure: bool = True,
 ) -> Path:
     """Export a TF SavedModel (e.g. one built for TF Serving) with its tokenizer; return ``out_dir``.
 
@@ -115,6 +117,8 @@ def export_saved_model(
     with building(Path(out_dir), overwrite=overwrite, source=src) as tmp:
         save_serving_model(loaded, adapter, tmp / "saved_model", softmax=softmax)
         finish(tmp, tokenizer, served_labels, max_len, prefix, source, reference, softmax=softmax)
+        if measure:
+            measure_runtimes(tmp)
     return Path(out_dir).absolute()
 
 

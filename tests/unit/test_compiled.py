@@ -171,8 +171,9 @@ def test_optimize_records_openvino_against_tensorflow(
 ) -> None:
     sample = split_sample(default_sample(240), source="default")
     result = optimize(model_dir, sample, threads=1, int8=False, flags=frozenset({"avx2"}))
-    record = read_record(model_dir)
+    record = read_record(model_dir, flags=frozenset({"avx2"}))
     assert record == result.record
+    assert read_record(model_dir, flags=frozenset({"avx2", "avx512_bf16"})) is None  # another CPU class
     settings = {(m.runtime, m.precision): m for m in record.measurements}
     assert set(settings) == {("tensorflow", "fp32"), ("openvino", "fp32")}
     assert settings["openvino", "fp32"].agreement == 1.0

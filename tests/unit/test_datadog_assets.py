@@ -183,7 +183,7 @@ def test_the_catalogs_seen_by_the_checks_are_the_codes():
     declared = dd.catalog_metrics()
     assert set(declared) == {f"raypipe.{m.name}" for c in (CLIENT, SERVER) for m in c.metrics}
     assert declared["raypipe.run.rows"].tags == {"run_id", "mode", "model_version", "app", "outcome"}
-    assert declared["raypipe.server.queue_ms"].tags == {"app", "model_version"}
+    assert declared["raypipe.server.queue_ms"].tags == {"app", "model_version", "setting"}
 
 
 # --- monitors ---------------------------------------------------------------------------------

@@ -17,8 +17,11 @@ from serve_app.runtimes import (
     RuntimeRecord,
     Serving,
     choose,
+    cpu_key,
     read_record,
+    read_records,
     resolve,
+    served_version,
     supported_settings,
     write_record,
 )
@@ -30,17 +33,32 @@ BF16 = VNNI | {"avx512_bf16"}
 AMX = BF16 | {"amx_bf16", "amx_int8", "amx_tile"}
 
 
-def _m(runtime: str, precision: str, rate: float, agreement: float) -> Measurement:
-    return Measurement(runtime, precision, para_per_s=rate, agreement=agreement, max_abs_dp=0.0, speedup=rate / 10)
+def _m(runtime: str, precision: str, rate: float, agreement: float, outside: float | None = None) -> Measurement:
+    """A measurement; ``outside`` (out-of-domain agreement) defaults to the in-domain figure."""
+    outside = agreement if outside is None else outside
+    return Measurement(
+        runtime,
+        precision,
+        para_per_s=rate,
+        agreement=min(agreement, outside),
+        max_abs_dp=0.0,
+        speedup=rate / 10,
+        agreement_in=agreement,
+        agreement_out=outside,
+    )
 
 
-def _record(*measurements: Measurement, saved_model: str = "abc") -> RuntimeRecord:
-    return RuntimeRecord(saved_model=saved_model, measurements=(_m("tensorflow", "fp32", 10, 1.0), *measurements))
+def _record(*measurements: Measurement, saved_model: str = "abc", flags: frozenset[str] = BF16) -> RuntimeRecord:
+    return RuntimeRecord(
+        saved_model=saved_model,
+        measurements=(_m("tensorflow", "fp32", 10, 1.0), *measurements),
+        cpu_flags=cpu_key(flags),
+    )
 
 
 # Figures in the shape DESIGN.md's measurements have: OpenVINO fp32 1.3x at 100%, bf16 2.4x at
 # 99.4%, int8 3.2x at 95%.
-MEASURED = _record(
+_FIGURES = (
     _m("openvino", "fp32", 13, 1.0),
     _m("openvino", "bf16", 24, 0.994),
     _m("openvino", "int8", 32, 0.95),
@@ -48,7 +66,12 @@ MEASURED = _record(
 )
 
 
-def _choose(precision: str, flags: frozenset[str], record: RuntimeRecord | None = MEASURED, **kw: object) -> Serving:
+def _choose(
+    precision: str, flags: frozenset[str], record: RuntimeRecord | str | None = "measured", **kw: object
+) -> Serving:
+    """`choose` on a CPU with ``flags``; the default record is one measured on that CPU class."""
+    if record == "measured":
+        record = _record(*_FIGURES, flags=flags)
     args: dict[str, object] = {"runtime": "auto", "saved_model": "abc", "min_agreement": 0.99, "force": False}
     args.update(kw)
     return choose(precision=precision, flags=flags, record=record, **args)  # type: ignore[arg-type]
@@ -63,40 +86,71 @@ def _choose(precision: str, flags: frozenset[str], record: RuntimeRecord | None 
         (AMX, ("openvino", "bf16")),
     ],
 )
-def test_auto_serves_the_fastest_setting_that_passes_the_gate(flags: frozenset[str], expected: tuple[str, str]) -> None:
+def test_with_a_record_auto_serves_the_fastest_setting_that_passes_the_gate(
+    flags: frozenset[str], expected: tuple[str, str]
+) -> None:
     # int8 is fastest everywhere but under 99%; bf16 only where the CPU has native bf16.
     chosen = _choose("auto", flags)
     assert (chosen.runtime, chosen.precision) == expected
     assert chosen.reason.startswith("auto: fastest measured")
 
 
+def test_the_defaults_are_auto_so_the_serve_path_is_fast_with_no_flag() -> None:
+    settings = ServerSettings()
+    assert (settings.runtime, settings.precision) == ("auto", "auto")
+
+
 def test_auto_picks_int8_when_it_passes_and_is_fastest() -> None:
-    record = _record(_m("openvino", "fp32", 13, 1.0), _m("openvino", "int8", 32, 0.993))
+    record = _record(_m("openvino", "fp32", 13, 1.0), _m("openvino", "int8", 32, 0.993), flags=VNNI)
     assert (_choose("auto", VNNI, record).runtime, _choose("auto", VNNI, record).precision) == ("openvino", "int8")
     # A stricter gate drops it again.
     assert _choose("auto", VNNI, record, min_agreement=0.995).precision == "fp32"
 
 
-def test_auto_without_a_record_changes_no_answers() -> None:
+def test_the_gate_takes_the_worse_of_in_and_out_of_domain() -> None:
+    # bf16 agrees 99.8% on the user's text but 98.9% on the shipped out-of-domain prose: refused.
+    record = _record(_m("openvino", "fp32", 13, 1.0), _m("openvino", "bf16", 24, 0.998, outside=0.989))
+    chosen = _choose("auto", BF16, record)
+    assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
+    with pytest.raises(GateError, match=r"99\.80% in domain, 98\.90% out of domain"):
+        _choose("bf16", BF16, record)
+
+
+def test_a_setting_that_changes_answers_needs_an_out_of_domain_figure() -> None:
+    # A record of the older format measured in domain only: bf16 is not picked unmeasured.
+    old = Measurement("openvino", "bf16", para_per_s=24, agreement=0.999, max_abs_dp=0.01, agreement_in=0.999)
+    record = _record(_m("openvino", "fp32", 13, 1.0), old)
+    assert _choose("auto", BF16, record).precision == "fp32"
+
+
+def test_with_no_record_a_replica_serves_the_fastest_setting_with_the_references_answers() -> None:
     for flags in (AVX2, VNNI, BF16, AMX):
         chosen = _choose("auto", flags, record=None)
-        assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
+        assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
+        assert chosen.version_suffix == ""  # the reference's answers: the version of TensorFlow fp32
         assert "no measured record" in chosen.reason
+    # Without OpenVINO the equal-answer setting is the reference itself.
+    chosen = _choose("auto", BF16, record=None, openvino=False)
+    assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
+
+
+def test_a_record_of_another_cpu_class_is_not_this_replicas() -> None:
+    # A pool of mixed CPUs: the record was measured on a BF16 CPU; this replica runs on AVX2.
+    measured_on_bf16 = _record(*_FIGURES, flags=BF16)
+    chosen = _choose("auto", AVX2, measured_on_bf16)
+    assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
+    assert "no measured record" in chosen.reason
+    assert _choose("auto", BF16, measured_on_bf16).precision == "bf16"
 
 
 def test_auto_ignores_a_record_of_other_savedmodel_files() -> None:
     chosen = _choose("auto", BF16, saved_model="other")
-    assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
+    assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
 
 
 def test_auto_stays_on_the_asked_runtime() -> None:
-    assert (
-        _choose("auto", BF16, runtime="tensorflow").runtime,
-        _choose("auto", BF16, runtime="tensorflow").precision,
-    ) == (
-        "tensorflow",
-        "bf16",
-    )
+    chosen = _choose("auto", BF16, runtime="tensorflow")
+    assert (chosen.runtime, chosen.precision) == ("tensorflow", "bf16")
     chosen = _choose("auto", AVX2, runtime="tensorflow")
     assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
 
@@ -140,12 +194,12 @@ def test_explicit_precision_on_runtime_auto_takes_the_faster_measured_runtime() 
     assert (chosen.runtime, chosen.precision) == ("openvino", "bf16")
     chosen = _choose("fp32", AVX2)
     assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
-    # Nothing measured: fp32 stays on the reference.
-    assert _choose("fp32", AVX2, record=None).runtime == "tensorflow"
+    # Nothing measured: fp32 on the equal-answer runtime that is faster (OpenVINO).
+    assert _choose("fp32", AVX2, record=None).runtime == "openvino"
 
 
 def test_explicit_fp32_on_tensorflow_is_the_reference_whatever_the_record() -> None:
-    chosen = _choose("fp32", AVX2, runtime="tensorflow", record=_record(saved_model="abc"))
+    chosen = _choose("fp32", AVX2, runtime="tensorflow", record=_record(saved_model="abc", flags=AVX2))
     assert (chosen.runtime, chosen.precision, chosen.version_suffix) == ("tensorflow", "fp32", "")
 
 
@@ -154,13 +208,23 @@ def test_explicit_fp32_on_tensorflow_is_the_reference_whatever_the_record() -> N
     [
         ("tensorflow", "fp32", ""),
         ("tensorflow", "bf16", "+bf16"),
-        ("openvino", "fp32", "+ov-fp32"),
+        ("openvino", "fp32", ""),
         ("openvino", "bf16", "+ov-bf16"),
         ("openvino", "int8", "+ov-int8"),
     ],
 )
-def test_version_suffix_names_what_produced_the_answers(runtime: str, precision: str, suffix: str) -> None:
-    assert Serving(runtime, precision, reason="").version_suffix == suffix
+def test_version_suffix_names_only_settings_that_change_answers(runtime: str, precision: str, suffix: str) -> None:
+    serving = Serving(runtime, precision, reason="")
+    assert serving.version_suffix == suffix
+    assert serving.setting == f"{runtime}:{precision}"
+
+
+def test_served_version_names_a_shorter_max_length_too() -> None:
+    ov = Serving("openvino", "fp32", reason="")
+    bf16 = Serving("openvino", "bf16", reason="")
+    assert served_version("bert-abc", ov, max_sequence_length=512, model_max=512) == "bert-abc"
+    assert served_version("bert-abc", ov, max_sequence_length=128, model_max=512) == "bert-abc+len128"
+    assert served_version("bert-abc", bf16, max_sequence_length=128, model_max=512) == "bert-abc+len128+ov-bf16"
 
 
 def test_supported_settings_follow_the_flags() -> None:
@@ -169,13 +233,41 @@ def test_supported_settings_follow_the_flags() -> None:
     assert ("openvino", "bf16") in supported_settings(AMX, openvino=True)
 
 
-def test_record_round_trips_and_a_damaged_one_names_the_file(tmp_path: Path) -> None:
-    assert read_record(tmp_path) is None
-    write_record(tmp_path, MEASURED)
-    assert read_record(tmp_path) == MEASURED
-    (tmp_path / "runtimes.json").write_text('{"format": "raypipe-runtimes/1"}')
+def test_record_keeps_one_entry_per_cpu_class_and_a_damaged_one_names_the_file(tmp_path: Path) -> None:
+    assert read_record(tmp_path, flags=BF16) is None
+    on_bf16, on_avx2 = _record(*_FIGURES, flags=BF16), _record(_m("openvino", "fp32", 12, 1.0), flags=AVX2)
+    write_record(tmp_path, on_bf16)
+    write_record(tmp_path, on_avx2)
+    assert read_record(tmp_path, flags=BF16) == on_bf16
+    assert read_record(tmp_path, flags=AVX2) == on_avx2
+    assert read_record(tmp_path, flags=VNNI) is None
+    assert len(read_records(tmp_path)) == 2
+    remeasured = _record(_m("openvino", "fp32", 14, 1.0), flags=BF16)
+    write_record(tmp_path, remeasured)  # replaces that CPU's entry only
+    assert read_record(tmp_path, flags=BF16) == remeasured
+    assert read_record(tmp_path, flags=AVX2) == on_avx2
+    (tmp_path / "runtimes.json").write_text('{"format": "raypipe-runtimes/2"}')
     with pytest.raises(ModelDirError, match=r"runtimes\.json"):
-        read_record(tmp_path)
+        read_record(tmp_path, flags=BF16)
+
+
+def test_a_record_of_the_first_format_is_still_read(tmp_path: Path) -> None:
+    import json
+
+    v1 = {
+        "format": "raypipe-runtimes/1",
+        "saved_model": "abc",
+        "cpu_flags": list(cpu_key(BF16)),
+        "measurements": [
+            {"runtime": "openvino", "precision": "bf16", "para_per_s": 24, "agreement": 0.995, "max_abs_dp": 0.01}
+        ],
+    }
+    (tmp_path / "runtimes.json").write_text(json.dumps(v1))
+    record = read_record(tmp_path, flags=BF16)
+    assert record is not None
+    m = record.get("openvino", "bf16")
+    assert m is not None and m.agreement_in == 0.995 and m.agreement_out is None
+    assert not m.passes(0.99)  # measured in domain only: not enough for a setting that changes answers
 
 
 def test_resolve_reads_the_record_beside_the_model(tmp_path: Path) -> None:
@@ -184,14 +276,15 @@ def test_resolve_reads_the_record_beside_the_model(tmp_path: Path) -> None:
     (saved / "saved_model.pb").write_bytes(b"weights")
     from serve_app.compiled import saved_model_digest
 
-    write_record(tmp_path, _record(_m("openvino", "int8", 32, 0.95), saved_model=saved_model_digest(saved)))
+    record = _record(_m("openvino", "int8", 32, 0.95), saved_model=saved_model_digest(saved), flags=VNNI)
+    write_record(tmp_path, record)
     with pytest.raises(GateError, match="int8"):
         resolve(tmp_path, ServerSettings(precision="int8", runtime="openvino"), flags=VNNI)
     forced = resolve(tmp_path, ServerSettings(precision="int8", runtime="openvino", force_precision=True), flags=VNNI)
     assert forced.precision == "int8"
-    # The SavedModel changes: the record no longer speaks for it.
+    # The SavedModel changes: the record no longer speaks for it; the equal-answer setting is served.
     (saved / "saved_model.pb").write_bytes(b"retrained")
-    assert resolve(tmp_path, ServerSettings(precision="auto", runtime="auto"), flags=VNNI).runtime == "tensorflow"
+    assert resolve(tmp_path, ServerSettings(), flags=VNNI).setting == "openvino:fp32"
 
 
 def test_settings_reject_unknown_runtime_and_bad_threshold() -> None:

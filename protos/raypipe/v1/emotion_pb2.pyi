@@ -31,27 +31,31 @@ class Prediction(_message.Message):
     def __init__(self, id: _Optional[str] = ..., probabilities: _Optional[_Iterable[float]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ClassifyResponse(_message.Message):
-    __slots__ = ("predictions", "labels", "model_version")
+    __slots__ = ("predictions", "labels", "model_version", "setting")
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SETTING_FIELD_NUMBER: _ClassVar[int]
     predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
     labels: _containers.RepeatedScalarFieldContainer[str]
     model_version: str
-    def __init__(self, predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., labels: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ...) -> None: ...
+    setting: str
+    def __init__(self, predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., labels: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., setting: _Optional[str] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("labels", "model_version", "max_sequence_length", "max_batch_size")
+    __slots__ = ("labels", "model_version", "max_sequence_length", "max_batch_size", "setting")
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SETTING_FIELD_NUMBER: _ClassVar[int]
     labels: _containers.RepeatedScalarFieldContainer[str]
     model_version: str
     max_sequence_length: int
     max_batch_size: int
-    def __init__(self, labels: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    setting: str
+    def __init__(self, labels: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., max_sequence_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., setting: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,232 @@
+"""What a run cost: the CPU every process of the cluster spent while it ran, and the model's share.
+
+`CpuMeter.start()` (before the run's first unit) and `CpuMeter.finish()` (after its last) each
+take a *sweep*: on every alive node of the Ray cluster, a zero-CPU task pinned to that node
+reads the CPU time (user + system, psutil) of every process of the Ray session there — the
+processes whose command line names the session directory (GCS, raylet, dashboard, monitors)
+and all their descendants (workers: read tasks, inference actors, Serve's proxy, controller and
+replicas) — plus the driver itself. The difference between the sweeps, per process and summed,
+is the run's CPU; processes are grouped by their title (`group_of`) so the bench can say where
+it went. A process that started and ended between the sweeps is missed (Ray keeps its workers;
+read tasks run in them), and on a cluster shared with other jobs their CPU counts too: the
+figure is the cluster's cost over the run, which is what a bill is.
+
+The model's share comes from the replicas themselves: each answer carries the core-seconds of
+the forward passes it took part in (`protos.wire.TIMING_KEYS["model_cpu_s"]`), which the actors
+sum per unit. `Cost` turns both into CPU-seconds per 1,000 paragraphs and a price per million
+paragraphs at the configured price of a core-hour.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Cost", "CpuMeter", "group_of", "sweep_node"]
+
+logger = logging.getLogger(__name__)
+
+# Process titles -> the groups the bench and the report name (first match wins).
+_GROUPS: tuple[tuple[str, str], ...] = (
+    ("ServeReplica", "serve replica"),
+    ("ProxyActor", "serve proxy"),
+    ("ServeController", "serve controller"),
+    ("InferenceActor", "inference actors"),
+    ("MapWorker", "inference actors"),
+    ("Read", "read tasks"),
+    ("ray::IDLE", "idle workers"),
+    ("_StatsActor", "ray data"),
+    ("SplitCoordinator", "ray data"),
+    ("AutoscalingRequester", "ray data"),
+)
+
+
+def group_of(title: str) -> str:
+    """The group of a process with this title (Ray sets a worker's title to its task or actor)."""
+    for needle, group in _GROUPS:
+        if needle in title:
+            return group
+    return "ray system" if title else "other"
+
+
+def sweep_node(extra_pids: tuple[int, ...] = ()) -> dict[str, Any]:
+    """CPU seconds of every process of this node's Ray session, by pid (run on the node).
+
+    The session is the one whose raylet started the calling worker (its parent)."""
+    import psutil
+
+    me = psutil.Process()
+    raylet = me.parent()
+    session = ""
+    if raylet is not None:
+        for arg in raylet.cmdline():
+            if "session_" in arg:
+                part = next((p for p in arg.split("/") if p.startswith("session_")), "")
+                if part:
+                    session = part
+                    break
+    roots: list[psutil.Process] = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if session and any(session in a for a in cmdline):
+            roots.append(proc)
+    seen: dict[int, psutil.Process] = {}
+    for root in roots:
+        seen[root.pid] = root
+        try:
+            for child in root.children(recursive=True):
+                seen[child.pid] = child
+        except psutil.Error:
+            continue
+    for pid in extra_pids:
+        if pid not in seen:
+            try:
+                seen[pid] = psutil.Process(pid)
+            except psutil.Error:
+                continue
+    out: dict[str, Any] = {}
+    for pid, proc in seen.items():
+        try:
+            with proc.oneshot():
+                times = proc.cpu_times()
+                title = " ".join(proc.cmdline()[:1]) or proc.name()
+                out[f"{pid}:{int(proc.create_time())}"] = (times.user + times.system, title)
+        except psutil.Error:
+            continue
+    return {"node": os.uname().nodename, "session": session, "processes": out}
+
+
+@dataclass
+class Cost:
+    """What a run cost (`raypipe.report.RunReport.cost`)."""
+
+    cpu_s: float
+    """CPU seconds of every process of the cluster's Ray session and the driver, over the run."""
+    paragraphs: int
+    """Paragraphs this attempt processed (the cost's denominator)."""
+    model_cpu_s: float
+    """Core-seconds the replicas spent in forward passes for this run's calls."""
+    core_hour_usd: float
+    wall_s: float
+    nodes: int
+    groups: dict[str, float] = field(default_factory=dict)
+    """CPU seconds by process group (`group_of`), and ``driver``."""
+
+    @property
+    def cpu_s_per_1k(self) -> float:
+        return 1000 * self.cpu_s / self.paragraphs if self.paragraphs else 0.0
+
+    @property
+    def model_share(self) -> float:
+        return min(1.0, self.model_cpu_s / self.cpu_s) if self.cpu_s else 0.0
+
+    @property
+    def usd_per_million(self) -> float:
+        return self.cpu_s_per_1k * 1000 / 3600 * self.core_hour_usd
+
+    @property
+    def cores_busy(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            cpu_s_per_1k=round(self.cpu_s_per_1k, 3),
+            model_share=round(self.model_share, 4),
+            usd_per_million=round(self.usd_per_million, 4),
+            cores_busy=round(self.cores_busy, 3),
+        )
+        return d
+
+
+class CpuMeter:
+    """Two sweeps of the cluster's processes, around a run (module docstring)."""
+
+    def __init__(
+        self,
+        before: list[dict[str, Any]],
+        *,
+        sweep: Callable[[], list[dict[str, Any]]],
+        clock: Callable[[], float],
+        driver_cpu: Callable[[], float],
+    ) -> None:
+        self._before = before
+        self._sweep = sweep
+        self._clock = clock
+        self._driver_cpu = driver_cpu
+        self._started = clock()
+        self._driver_started = driver_cpu()
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        sweep: Callable[[], list[dict[str, Any]]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        driver_cpu: Callable[[], float] | None = None,
+    ) -> CpuMeter | None:
+        """The first sweep; None (logged) when the cluster cannot be swept. ``sweep``, ``clock``
+        and ``driver_cpu`` are seams for tests (default: every alive node, monotonic, this process)."""
+        sweep = sweep or _sweep_cluster
+        try:
+            before = sweep()
+        except Exception as e:  # a cost figure is never worth failing a run for
+            logger.warning("the run's cost will not be measured: %s", e)
+            return None
+        return cls(before, sweep=sweep, clock=clock, driver_cpu=driver_cpu or _driver_cpu)
+
+    def finish(self, *, paragraphs: int, model_cpu_s: float, core_hour_usd: float) -> Cost | None:
+        try:
+            after = self._sweep()
+        except Exception as e:
+            logger.warning("the run's cost could not be measured at its end: %s", e)
+            return None
+        wall = self._clock() - self._started
+        groups: defaultdict[str, float] = defaultdict(float)
+        before = {(n["node"], k): v for n in self._before for k, v in n["processes"].items()}
+        own, here = f"{os.getpid()}:", os.uname().nodename
+        for node in after:
+            for key, (cpu, title) in node["processes"].items():
+                if node["node"] == here and key.startswith(own):
+                    continue  # the driver is counted once, below
+                spent = cpu - before.get((node["node"], key), (0.0, ""))[0]
+                if spent > 0:
+                    groups[group_of(title)] += spent
+        # The driver, once (it is in the sweep too when it runs as a job on a cluster node).
+        driver = self._driver_cpu() - self._driver_started
+        groups["driver"] += max(0.0, driver)
+        total = sum(groups.values())
+        return Cost(
+            cpu_s=round(total, 3),
+            paragraphs=paragraphs,
+            model_cpu_s=round(model_cpu_s, 3),
+            core_hour_usd=core_hour_usd,
+            wall_s=round(wall, 3),
+            nodes=len(after),
+            groups={k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        )
+
+
+def _driver_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _sweep_cluster() -> list[dict[str, Any]]:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    sweep = ray.remote(num_cpus=0, max_retries=0)(sweep_node)
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    if not nodes:
+        raise RuntimeError("no alive node")
+    refs = [
+        sweep.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        for node_id in nodes
+    ]
+    return list(ray.get(refs, timeout=60))

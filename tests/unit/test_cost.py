@@ -1,0 +1,93 @@
+"""Unit tests for a run's cost (`raypipe.cost`) and its line in the report: sweeps are fakes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from raypipe.cost import CpuMeter, group_of
+from raypipe.report import RunReport
+
+
+def _node(name: str, **processes: tuple[float, str]) -> dict[str, Any]:
+    return {"node": name, "session": "session_x", "processes": dict(processes)}
+
+
+def test_the_cost_is_every_process_between_the_sweeps_grouped_by_title() -> None:
+    sweeps = iter(
+        [
+            [_node("a", **{"10:1": (5.0, "ray::ServeReplica:raypipe:EmotionClassifier"), "11:1": (1.0, "raylet")})],
+            [
+                _node(
+                    "a",
+                    **{
+                        "10:1": (25.0, "ray::ServeReplica:raypipe:EmotionClassifier"),  # +20
+                        "11:1": (1.5, "raylet"),  # +0.5
+                        "12:7": (2.0, "ray::MapWorker(MapBatches(InferenceActor))"),  # new: +2
+                    },
+                ),
+                _node("b", **{"10:1": (3.0, "ray::ProxyActor")}),  # a node that joined: all of it
+            ],
+        ]
+    )
+    clock = iter([100.0, 110.0])
+    driver = iter([1.0, 1.5])
+    meter = CpuMeter.start(sweep=lambda: next(sweeps), clock=lambda: next(clock), driver_cpu=lambda: next(driver))
+    assert meter is not None
+    cost = meter.finish(paragraphs=4000, model_cpu_s=18.0, core_hour_usd=0.04)
+    assert cost is not None
+    assert cost.groups == {
+        "serve replica": 20.0,
+        "serve proxy": 3.0,
+        "inference actors": 2.0,
+        "ray system": 0.5,
+        "driver": 0.5,
+    }
+    assert cost.cpu_s == 26.0 and cost.nodes == 2
+    assert cost.cpu_s_per_1k == 6.5
+    assert cost.model_share == 18.0 / 26.0
+    assert cost.cores_busy == 2.6
+    # 6.5 CPU-s per 1,000 -> 6,500 per million -> 1.8056 core-hours -> $0.0722 at $0.04
+    assert round(cost.usd_per_million, 4) == 0.0722
+
+
+def test_the_driver_is_counted_once_when_it_runs_on_a_cluster_node() -> None:
+    here = os.uname().nodename
+    me = f"{os.getpid()}:1"
+    sweeps = iter([[_node(here, **{me: (1.0, "python")})], [_node(here, **{me: (9.0, "python")})]])
+    driver = iter([1.0, 9.0])
+    meter = CpuMeter.start(sweep=lambda: next(sweeps), driver_cpu=lambda: next(driver))
+    assert meter is not None
+    cost = meter.finish(paragraphs=1000, model_cpu_s=0.0, core_hour_usd=0.04)
+    assert cost is not None and cost.groups == {"driver": 8.0}
+
+
+def test_a_cluster_that_cannot_be_swept_costs_the_run_nothing_but_its_cost_line() -> None:
+    def broken() -> list[dict[str, Any]]:
+        raise RuntimeError("no alive node")
+
+    assert CpuMeter.start(sweep=broken) is None
+
+
+def test_groups_follow_rays_process_titles() -> None:
+    assert group_of("ray::ReadParquet->SplitBlocks(4)") == "read tasks"
+    assert group_of("ray::ServeController") == "serve controller"
+    assert group_of("/usr/bin/gcs_server") == "ray system"
+
+
+def test_the_report_says_what_answered_and_what_it_cost() -> None:
+    report = RunReport(run_id="r", mode="backfill", status="completed")
+    report.answered_by = {"openvino:bf16": 5400, "openvino:fp32": 600}
+    report.rows_copied = 12
+    report.cost = {
+        "cpu_s_per_1k": 6.5,
+        "model_share": 0.69,
+        "usd_per_million": 0.0722,
+        "core_hour_usd": 0.04,
+        "cores_busy": 1.93,
+        "nodes": 1,
+    }
+    text = report.render()
+    assert "answered by   openvino:bf16 5,400 rows | openvino:fp32 600 rows | without a call 12" in text
+    assert "cost          6.50 CPU-s per 1,000 paragraphs (model 69%) | $0.072 per million at $0.04/core-hour" in text
+    assert RunReport.from_dict(report.to_dict()).cost == report.cost
