@@ -242,7 +242,11 @@ def _run(
         )
         text_index: Any = None
         if todo and config.dedup.enabled:
-            index = build_index(config.output.uri, version, tuple(labels), max_rows=config.dedup.max_index_rows)
+            index, index_stats = build_index(
+                config.output.uri, version, tuple(labels), max_rows=config.dedup.max_index_rows
+            )
+            # Under planning until the report has a field of its own: a capped index is never silent.
+            report.planning = {**(report.planning or {}), "reuse_index": index_stats.to_dict()}
             if index is not None:
                 _ensure_ray()
                 import ray
