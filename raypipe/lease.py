@@ -1,4 +1,4 @@
-"""The output lease: one writer per output, and a fence that stops a superseded attempt.
+"""The output lease: liveness, one run id at a time per output. It fences nothing.
 
 `_raypipe/lease.json` names the holder (run id, host, pid, a random token), its *generation*
 and when it expires. A run creates it exclusively (S3 `If-None-Match: *`; `O_EXCL` locally),
@@ -9,11 +9,12 @@ renews it from a heartbeat thread, and deletes it at the end.
   on the ETag; locally a compare-and-swap under `flock`), so two takers racing cannot both
   win. Each takeover increments the generation.
 - A new attempt of the *same* run id (a retried RayJob, a re-submit) waits for the live lease
-  to expire, then takes it over; `force=True` (CLI `--force`) takes it at once. Either way the
-  earlier attempt is fenced off: every write of a run goes through `check()` (the driver's
-  plan, report and watermark; each unit commit in `raypipe.sinks`), which raises
-  `LeaseLostError` once the lease names another token. The heartbeat notices the loss too and
-  sets `lost`, so the driver stops at its next step.
+  to expire, then takes it over; `force=True` (CLI `--force`) takes it at once. The driver
+  calls `check()` before its writes, and the heartbeat sets `lost` when the lease is gone, so
+  a superseded driver stops at its next step. That is a courtesy, not the fence: a check
+  passes and a write lands later. **The fence is the table's** (`raypipe.sinks`: the takeover
+  commit; unit commits, the plan, the files seen and the run commit are Delta commits that
+  fail once a newer generation took over); see `raypipe.runstate`.
 - Where the lease itself cannot be trusted it refuses to start: an S3 endpoint that ignores
   conditional writes (probed at start: a second create-only PUT of the same key must fail)
   raises `UnsafeOutputError` unless the operator opts out; a 403 raises

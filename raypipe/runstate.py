@@ -1,14 +1,16 @@
 """One owner of a run's state on its output: table, plan, lease, watermark, report.
 
-`RunState` is what the run modes (`raypipe.modes`) call, once per step:
+`RunState` is what the run modes (`raypipe.modes._run`) call, once per step:
 
     state = RunState(config, mode, run_id)
     state.committed_report()      # None, or the report of a run id already committed
     state.begin(labels)           # lease (one run id at a time), table ready, take over: fence
-    plan = state.plan(make_plan)  # the stored plan, or a new one (stored once)
-    todo = state.pending(plan)    # units without committed rows in the table
+    plan = state.plan(make_plan)  # the stored plan, or a new one (stored once, fenced)
+    todo = state.pending(plan)    # units not committed in the table
     ... the pipeline commits units through `raypipe.sinks.UnitCommitter(state.fence)` ...
-    state.finish(plan, report)    # ledger from the table; run committed; watermark; report
+    state.record_files_seen(...)  # the files every unit of which is committed (fenced)
+    state.commit_run(...)         # the run committed (fenced), then the watermark
+    state.write_report(...)       # the report, from the table's rows and every attempt's calls
 
 What lives where under OUTPUT:
 
@@ -16,20 +18,27 @@ What lives where under OUTPUT:
     runs/<run_id>.json                     the run report
     _raypipe/lease.json                    who runs here now (liveness; not the fence)
     _raypipe/watermark.json                the latest updated_at read (informational; never backwards)
-    _raypipe/files_seen.parquet            every input file read whole: path, size and ETag
+    _raypipe/files_seen/<n>.parquet        every input file read whole: path, size and ETag
     _raypipe/quarantine.json               shards an operator set aside (skipped, reported)
-    _raypipe/runs/<run_id>/plan.json       the run's units, fixed at its first start
+    _raypipe/runs/<run_id>/plan/<n>.json   the run's units, fixed at its first start
     _raypipe/runs/<run_id>/attempts/*.json each attempt's call statistics (for the report)
-    _raypipe/runs/<run_id>/COMMITTED.json  when the run was committed (for `vacuum`)
 
-The fence is the table's (`raypipe.sinks`): `begin` commits a new generation of the run id,
-after which no commit of an older attempt can land. The lease only keeps a second run id
-from starting on the same output and lets a retried attempt wait for a live one to expire.
+**The fence is the table's** (`raypipe.sinks`): `begin` commits a new generation of the run
+id, after which no commit of an older attempt can land. State that must not be overwritten
+by a fenced-off attempt is fenced the same way: the plan and the files seen are written as
+new immutable files under numbers no other writer uses, and the table names the current one
+(an app transaction, `plan_app(run)` / `FILES_SEEN_APP`, set by a commit carrying the run's
+slots at its generation: `OutcomeTable.set_pointer`). A zombie's file is never named.
+**"Committed" has one truth**: the run's commit in the table (`OutcomeTable.is_committed`);
+an earlier release's `COMMITTED.json`, `plan.json` and `files_seen.parquet` are still read
+where the table names nothing. The lease only keeps a second run id from starting on the
+same output and lets a retried attempt wait for a live one to expire; it fences nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,11 +49,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raypipe.config import PipelineConfig
-from raypipe.errors import ConfigError
+from raypipe.errors import ConfigError, SinkError
 from raypipe.lease import Lease
 from raypipe.outcomes import Ledger, ledger, ledger_of
 from raypipe.report import AttemptStats, RunReport
-from raypipe.sinks import OutcomeTable, TableFence
+from raypipe.sinks import FILES_SEEN_APP, OutcomeTable, TableFence, plan_app
 from raypipe.sources import DeltaWindow, WorkUnit
 from raypipe.store import STATE_DIR, OutputStore
 
@@ -62,7 +71,8 @@ logger = logging.getLogger("raypipe")
 
 COMMITTED = "COMMITTED.json"
 WATERMARK = "watermark.json"
-FILES_SEEN = "files_seen.parquet"
+FILES_SEEN = "files_seen.parquet"  # an earlier release's, read when the table names none
+FILES_SEEN_DIR = "files_seen"
 QUARANTINE = "quarantine.json"
 
 
@@ -168,8 +178,7 @@ class RunState:
 
         Returns (plan, resumed). A run id cannot be resumed as another mode or input.
         """
-        path = self.store.run_state(self.run_id, "plan.json")
-        stored = self.store.read_json_or_none(path)
+        stored = self._stored_plan()
         if stored is not None:
             plan = Plan.from_dict(stored)
             if plan.mode != self.mode or plan.input != input_uri:
@@ -191,8 +200,23 @@ class RunState:
         return plan, False
 
     def save_plan(self, plan: Plan) -> None:
+        """Stores the plan, fenced: a new immutable file, named by the table (`set_pointer`)."""
         self.lease.check()
-        self.store.write_json(self.store.run_state(self.run_id, "plan.json"), plan.to_dict())
+
+        def write(current: int | None) -> int:
+            number = _fresh_number()
+            self.store.write_json(self.store.run_state(self.run_id, "plan", f"{number}.json"), plan.to_dict())
+            return number
+
+        self.table.set_pointer(self.fence, plan_app(self.run_id), write, operation="plan")
+
+    def _stored_plan(self) -> dict[str, Any] | None:
+        """The plan the table names, else one an earlier release stored as `plan.json`."""
+        number = self.table.pointer(plan_app(self.run_id))
+        if number is not None:
+            return dict(self.store.read_json(self.store.run_state(self.run_id, "plan", f"{number}.json")))
+        legacy = self.store.read_json_or_none(self.store.run_state(self.run_id, "plan.json"))
+        return None if legacy is None else dict(legacy)
 
     def pending(self, plan: Plan) -> list[WorkUnit]:
         """Units of the plan not committed yet (read after the takeover, so final).
@@ -247,11 +271,9 @@ class RunState:
         return ledger(self.config.output.uri, self.run_id)
 
     def commit_run(self, *, watermark_to: datetime | None) -> None:
-        """Records the run as committed (fenced by the table), then moves the watermark."""
+        """Records the run as committed (fenced by the table: the one truth of "committed"),
+        then moves the watermark."""
         self.table.mark_committed(self.fence, {"raypipe.attempt": self.attempt})
-        self.store.write_json(
-            self.store.run_state(self.run_id, COMMITTED), {"run_id": self.run_id, "at": _iso(datetime.now(UTC))}
-        )
         if watermark_to is not None:
             self._advance_watermark(watermark_to)
 
@@ -268,7 +290,7 @@ class RunState:
     def files_seen(self) -> dict[str, tuple[str, str | None]]:
         """Input files a run of this output read (every unit committed): URI -> (fingerprint,
         the latest updated_at read in it, if its footers said)."""
-        return read_files_seen(self.store)
+        return read_files_seen(self.store, self.table.pointer(FILES_SEEN_APP))
 
     def record_files_seen(self, plan: Plan, committed: set[str]) -> int:
         """Adds the plan's files whose every unit is committed (also in an incomplete run: its
@@ -278,17 +300,25 @@ class RunState:
             by_shard.setdefault(u.shard, []).append(u)
         bad = {b["shard"] for b in plan.bad_shards}
         latest = (plan.observations or {}).get("shard_max") or {}
-        seen = self.files_seen()
         done = {
-            shard: (units[0].fingerprint, _later(latest.get(shard), seen.get(shard, (None, None))[1]))
+            shard: units[0].fingerprint
             for shard, units in by_shard.items()
             if shard not in bad and units[0].fingerprint and all(u.key in committed for u in units)
         }
-        changed = {f: v for f, v in done.items() if seen.get(f) != v}
-        if changed:
+        if not done:
+            return 0
+        self.lease.check()
+        changed: dict[str, tuple[str, str | None]] = {}
+
+        def write(current: int | None) -> int:
+            # Read-modify-write on the state the table names now; a concurrent change (another
+            # run id's daily) makes the commit conflict, and this runs again on the new state.
+            seen = read_files_seen(self.store, current)
+            changed.clear()
+            changed.update(_changes(done, latest, seen))
             seen.update(changed)
-            self.lease.check()
             files = sorted(seen)
+            number = _fresh_number()
             table = pa.table(
                 {
                     "path": files,
@@ -296,7 +326,12 @@ class RunState:
                     "max_updated_at": pa.array([seen[f][1] for f in files], pa.string()),
                 }
             )
-            self.store.write_parquet(self.store.state(FILES_SEEN), table)
+            self.store.write_parquet(self.store.state(FILES_SEEN_DIR, f"{number}.parquet"), table)
+            return number
+
+        if not _changes(done, latest, self.files_seen()):
+            return 0  # nothing new: no commit
+        self.table.set_pointer(self.fence, FILES_SEEN_APP, write, operation="files-seen")
         return len(changed)
 
     def quarantined(self) -> frozenset[str]:
@@ -309,13 +344,34 @@ class RunState:
         self.lease.release()
 
 
+def _changes(
+    done: dict[str, str], latest: dict[str, str], seen: dict[str, tuple[str, str | None]]
+) -> dict[str, tuple[str, str | None]]:
+    """The files-seen entries `done` (file -> fingerprint) adds or updates in `seen`."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for shard, fingerprint in done.items():
+        value = (fingerprint, _later(latest.get(shard), seen.get(shard, (None, None))[1]))
+        if seen.get(shard) != value:
+            out[shard] = value
+    return out
+
+
+def _fresh_number() -> int:
+    """A state file's number: random, so no two writers (a zombie included) share a file name."""
+    return secrets.randbits(62) + 1
+
+
 def _later(a: str | None, b: str | None) -> str | None:
     return max((x for x in (a, b) if x is not None), default=None)
 
 
-def read_files_seen(store: OutputStore) -> dict[str, tuple[str, str | None]]:
-    path = store.state(FILES_SEEN)
+def read_files_seen(store: OutputStore, number: int | None) -> dict[str, tuple[str, str | None]]:
+    """The files-seen state numbered `number` (the table's `FILES_SEEN_APP`); with None, the
+    one an earlier release kept as `_raypipe/files_seen.parquet`, if any."""
+    path = store.state(FILES_SEEN) if number is None else store.state(FILES_SEEN_DIR, f"{number}.parquet")
     if not store.exists(path):
+        if number is not None:
+            raise SinkError(f"the files-seen state the table names is missing: {path}", path=path)
         return {}
     t = store.read_parquet(path)
     latest = t.column("max_updated_at").to_pylist() if "max_updated_at" in t.column_names else [None] * t.num_rows
@@ -341,29 +397,39 @@ def quarantine(output: str, shards: list[str], *, reason: str, release: bool = F
 
 
 def finished_runs(output: str) -> list[str]:
-    """Run ids whose completion was recorded (`_raypipe/runs/<id>/COMMITTED.json`)."""
+    """Run ids the table records as committed (their fenced run commit), among the runs with
+    rows in the table or state under `_raypipe/runs/`."""
     store = OutputStore(output)
+    table = OutcomeTable(output)
     runs = store.path(STATE_DIR, "runs")
     try:
         store.fs.invalidate_cache(runs)
-        names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)]
+        names = {p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)}
     except FileNotFoundError:
-        return []
-    return sorted(n for n in names if store.read_json_or_none(store.run_state(n, COMMITTED)) is not None)
+        names = set()
+    return sorted(table.committed_runs(names | table.run_ids()))
+
+
+def _finished_at(store: OutputStore, run_id: str) -> datetime | None:
+    """When a committed run finished: its report's `finished_at`, else the `COMMITTED.json` an
+    earlier release wrote."""
+    report = store.read_json_or_none(store.report_file(run_id)) or {}
+    at = report.get("finished_at") or (store.read_json_or_none(store.run_state(run_id, COMMITTED)) or {}).get("at")
+    return _parse(at) if at else None
 
 
 def drop_finished_state(output: str, *, before: datetime) -> int:
-    """Removes plans and attempt statistics of runs committed before `before` (reports stay)."""
+    """Removes plans and attempt statistics of runs committed and finished before `before`
+    (reports stay)."""
     store = OutputStore(output)
     removed = 0
     for run_id in finished_runs(output):
-        mark = store.read_json_or_none(store.run_state(run_id, COMMITTED))
-        at = _parse(mark.get("at")) if mark else None
+        at = _finished_at(store, run_id)
         if at is None or at > before:
             continue
         doomed = [
             p
-            for sub in ("attempts", "units", "started", "inputs")
+            for sub in ("attempts", "units", "started", "inputs", "plan")
             for p in store.list_files(store.run_state(run_id, sub))
         ]
         doomed.append(store.run_state(run_id, "plan.json"))

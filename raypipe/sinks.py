@@ -51,6 +51,7 @@ import pyarrow.compute as pc
 from raypipe.errors import LeaseLostError, OutputPermissionError, SinkError
 
 __all__ = [
+    "FILES_SEEN_APP",
     "OUTCOME_DEAD_LETTER",
     "OUTCOME_RESULT",
     "RESULT_STATUS_EMPTY",
@@ -62,6 +63,7 @@ __all__ = [
     "UnitCommitter",
     "label_column",
     "outcome_schema",
+    "plan_app",
     "storage_options",
     "text_hashes",
 ]
@@ -153,6 +155,15 @@ def _unit_app(run_id: str, unit: str) -> str:
 
 def _done_app(run_id: str) -> str:
     return f"raypipe/{run_id}/committed"
+
+
+def plan_app(run_id: str) -> str:
+    """The app transaction naming a run's current plan file (`raypipe.runstate`)."""
+    return f"raypipe/{run_id}/plan"
+
+
+FILES_SEEN_APP = "raypipe/files-seen"
+"""The app transaction naming the output's current files-seen file (`raypipe.runstate`)."""
 
 
 def unit_slot(unit: str) -> int:
@@ -277,6 +288,62 @@ class OutcomeTable:
                 # A unit commit of the older attempt landed first: our slots' view is stale. Again.
                 time.sleep(random.uniform(0.01, 0.1))
         raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=self.uri)
+
+    def pointer(self, app: str) -> int | None:
+        """The number an app transaction holds (the name of a state file), or None."""
+        if not self.exists():
+            return None
+        version = self.load().transaction_version(app)
+        return None if version is None else int(version)
+
+    def set_pointer(self, fence: TableFence, app: str, write: Callable[[int | None], int], *, operation: str) -> int:
+        """Points `app` at a new state file, fenced like a unit commit.
+
+        `write(current)` gets the number `app` holds on a fresh snapshot, writes a new
+        immutable file (under a name no other writer uses) from it and returns that file's
+        number; one commit then sets `app` to it, with the run's slots at `fence`'s generation.
+        A concurrent pointer change is a conflict: `write` runs again on the new state. Once a
+        newer attempt took over, `LeaseLostError`, and the file written stays unreferenced."""
+        from deltalake import CommitProperties, Transaction
+
+        failed = _commit_failed()
+        for _ in range(50):
+            dt = self.load()
+            _check_generation(dt, fence, 0)
+            current = dt.transaction_version(app)
+            number = write(None if current is None else int(current))
+            txns = [Transaction(_slot_app(fence.run_id, s), fence.generation) for s in range(SLOTS)]
+            try:
+                dt.create_write_transaction(
+                    [],
+                    mode="append",
+                    schema=dt.schema(),
+                    partition_by=["run_id"],
+                    commit_properties=CommitProperties(
+                        app_transactions=[*txns, Transaction(app, number)],
+                        custom_metadata={"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
+                    ),
+                )
+                return number
+            except failed:
+                time.sleep(random.uniform(0.01, 0.2))
+        raise SinkError(f"could not record {operation} for run {fence.run_id}", path=self.uri)
+
+    def committed_runs(self, candidates: set[str]) -> set[str]:
+        """The run ids among `candidates` whose run commit is in the table."""
+        if not candidates or not self.exists():
+            return set()
+        dt = self.load()
+        return {r for r in candidates if dt.transaction_version(_done_app(r)) is not None}
+
+    def run_ids(self) -> set[str]:
+        """Run ids with committed rows (the table's `run_id` partitions)."""
+        if not self.exists():
+            return set()
+        actions = pa.table(self.load().get_add_actions(flatten=True))
+        if actions.num_rows == 0:
+            return set()
+        return {r for r in pc.unique(actions.column("partition.run_id")).to_pylist() if r is not None}
 
     def is_committed(self, run_id: str) -> bool:
         return self.exists() and self.load().transaction_version(_done_app(run_id)) is not None

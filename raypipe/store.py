@@ -1,19 +1,22 @@
 """The output location's layout and the atomic file operations everything else uses.
 
     OUTPUT/
-      results/run=<run_id>/<unit>.parquet         inferred rows (Hive-style partition per run)
-      dead_letters/run=<run_id>/<unit>.parquet    rows that failed, with why
+      outcomes/                                   the Delta table: results and dead letters (raypipe.sinks)
       runs/<run_id>.json                          the run report
-      _raypipe/lease.json                         who may write here now (raypipe.lease)
-      _raypipe/watermark.json                     where the daily runs have got to
-      _raypipe/runs/<run_id>/plan.json            the run's units, fixed at its first start
-      _raypipe/runs/<run_id>/started/<unit>       a unit was handed to an actor
-      _raypipe/runs/<run_id>/units/<unit>.json    a unit is committed (its summary)
-      _raypipe/runs/<run_id>/COMMITTED.json       every unit of the run is committed
+      _raypipe/lease.json                         who runs here now (raypipe.lease; liveness only)
+      _raypipe/watermark.json                     what the input was read as of (informational)
+      _raypipe/files_seen/<n>.parquet             input files read whole; the table names the current n
+      _raypipe/quarantine.json                    shards an operator set aside
+      _raypipe/runs/<run_id>/plan/<n>.json        the run's units; the table names the current n
+      _raypipe/runs/<run_id>/attempts/<a>.json    each attempt's call statistics
+
+Whether a run or a unit is committed is the table's to say, never a file's (`raypipe.runstate`).
+An earlier release's `results/`, `dead_letters/`, `plan.json`, `files_seen.parquet` and
+`COMMITTED.json` are still read (`raypipe migrate`, and where the table names nothing).
 
 Every write is atomic: a local file is written beside its target and renamed over it; an S3
 object appears whole when its PUT (or multipart upload) completes. Folders starting with `_`
-are skipped by Hive, Spark, Athena and DuckDB globs over `results/`.
+are skipped by Hive, Spark, Athena and DuckDB globs.
 """
 
 from __future__ import annotations

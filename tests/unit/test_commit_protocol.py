@@ -172,22 +172,34 @@ def test_two_processes_taking_over_at_once_never_share_a_generation(tmp_path):
 
 
 def test_vacuum_drops_old_finished_runs_state_and_keeps_reports(tmp_path):
+    """Finished means committed in the table; when, from the report (or an earlier release's
+    COMMITTED.json)."""
     store = OutputStore(str(tmp_path))
+    table = OutcomeTable(str(tmp_path))
+    table.ensure(LABELS)
     now = datetime.now(UTC)
     for run_id, committed_at in (
         ("old", now - timedelta(days=30)),
+        ("legacy", now - timedelta(days=30)),
         ("recent", now - timedelta(hours=1)),
         ("open", None),
     ):
         store.write_json(store.run_state(run_id, "plan.json"), {"units": []})
         store.write_json(store.run_state(run_id, "attempts", "a1.json"), {"calls": 1})
-        store.write_json(store.report_file(run_id), {"run_id": run_id, "mode": "backfill", "status": "completed"})
+        report = {"run_id": run_id, "mode": "backfill", "status": "completed"}
         if committed_at is not None:
-            store.write_json(store.run_state(run_id, "COMMITTED.json"), {"at": committed_at.isoformat()})
-    assert finished_runs(str(tmp_path)) == ["old", "recent"]
-    assert drop_finished_state(str(tmp_path), before=now - timedelta(days=7)) == 1
+            table.mark_committed(table.take_over(run_id), {})
+            if run_id == "legacy":
+                store.write_json(store.run_state(run_id, "COMMITTED.json"), {"at": committed_at.isoformat()})
+            else:
+                report["finished_at"] = committed_at.isoformat()
+        store.write_json(store.report_file(run_id), report)
+    store.write_json(store.run_state("stale", "COMMITTED.json"), {"at": now.isoformat()})  # no run commit
+    assert finished_runs(str(tmp_path)) == ["legacy", "old", "recent"]
+    assert drop_finished_state(str(tmp_path), before=now - timedelta(days=7)) == 2
     assert not store.exists(store.run_state("old", "plan.json"))
-    assert store.exists(store.report_file("old")) and store.exists(store.run_state("old", "COMMITTED.json"))
+    assert not store.exists(store.run_state("legacy", "plan.json"))
+    assert store.exists(store.report_file("old"))
     assert store.exists(store.run_state("recent", "plan.json")) and store.exists(store.run_state("open", "plan.json"))
 
 
