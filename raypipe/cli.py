@@ -376,22 +376,41 @@ def _serve(args: argparse.Namespace) -> int:
         pool_nodes,
         size_replicas,
     )
+    from serve_app.model import ModelDirError, read_model_card
     from serve_app.settings import ServerSettings
 
+    # Checked before Ray starts: a wrong path or settings file is one line, not a cluster's log.
     settings = ServerSettings()
-    if args.settings:
-        with open(args.settings) as f:
-            settings = ServerSettings.from_dict(yaml.safe_load(f))
+    try:
+        read_model_card(args.model)
+        if args.settings:
+            with open(args.settings) as f:
+                settings = ServerSettings.from_dict(yaml.safe_load(f))
+    except (ModelDirError, OSError, ValueError, yaml.YAMLError) as e:
+        print(f"raypipe: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     if args.precision:
         settings = dataclasses.replace(settings, precision=args.precision)
     if args.runtime:
         settings = dataclasses.replace(settings, runtime=args.runtime)
     if args.force_precision:
         settings = dataclasses.replace(settings, force_precision=True)
-    from raypipe.modes import start_local_ray
+    import os
 
+    from raypipe.modes import start_local_ray
+    from raypipe.preflight import check_ray_address
+
+    check_ray_address(os.environ)  # a RAY_ADDRESS nobody answers at: ray.init would retry for minutes
     if args.detach:
-        start_local_ray(address="auto")
+        try:
+            start_local_ray(address="auto")
+        except ConnectionError as e:
+            print(
+                f"raypipe: serve --detach needs a running Ray cluster ({e}): start one with `ray start --head`, "
+                "or set RAY_ADDRESS to yours",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_CONFIG
     else:
         # In the foreground the replicas' own lines are the server's log: show them.
         start_local_ray(log_to_driver=True)

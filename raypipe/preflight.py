@@ -18,7 +18,10 @@ What is checked, each as cheaply as it can be (a listing, one footer, no rows):
   setting (`input.text_column`), not one bad file;
 - the output: a local path that is a folder or can be made one, not inside the input folder
   (the next run would read its own results as input); an S3 bucket that exists;
-- a replay: the output holds an outcomes table and the run to replay.
+- a replay: the output holds an outcomes table and the run to replay;
+- the Ray cluster named by `RAY_ADDRESS`, when Ray is not initialised in the process yet:
+  something listens there (`check_ray_address`, one TCP connect). `ray.init` to an address
+  nobody answers at retries for minutes without a word, after the run took its lease.
 
 Nothing here writes, starts Ray or calls the model service; the run modes check again what
 they rely on, later (a shard can change between this look and the run).
@@ -30,6 +33,9 @@ import copy
 import difflib
 import os
 import posixpath
+import socket
+import sys
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -38,7 +44,7 @@ from urllib.parse import urlparse
 from raypipe.config import PipelineConfig
 from raypipe.errors import ConfigError, InputError, NoShardsError, SchemaError
 
-__all__ = ["check_run", "parse_since"]
+__all__ = ["check_ray_address", "check_run", "parse_since"]
 
 Mode = Literal["backfill", "daily", "replay"]
 
@@ -75,10 +81,41 @@ def check_run(config: PipelineConfig, mode: Mode, *, of_run: str | None = None) 
         if of_run is None:
             raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
         _check_replay(config.output.uri, of_run)
+    else:
+        if config.input is None:
+            raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
+        _check_input(config, mode)
+    if not _ray_initialized():
+        check_ray_address(os.environ)
+
+
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")  # not imported: not initialised (and importing it costs a second)
+    return bool(ray is not None and ray.is_initialized())
+
+
+#: How long `check_ray_address` waits for a TCP connection to the cluster's address.
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def check_ray_address(environ: Mapping[str, str], *, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Raises `ConfigError` if `RAY_ADDRESS` names a `host:port` (or `ray://host:port`) that
+    accepts no TCP connection within `timeout_s`. Unset, `auto` or `local`: nothing to check
+    (Ray finds or starts a cluster itself, and says so at once when it cannot)."""
+    address = (environ.get("RAY_ADDRESS") or "").strip()
+    if not address or address in ("auto", "local"):
         return
-    if config.input is None:
-        raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
-    _check_input(config, mode)
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or "/" in hostport or not port.isdigit():
+        return  # a form Ray resolves itself (e.g. an http:// dashboard address for jobs)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
+            "start one (`ray start --head`), point RAY_ADDRESS at yours, or unset it to start a local one"
+        ) from None
 
 
 # -- input ------------------------------------------------------------------------------------

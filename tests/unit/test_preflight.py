@@ -19,7 +19,7 @@ import pytest
 import raypipe
 from raypipe import api
 from raypipe.errors import ConfigError, InputError, NoShardsError, SchemaError
-from raypipe.preflight import check_run, parse_since
+from raypipe.preflight import check_ray_address, check_run, parse_since
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -300,3 +300,64 @@ def test_parse_since_takes_iso_times_with_a_zone(value, expected):
 def test_parse_since_refuses_other_types():
     with pytest.raises(ConfigError, match="not int"):
         parse_since(20261120)  # type: ignore[arg-type]
+
+
+def test_a_ray_address_nobody_answers_at_is_refused(service):
+    address, _ = service
+    check_ray_address({"RAY_ADDRESS": address})  # something listens: Ray may take it from here
+    check_ray_address({"RAY_ADDRESS": f"ray://{address}"})
+    for nothing_to_check in ({}, {"RAY_ADDRESS": "auto"}, {"RAY_ADDRESS": "http://127.0.0.1:8265"}):
+        check_ray_address(nothing_to_check)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # bound then closed: nothing listens there
+    with pytest.raises(ConfigError, match=rf"RAY_ADDRESS=127\.0\.0\.1:{port}: no Ray cluster answers there"):
+        check_ray_address({"RAY_ADDRESS": f"127.0.0.1:{port}"})
+
+
+def test_a_run_with_a_dead_ray_address_is_refused_before_its_output_is_touched(tmp_path):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    shard(tmp_path / "in" / "a.parquet")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAYPIPE_")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raypipe",
+            "backfill",
+            "--input",
+            str(tmp_path / "in"),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+        cwd=REPO,
+    )
+    refused(done, "no Ray cluster answers there")
+    assert not (tmp_path / "out").exists()
+
+
+def test_serve_refuses_a_missing_model_or_a_dead_ray_address_before_ray_starts(tmp_path, demo_model_dir):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "raypipe", "serve", "--detach", *args],
+            capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
+        )  # fmt: skip
+
+    refused(serve("--model", str(tmp_path / "nope")), "model directory does not exist")
+    (tmp_path / "settings.yaml").write_text("batch_max_call: 8\n")
+    refused(serve("--model", str(demo_model_dir), "--settings", str(tmp_path / "settings.yaml")), "batch_max_call")
+    refused(serve("--model", str(demo_model_dir)), f"RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster answers there")
