@@ -1,19 +1,23 @@
 """Run modes: backfill, daily delta and replay, over one shared run protocol.
 
-A run calls its state's owner (`raypipe.runstate.RunState`) once per step:
-1. `committed_report`: a run id already committed returns at once, with its stored report;
+A run calls its state's owner (`raypipe.runstate.RunState`: lease, plan, report) and its
+commit protocol (`raypipe.commit.CommitProtocol`: the table) once per step:
+1. `committed_report`: a run id already committed (`CommitProtocol.is_committed`, the one
+   truth) returns at once, with its stored report;
 2. the model service is checked (labels, version, limits) before any data is read;
 3. `begin`: the output lease (one run id at a time; a live attempt of the same run id is
-   waited out, or taken over with `force`), the table made ready, and the takeover commit
-   that fences every earlier attempt of this run id off;
-4. `plan`: the units, planned once and stored, so a restart does the same units;
-   `pending`: those without committed rows in the table;
-5. the pipeline streams them through the actors, which commit each unit (results and dead
-   letters in one Delta commit); if the service stays down the run stops with
-   `CircuitOpenError`, its rows still to do, and its report keeps the calls it made;
-6. `finish`: the row counts from the table's committed rows, the calls of every attempt,
-   the run recorded as committed (fenced) when every unit is, the watermark moved forward
-   (never backwards), and the report written to `runs/<run_id>.json`.
+   waited out, or taken over with `force`), then `CommitProtocol.setup_run`: the table made
+   ready and the takeover commit that fences every earlier attempt of this run id off;
+4. `plan`: the units, planned once and stored (fenced), so a restart does the same units;
+   `pending`: those the protocol does not find committed;
+5. the pipeline streams them through the actors, which commit each unit through the
+   protocol's `UnitCommitter` (results and dead letters in one Delta commit); if the service
+   stays down the run stops with `CircuitOpenError`, its rows still to do;
+6. the files read recorded (fenced), `CommitProtocol.commit_run` when every unit is committed,
+   the watermark moved forward (never backwards); on a failure, `CommitProtocol.abort`
+   instead, so nothing of this attempt lands after its report;
+7. the report: row counts from the table's committed rows, the calls of every attempt,
+   written to `runs/<run_id>.json`.
 
 A daily reads the input files no run has read whole yet (new files, and files whose size or
 ETag changed), whole, whatever their rows' `updated_at`: it selects by the files seen
@@ -43,6 +47,7 @@ import pyarrow.compute as pc
 
 from raypipe.actor import ActorSettings
 from raypipe.client import ChannelSecurity, check_service
+from raypipe.commit import CommitProtocol
 from raypipe.config import ClientConfig, PipelineConfig
 from raypipe.cost import CpuMeter
 from raypipe.dedup import build_index
@@ -184,6 +189,7 @@ def _run(
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
     state = RunState(config, mode, run_id)
+    protocol = state.protocol
     done = state.committed_report()
     if done is not None:
         return done
@@ -312,13 +318,17 @@ def _run(
             plan = _with_whole_file_maxima(state, plan, done_units, config.input.max_future_skew_s)
             state.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
-            state.commit_run(watermark_to=watermark_to(plan))
+            protocol.commit_run()
+            mark = watermark_to(plan)
+            if mark is not None:
+                state.advance_watermark(mark)
     except LeaseLostError:
         write_report = False  # the attempt that fenced us off owns the report now
         raise
     except BaseException as e:
         report.status = "failed"
         report.error = f"{type(e).__name__}: {e}"
+        _abort(protocol)
         raise
     finally:
         report.finished_at = datetime.now(UTC).isoformat()
@@ -339,6 +349,15 @@ def _run(
         finally:
             state.release()
     return report
+
+
+def _abort(protocol: CommitProtocol) -> None:
+    """Fences off this attempt's own writers, so the report the driver writes next is final."""
+    try:
+        if protocol.abort():
+            logger.info("run %s: this attempt is fenced off; its actors commit nothing more", protocol.run_id)
+    except Exception as e:  # the table unreachable: the next attempt's take-over fences us anyway
+        logger.warning("run %s: could not fence this attempt off: %s", protocol.run_id, e)
 
 
 def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, plan: Plan | None) -> None:

@@ -9,7 +9,8 @@
     todo = state.pending(plan)    # units not committed in the table
     ... the pipeline commits units through `raypipe.sinks.UnitCommitter(state.fence)` ...
     state.record_files_seen(...)  # the files every unit of which is committed (fenced)
-    state.commit_run(...)         # the run committed (fenced), then the watermark
+    state.protocol.commit_run()   # the run committed (fenced; `raypipe.commit`), or .abort()
+    state.advance_watermark(...)  # informational, never backwards
     state.write_report(...)       # the report, from the table's rows and every attempt's calls
 
 What lives where under OUTPUT:
@@ -23,37 +24,32 @@ What lives where under OUTPUT:
     _raypipe/runs/<run_id>/plan/<n>.json   the run's units, fixed at its first start
     _raypipe/runs/<run_id>/attempts/*.json each attempt's call statistics (for the report)
 
-**The fence is the table's** (`raypipe.sinks`): `begin` commits a new generation of the run
-id, after which no commit of an older attempt can land. State that must not be overwritten
-by a fenced-off attempt is fenced the same way: the plan and the files seen are written as
-new immutable files under numbers no other writer uses, and the table names the current one
-(an app transaction, `plan_app(run)` / `FILES_SEEN_APP`, set by a commit carrying the run's
-slots at its generation: `OutcomeTable.set_pointer`). A zombie's file is never named.
-**"Committed" has one truth**: the run's commit in the table (`OutcomeTable.is_committed`);
-an earlier release's `COMMITTED.json`, `plan.json` and `files_seen.parquet` are still read
-where the table names nothing. The lease only keeps a second run id from starting on the
-same output and lets a retried attempt wait for a live one to expire; it fences nothing.
+**The fence is the table's**, and its story has one owner, `raypipe.commit.CommitProtocol`
+(`self.protocol`): take-over, unit commits, the plan and files seen (new immutable files the
+table names, so a fenced-off attempt's file is never named), the run commit ("committed" has
+one truth: the run's commit in the table), and abort. The lease only keeps a second run id
+from starting on the same output and lets a retried attempt wait for a live one to expire;
+it fences nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypipe.commit import LEGACY_FILES_SEEN, CommitProtocol, read_files_seen
 from raypipe.config import PipelineConfig
-from raypipe.errors import ConfigError, SinkError
+from raypipe.errors import ConfigError
 from raypipe.lease import Lease
 from raypipe.outcomes import Ledger, ledger, ledger_of
 from raypipe.report import AttemptStats, RunReport
-from raypipe.sinks import FILES_SEEN_APP, OutcomeTable, TableFence, plan_app
+from raypipe.sinks import OutcomeTable, TableFence
 from raypipe.sources import DeltaWindow, WorkUnit
 from raypipe.store import STATE_DIR, OutputStore
 
@@ -70,9 +66,8 @@ __all__ = [
 logger = logging.getLogger("raypipe")
 
 COMMITTED = "COMMITTED.json"
+FILES_SEEN = LEGACY_FILES_SEEN  # an earlier release's files seen, read where the table names none
 WATERMARK = "watermark.json"
-FILES_SEEN = "files_seen.parquet"  # an earlier release's, read when the table names none
-FILES_SEEN_DIR = "files_seen"
 QUARANTINE = "quarantine.json"
 
 
@@ -134,15 +129,15 @@ class RunState:
         self.mode = mode
         self.run_id = run_id
         self.store = OutputStore(config.output.uri)
-        self.table = OutcomeTable(config.output.uri)
         self.attempt = uuid.uuid4().hex[:8]
+        self.protocol = CommitProtocol(config.output.uri, run_id, holder=self.attempt)
+        self.table = self.protocol.table
         self.lease = Lease(self.store, run_id, duration_s=config.output.lease_s)
-        self._fence: TableFence | None = None
 
     # -- steps ---------------------------------------------------------------------------------
     def committed_report(self) -> RunReport | None:
         """The stored report if this run id is committed already (then there is nothing to do)."""
-        if not self.table.is_committed(self.run_id):
+        if not self.protocol.is_committed():
             return None
         stored = self.store.read_json_or_none(self.store.report_file(self.run_id))
         report = RunReport.from_dict(stored) if stored else RunReport(run_id=self.run_id, mode=self.mode)
@@ -159,26 +154,24 @@ class RunState:
             self.lease.check_conditional_writes()
         self.lease.acquire(force=self.config.output.take_over_lease)
         try:
-            self.table.ensure(labels)
-            self._fence = self.table.take_over(self.run_id, holder=f"{self.attempt}")
+            fence = self.protocol.setup_run(labels)
         except BaseException:
             self.lease.release()
             raise
-        self.lease.generation = self._fence.generation
-        logger.info("run %s: attempt %s holds generation %d", self.run_id, self.attempt, self._fence.generation)
-        return self._fence
+        self.lease.generation = fence.generation
+        logger.info("run %s: attempt %s holds generation %d", self.run_id, self.attempt, fence.generation)
+        return fence
 
     @property
     def fence(self) -> TableFence:
-        assert self._fence is not None, "begin() first"
-        return self._fence
+        return self.protocol.fence
 
     def plan(self, make_plan: Callable[[], Plan], *, input_uri: str | None, model_version: str) -> tuple[Plan, bool]:
         """The run's plan: stored at its first start, read back on every later one.
 
         Returns (plan, resumed). A run id cannot be resumed as another mode or input.
         """
-        stored = self._stored_plan()
+        stored = self.protocol.stored_plan()
         if stored is not None:
             plan = Plan.from_dict(stored)
             if plan.mode != self.mode or plan.input != input_uri:
@@ -200,32 +193,16 @@ class RunState:
         return plan, False
 
     def save_plan(self, plan: Plan) -> None:
-        """Stores the plan, fenced: a new immutable file, named by the table (`set_pointer`)."""
+        """Stores the plan, fenced (`CommitProtocol.save_plan`)."""
         self.lease.check()
-
-        def write(current: int | None) -> int:
-            number = _fresh_number()
-            self.store.write_json(self.store.run_state(self.run_id, "plan", f"{number}.json"), plan.to_dict())
-            return number
-
-        self.table.set_pointer(self.fence, plan_app(self.run_id), write, operation="plan")
-
-    def _stored_plan(self) -> dict[str, Any] | None:
-        """The plan the table names, else one an earlier release stored as `plan.json`."""
-        number = self.table.pointer(plan_app(self.run_id))
-        if number is not None:
-            return dict(self.store.read_json(self.store.run_state(self.run_id, "plan", f"{number}.json")))
-        legacy = self.store.read_json_or_none(self.store.run_state(self.run_id, "plan.json"))
-        return None if legacy is None else dict(legacy)
+        self.protocol.save_plan(plan.to_dict())
 
     def pending(self, plan: Plan) -> list[WorkUnit]:
         """Units of the plan not committed yet (read after the takeover, so final).
 
         A backfill's or daily's units are listed from the log's file statistics; a replay's
         rows land in the run it replays, so its units are found by their own transactions."""
-        done = self.table.committed_units(self.run_id)
-        if plan.mode == "replay":
-            done = self.table.units_with_transaction(self.run_id, [u.key for u in plan.units])
+        done = self.protocol.committed([u.key for u in plan.units], replay=plan.mode == "replay")
         return [u for u in plan.units if u.key not in done]
 
     def replay_ledger(self, plan: Plan) -> Ledger | None:
@@ -236,7 +213,7 @@ class RunState:
         version = (plan.observations or {}).get("table_version")
         if plan.replay_of is None or version is None:
             return None
-        units = sorted(self.table.units_with_transaction(self.run_id, [u.key for u in plan.units]))
+        units = sorted(self.protocol.committed([u.key for u in plan.units], replay=True))
         if not units:
             return Ledger()
         key = ["id", "unit", "source", "row"]
@@ -270,14 +247,7 @@ class RunState:
     def ledger(self) -> Ledger:
         return ledger(self.config.output.uri, self.run_id)
 
-    def commit_run(self, *, watermark_to: datetime | None) -> None:
-        """Records the run as committed (fenced by the table: the one truth of "committed"),
-        then moves the watermark."""
-        self.table.mark_committed(self.fence, {"raypipe.attempt": self.attempt})
-        if watermark_to is not None:
-            self._advance_watermark(watermark_to)
-
-    def _advance_watermark(self, to: datetime) -> None:
+    def advance_watermark(self, to: datetime) -> None:
         """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps it)."""
         current = self.watermark()
         if current is not None and to <= current:
@@ -290,7 +260,7 @@ class RunState:
     def files_seen(self) -> dict[str, tuple[str, str | None]]:
         """Input files a run of this output read (every unit committed): URI -> (fingerprint,
         the latest updated_at read in it, if its footers said)."""
-        return read_files_seen(self.store, self.table.pointer(FILES_SEEN_APP))
+        return self.protocol.files_seen()
 
     def record_files_seen(self, plan: Plan, committed: set[str]) -> int:
         """Adds the plan's files whose every unit is committed (also in an incomplete run: its
@@ -308,31 +278,7 @@ class RunState:
         if not done:
             return 0
         self.lease.check()
-        changed: dict[str, tuple[str, str | None]] = {}
-
-        def write(current: int | None) -> int:
-            # Read-modify-write on the state the table names now; a concurrent change (another
-            # run id's daily) makes the commit conflict, and this runs again on the new state.
-            seen = read_files_seen(self.store, current)
-            changed.clear()
-            changed.update(_changes(done, latest, seen))
-            seen.update(changed)
-            files = sorted(seen)
-            number = _fresh_number()
-            table = pa.table(
-                {
-                    "path": files,
-                    "fingerprint": [seen[f][0] for f in files],
-                    "max_updated_at": pa.array([seen[f][1] for f in files], pa.string()),
-                }
-            )
-            self.store.write_parquet(self.store.state(FILES_SEEN_DIR, f"{number}.parquet"), table)
-            return number
-
-        if not _changes(done, latest, self.files_seen()):
-            return 0  # nothing new: no commit
-        self.table.set_pointer(self.fence, FILES_SEEN_APP, write, operation="files-seen")
-        return len(changed)
+        return self.protocol.record_files_seen(lambda seen: _changes(done, latest, seen))
 
     def quarantined(self) -> frozenset[str]:
         return frozenset((self.store.read_json_or_none(self.store.state(QUARANTINE)) or {}).get("shards", {}))
@@ -356,29 +302,8 @@ def _changes(
     return out
 
 
-def _fresh_number() -> int:
-    """A state file's number: random, so no two writers (a zombie included) share a file name."""
-    return secrets.randbits(62) + 1
-
-
 def _later(a: str | None, b: str | None) -> str | None:
     return max((x for x in (a, b) if x is not None), default=None)
-
-
-def read_files_seen(store: OutputStore, number: int | None) -> dict[str, tuple[str, str | None]]:
-    """The files-seen state numbered `number` (the table's `FILES_SEEN_APP`); with None, the
-    one an earlier release kept as `_raypipe/files_seen.parquet`, if any."""
-    path = store.state(FILES_SEEN) if number is None else store.state(FILES_SEEN_DIR, f"{number}.parquet")
-    if not store.exists(path):
-        if number is not None:
-            raise SinkError(f"the files-seen state the table names is missing: {path}", path=path)
-        return {}
-    t = store.read_parquet(path)
-    latest = t.column("max_updated_at").to_pylist() if "max_updated_at" in t.column_names else [None] * t.num_rows
-    return {
-        p: (fp, m)
-        for p, fp, m in zip(t.column("path").to_pylist(), t.column("fingerprint").to_pylist(), latest, strict=True)
-    }
 
 
 def quarantine(output: str, shards: list[str], *, reason: str, release: bool = False) -> dict[str, Any]:

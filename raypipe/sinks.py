@@ -345,6 +345,34 @@ class OutcomeTable:
             return set()
         return {r for r in pc.unique(actions.column("partition.run_id")).to_pylist() if r is not None}
 
+    def retire(self, fence: TableFence) -> bool:
+        """Fences off `fence`'s attempt itself (its slots move to the next generation), unless
+        a newer attempt holds the run already; True if it did (`CommitProtocol.abort`)."""
+        from deltalake import CommitProperties, Transaction
+
+        failed = _commit_failed()
+        for _ in range(20):
+            dt = self.load()
+            if int(dt.transaction_version(_slot_app(fence.run_id, 0)) or 0) != fence.generation:
+                return False  # a newer attempt took over: it holds the run, leave it be
+            try:
+                dt.create_write_transaction(
+                    [],
+                    mode="append",
+                    schema=dt.schema(),
+                    partition_by=["run_id"],
+                    commit_properties=CommitProperties(
+                        app_transactions=[
+                            Transaction(_slot_app(fence.run_id, s), fence.generation + 1) for s in range(SLOTS)
+                        ],
+                        custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id},
+                    ),
+                )
+                return True
+            except failed:
+                time.sleep(random.uniform(0.01, 0.1))  # a commit of ours or a take-over: look again
+        raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=self.uri)
+
     def is_committed(self, run_id: str) -> bool:
         return self.exists() and self.load().transaction_version(_done_app(run_id)) is not None
 

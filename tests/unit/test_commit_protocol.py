@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raypipe.commit import CommitProtocol
 from raypipe.errors import LeaseLostError
 from raypipe.outcomes import read_outcomes, vacuum
 from raypipe.report import AttemptStats, UnitStats
@@ -270,3 +271,77 @@ def test_unit_transactions_carry_last_updated_so_the_table_retention_prunes_them
     assert dt.transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # expired: pruned
     assert dt.transaction_version(f"raypipe/r1/unit/{recent}") == fence.generation
     assert table.generation("r1") == fence.generation
+
+
+# -- the commit protocol object: set up a run, commit units, commit the run, abort ---------------
+
+
+def protocol(tmp_path, holder: str, **kwargs) -> CommitProtocol:
+    return CommitProtocol(str(tmp_path / "out"), "r1", holder=holder, **kwargs)
+
+
+def test_protocol_steps_set_up_commit_units_commit_the_run(tmp_path):
+    p = protocol(tmp_path, "a1")
+    assert not p.is_committed()
+    fence = p.setup_run(LABELS)
+    assert fence.generation == 1
+    assert p.commit_unit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))
+    assert not p.commit_unit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))  # once
+    assert p.committed([UNIT, "other"]) == {UNIT}
+    p.commit_run({"why": "every unit"})
+    assert protocol(tmp_path, "a2").is_committed()
+    assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "dead_letter", "m"): 1})
+
+
+def test_protocol_setup_fences_the_earlier_attempt_off_at_every_step(tmp_path):
+    old, new = protocol(tmp_path, "a1"), protocol(tmp_path, "a2")
+    old.setup_run(LABELS)
+    new.setup_run(LABELS)
+    with pytest.raises(LeaseLostError):
+        old.commit_unit(UNIT, rows({"A": "result"}, version="old"))
+    with pytest.raises(LeaseLostError):
+        old.save_plan({"units": ["zombie"]})
+    with pytest.raises(LeaseLostError):
+        old.record_files_seen(lambda seen: {"in/a.parquet": ("fp", None)})
+    with pytest.raises(LeaseLostError):
+        old.commit_run()
+    assert not new.is_committed() and new.stored_plan() is None and new.files_seen() == {}
+    assert new.commit_unit(UNIT, rows({"A": "result"}, version="new"))
+    assert visible(tmp_path / "out") == Counter({("A", "result", "new"): 1})
+
+
+def test_protocol_abort_fences_its_own_writers_but_never_a_newer_attempt(tmp_path):
+    first = protocol(tmp_path, "a1")
+    first.setup_run(LABELS)
+    assert first.commit_unit(UNIT, rows({"A": "result"}, version="m"))
+    stalled = first.unit_committer()  # an actor still working when the driver gives up
+    assert first.abort()
+    with pytest.raises(LeaseLostError):
+        stalled.commit("shard-1-def", rows({"B": "result"}, version="m"))
+    second = protocol(tmp_path, "a2")
+    assert second.setup_run(LABELS).generation == 3
+    assert second.committed([UNIT, "shard-1-def"]) == {UNIT}  # what committed before stays
+    third = protocol(tmp_path, "a3")
+    third.setup_run(LABELS)
+    assert not second.abort()  # the run is the third's now: left alone
+    assert third.commit_unit("shard-1-def", rows({"B": "result"}, version="m"))
+
+
+def test_protocol_plan_and_files_seen_read_back_through_the_table(tmp_path):
+    p = protocol(tmp_path, "a1")
+    p.setup_run(LABELS)
+    p.save_plan({"units": [1]})
+    p.save_plan({"units": [1, 2]})  # a resumed run's refreshed plan
+    assert p.record_files_seen(lambda seen: {} if "a" in seen else {"a": ("fp1", None)}) == 1
+    assert p.record_files_seen(lambda seen: {} if "a" in seen else {"a": ("fp1", None)}) == 0
+    reader = protocol(tmp_path, "reader")
+    assert reader.stored_plan() == {"units": [1, 2]} and reader.files_seen() == {"a": ("fp1", None)}
+
+
+def test_protocol_unit_transactions_use_the_injected_clock(tmp_path):
+    long_ago = (datetime.now(UTC) - timedelta(days=100)).timestamp()
+    p = protocol(tmp_path, "a1", clock=lambda: long_ago)
+    p.setup_run(LABELS)
+    assert p.commit_unit(UNIT, rows({"A": "result"}, version="m"))
+    assert p.table.load().transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # past the retention
+    assert p.committed([UNIT]) == {UNIT}  # still found committed by its file

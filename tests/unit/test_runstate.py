@@ -66,7 +66,7 @@ def test_committed_has_one_truth_the_table(tmp_path):
     s = state(tmp_path)
     s.begin(LABELS)
     s.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="m")
-    s.commit_run(watermark_to=None)
+    s.protocol.commit_run()
     s.release()
     assert not list((tmp_path / "out").rglob("COMMITTED.json"))
     assert finished_runs(str(tmp_path / "out")) == ["r1"]
