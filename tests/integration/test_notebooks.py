@@ -1,8 +1,11 @@
-"""The notebooks under notebooks/ run cleanly, top to bottom, against the session's Serve app.
+"""The notebooks under notebooks/ run cleanly, top to bottom, against the session's cluster.
 
 Each runs in a fresh Jupyter kernel (nbclient), which joins the test cluster as a second
-driver. The notebooks read their addresses from `RAYPIPE_NB_*` variables, defaulting to a
-user's local `raypipe serve`; here they point at the session's service and a temporary folder.
+driver (on a user's machine it starts a local cluster when none runs). The notebooks read
+their settings from `RAYPIPE_NB_*` variables; here they point at the session's Serve gRPC
+proxy, a temporary folder, and for the dead-letter story an S3 output. That notebook makes its
+own story: it deploys the poison application, writes the input, runs the backfill, reads the
+report from the output URI, and deletes the application.
 """
 
 from __future__ import annotations
@@ -10,13 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from nbclient import NotebookClient
-
-import raypipe
-from serve_app.settings import FaultInjection, ServerSettings
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
@@ -64,23 +62,15 @@ def test_backfill_and_explore_notebook(tmp_path, serve_address, kernel_env):
 
 
 @pytest.mark.timeout(400)
-def test_report_and_dead_letters_notebook(tmp_path, serve_address, deploy_app, kernel_env):
-    app = deploy_app("nb-poison", ServerSettings(fault=FaultInjection(poison_text="CRASHME", status="INTERNAL")))
-    ids = [f"n{i:03d}" for i in range(60)]
-    texts = [f"CRASHME {i}" if i in (7, 41) else f"I am so happy today, number {i}." for i in range(60)]
-    (tmp_path / "in").mkdir()
-    pq.write_table(pa.table({"id": ids, "text": texts}), tmp_path / "in" / "part-0.parquet")
-    out = tmp_path / "out"
-    report = raypipe.backfill(
-        str(tmp_path / "in"),
-        str(out),
-        service=serve_address,
-        run_id="nb-dead",
-        settings={"service": {"application": app}, "client": {"retry": {"initial_backoff_s": 0.05}}},
-    )
-    assert report.rows_dead_letters == 2
-    kernel_env.setenv("RAYPIPE_NB_OUTPUT", str(out))
+def test_report_and_dead_letters_notebook(tmp_path, serve_address, demo_model_dir, s3, kernel_env):
+    from ray import serve
+
+    output = f"{s3.bucket('nb-dead-letters')}/out"  # the report is read from the URI, not a local path
+    kernel_env.setenv("RAYPIPE_NB_SERVICE", serve_address)
+    kernel_env.setenv("RAYPIPE_NB_WORKDIR", str(tmp_path / "work"))
+    kernel_env.setenv("RAYPIPE_NB_OUTPUT", output)
     kernel_env.setenv("RAYPIPE_NB_RUN_ID", "nb-dead")
+    kernel_env.setenv("RAYPIPE_DEMO_MODEL_DIR", str(demo_model_dir))
     nb = execute("run_report_and_dead_letters.ipynb", tmp_path)
     text = "".join(
         o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
@@ -88,5 +78,8 @@ def test_report_and_dead_letters_notebook(tmp_path, serve_address, deploy_app, k
         if c.cell_type == "code"
         for o in c.outputs
     )
+    assert "completed: 58 results, 2 dead letters" in text
     assert "2 dead letters; the report counts 2" in text
     assert "n007" in text and "n041" in text
+    assert s3.fs().exists(f"{output.removeprefix('s3://')}/runs/nb-dead.json")
+    assert "nb-poison" not in serve.status().applications  # the notebook cleans up after itself
