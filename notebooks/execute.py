@@ -10,7 +10,8 @@ starts a local one that stops with its kernel, and deploys the model service it 
 
 A reader on GitHub then sees the tables and the plot without running anything; the tests run
 the same notebooks again against the test cluster (tests/integration/test_notebooks.py).
-Data goes under `notebook-output/` (git-ignored), which is emptied first.
+Data goes under `notebook-output/` (git-ignored), which is emptied first; each kernel's own
+log (Ray's lines as its cluster stops, say) goes to `notebook-output/<notebook>.kernel.log`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ ORDER = ("backfill_and_explore.ipynb", "run_report_and_dead_letters.ipynb")
 def execute_in_place(name: str, *, timeout_s: int = 600) -> None:
     path = NOTEBOOKS / name
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(REPO)}})
+    WORK.mkdir(exist_ok=True)
+    with open(WORK / f"{path.stem}.kernel.log", "w") as log:  # passed to the kernel's Popen
+        client.execute(stdout=log, stderr=log)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     if errors:
         raise SystemExit(f"{name}: a cell failed: {errors[0].get('ename')}: {errors[0].get('evalue')}")
