@@ -498,7 +498,13 @@ def _report(args: argparse.Namespace) -> int:
     store = OutputStore(args.output)
     data = store.read_json_or_none(store.report_file(args.run_id))
     if data is None:
-        print(f"no report for run {args.run_id} at {args.output}", file=sys.stderr)
+        import difflib
+        import posixpath
+
+        runs = [posixpath.basename(p).removesuffix(".json") for p in store.list_files(store.path("runs"), ".json")]
+        near = difflib.get_close_matches(args.run_id, runs, n=1)
+        hint = f": did you mean {near[0]}?" if near else f"; its runs: {', '.join(runs[-5:])}" if runs else ""
+        print(f"raypipe: no report for run {args.run_id} at {args.output}{hint}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     if args.json:
         print(json.dumps(data, indent=1))

@@ -361,3 +361,11 @@ def test_serve_refuses_a_missing_model_or_a_dead_ray_address_before_ray_starts(t
     (tmp_path / "settings.yaml").write_text("batch_max_call: 8\n")
     refused(serve("--model", str(demo_model_dir), "--settings", str(tmp_path / "settings.yaml")), "batch_max_call")
     refused(serve("--model", str(demo_model_dir)), f"RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster answers there")
+
+
+def test_report_of_an_unknown_run_names_the_nearest_one(tmp_path):
+    (tmp_path / "out" / "runs").mkdir(parents=True)
+    (tmp_path / "out" / "runs" / "daily-20261120.json").write_text("{}")
+    refused(
+        cli("report", "--output", str(tmp_path / "out"), "--run-id", "daily-20261210"), "did you mean daily-20261120?"
+    )
