@@ -7,9 +7,12 @@ processes whose command line names the session directory (GCS, raylet, dashboard
 and all their descendants (workers: read tasks, inference actors, Serve's proxy, controller and
 replicas) — plus the driver itself. The difference between the sweeps, per process and summed,
 is the run's CPU; processes are grouped by their title (`group_of`) so the bench can say where
-it went. A process that started and ended between the sweeps is missed (Ray keeps its workers;
-read tasks run in them), and on a cluster shared with other jobs their CPU counts too: the
-figure is the cluster's cost over the run, which is what a bill is.
+it went. A worker that ended between the sweeps is counted through its parent, which reaped it
+(its children's CPU time grows by the worker's whole life; what the worker had spent before the
+first sweep is taken off): group ``ended workers``. The second sweep is taken when the run's
+last unit is in (`CpuMeter.stop`), before Ray Data tears its actors down. On a cluster shared
+with other jobs their CPU counts too: the figure is the cluster's cost over the run, which is
+what a bill is.
 
 The model's share comes from the replicas themselves: each answer carries the core-seconds of
 the forward passes it took part in (`protos.wire.TIMING_KEYS["model_cpu_s"]`), which the actors
@@ -43,6 +46,12 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("_StatsActor", "ray data"),
     ("SplitCoordinator", "ray data"),
     ("AutoscalingRequester", "ray data"),
+    ("gcs_server", "ray gcs"),
+    ("raylet", "ray raylet"),
+    ("dashboard", "ray dashboard and agents"),
+    ("DashboardAgent", "ray dashboard and agents"),
+    ("RuntimeEnvAgent", "ray dashboard and agents"),
+    ("ray-dashboard", "ray dashboard and agents"),
 )
 
 
@@ -95,7 +104,8 @@ def sweep_node(extra_pids: tuple[int, ...] = ()) -> dict[str, Any]:
             with proc.oneshot():
                 times = proc.cpu_times()
                 title = " ".join(proc.cmdline()[:1]) or proc.name()
-                out[f"{pid}:{int(proc.create_time())}"] = (times.user + times.system, title)
+                children = times.children_user + times.children_system
+                out[f"{pid}:{int(proc.create_time())}"] = (times.user + times.system, children, title)
         except psutil.Error:
             continue
     return {"node": os.uname().nodename, "session": session, "processes": out}
@@ -161,6 +171,9 @@ class CpuMeter:
         self._driver_cpu = driver_cpu
         self._started = clock()
         self._driver_started = driver_cpu()
+        self._after: list[dict[str, Any]] | None = None
+        self._stopped: float | None = None
+        self._driver_stopped: float | None = None
 
     @classmethod
     def start(
@@ -180,26 +193,47 @@ class CpuMeter:
             return None
         return cls(before, sweep=sweep, clock=clock, driver_cpu=driver_cpu or _driver_cpu)
 
-    def finish(self, *, paragraphs: int, model_cpu_s: float, core_hour_usd: float) -> Cost | None:
+    def stop(self) -> None:
+        """The second sweep, now (the run's last unit is in; its workers still run)."""
         try:
-            after = self._sweep()
+            self._after = self._sweep()
         except Exception as e:
             logger.warning("the run's cost could not be measured at its end: %s", e)
+            self._after = []
+        self._stopped, self._driver_stopped = self._clock(), self._driver_cpu()
+
+    def finish(self, *, paragraphs: int, model_cpu_s: float, core_hour_usd: float) -> Cost | None:
+        """The cost between the sweeps (`stop` now unless it ran); None when a sweep failed."""
+        if self._after is None:
+            self.stop()
+        after = self._after
+        if not after:
             return None
-        wall = self._clock() - self._started
+        assert self._stopped is not None and self._driver_stopped is not None
+        wall = self._stopped - self._started
         groups: defaultdict[str, float] = defaultdict(float)
         before = {(n["node"], k): v for n in self._before for k, v in n["processes"].items()}
+        alive = {(n["node"], k) for n in after for k in n["processes"]}
         own, here = f"{os.getpid()}:", os.uname().nodename
+        ended = 0.0
         for node in after:
-            for key, (cpu, title) in node["processes"].items():
+            for key, entry in node["processes"].items():
+                cpu, children, title = _entry(entry)
+                was_cpu, was_children, _ = _entry(before.get((node["node"], key), (0.0, 0.0, "")))
+                # A worker that ended was reaped by its parent: its whole life moved into the
+                # parent's children time.
+                ended += max(0.0, children - was_children)
                 if node["node"] == here and key.startswith(own):
                     continue  # the driver is counted once, below
-                spent = cpu - before.get((node["node"], key), (0.0, ""))[0]
+                spent = cpu - was_cpu
                 if spent > 0:
                     groups[group_of(title)] += spent
+        # ... less what such workers had spent before the first sweep (counted there already).
+        ended -= sum(_entry(v)[0] for k, v in before.items() if k not in alive)
+        if ended > 0:
+            groups["ended workers"] += ended
         # The driver, once (it is in the sweep too when it runs as a job on a cluster node).
-        driver = self._driver_cpu() - self._driver_started
-        groups["driver"] += max(0.0, driver)
+        groups["driver"] += max(0.0, self._driver_stopped - self._driver_started)
         total = sum(groups.values())
         return Cost(
             cpu_s=round(total, 3),
@@ -210,6 +244,13 @@ class CpuMeter:
             nodes=len(after),
             groups={k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         )
+
+
+def _entry(entry: Any) -> tuple[float, float, str]:
+    """(own CPU, reaped children's CPU, title) of a sweep's entry (older sweeps had no children)."""
+    if len(entry) == 2:
+        return float(entry[0]), 0.0, str(entry[1])
+    return float(entry[0]), float(entry[1]), str(entry[2])
 
 
 def _driver_cpu() -> float:

@@ -281,6 +281,7 @@ def _run(
                 metrics=run_metrics.metrics,
             )
             units_by_key = {u.key: u for u in todo}
+            answered = 0
             try:
                 for outcome in run_units(
                     todo,
@@ -302,6 +303,9 @@ def _run(
                     elif outcome.stats is not None:
                         committed_now.add(outcome.unit)
                         report.rows_this_attempt += outcome.stats.rows
+                    answered += 1
+                    if answered == len(todo) and meter is not None:
+                        meter.stop()  # before Ray Data tears its actors down: their CPU is still there to read
             except RaypipeError:
                 raise
             except Exception as e:

@@ -121,6 +121,52 @@ def _replica_cpus() -> float:
     return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
 
 
+class _ThreadCpu:
+    """CPU time of a set of this process's threads (Linux ``/proc``), read as deltas.
+
+    The model's runtime computes on threads of its own (TensorFlow's ``tf_Compute`` pool,
+    OpenVINO's stream executors), not on the thread that calls it, so the caller's
+    ``thread_time`` sees none of it, and the process's CPU also holds tokenizing, gRPC and Ray.
+    The threads that loading and warming the model started are the runtime's: their CPU is the
+    model's cost. Elsewhere (no ``/proc``) `spent` is None and the caller estimates.
+    """
+
+    _TASKS = "/proc/self/task"
+
+    def __init__(self, ids: set[int]) -> None:
+        self._ids = ids
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._total()
+
+    @classmethod
+    def thread_ids(cls) -> set[int]:
+        try:
+            return {int(t) for t in os.listdir(cls._TASKS)}
+        except OSError:
+            return set()
+
+    def _total(self) -> float | None:
+        if not self._ids:
+            return None
+        ticks = 0
+        for tid in self._ids:
+            try:
+                with open(f"{self._TASKS}/{tid}/stat", encoding="ascii") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # a thread that ended: its time is gone with it
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / self._tick
+
+    def spent(self) -> float | None:
+        """CPU seconds of the threads since the previous call (None where it cannot be read)."""
+        total = self._total()
+        if total is None or self._last is None:
+            return None
+        spent, self._last = max(0.0, total - self._last), total
+        return spent
+
+
 @dataclass(frozen=True)
 class _Job:
     """One call waiting for a batch."""
@@ -168,6 +214,7 @@ class EmotionClassifier:
             # Before the model's graph first runs (warmup): Grappler rewrites it then.
             configure_precision(serving.precision)
         self._precision = serving.precision
+        threads_before = _ThreadCpu.thread_ids()
         self._model = EmotionModel.load(
             model_dir,
             max_sequence_length=self._settings.max_sequence_length,
@@ -178,6 +225,8 @@ class EmotionClassifier:
             streams=self._threads.model,  # OpenVINO: one stream per model thread, as TensorFlow's passes
         )
         self._model.warmup()
+        # The runtime's own compute threads are the ones loading and warming it up started.
+        self._model_cpu = _ThreadCpu(_ThreadCpu.thread_ids() - threads_before)
         self._labels = list(self._model.card.labels)
         # The version names what changes answers (`serve_app.runtimes.served_version`); the
         # setting says what computed them.
@@ -278,8 +327,12 @@ class EmotionClassifier:
         self._model_counts["busy_ms"] += round(compute_s * 1000)
         self._model_counts["padded_tokens"] += predictions.padded_tokens
         self._metrics.batch(calls=len(jobs), rows=len(merged), tokens=merged.tokens, compute_s=compute_s)
-        # Core-seconds of the passes, shared by rows: a pass runs on `intra_op` threads.
-        per_row = compute_s * self._threads.intra_op / max(1, len(merged))
+        # Core-seconds the runtime's threads spent since the last batch ended, shared by rows
+        # (batches running side by side share them in the order they end: the sum is exact).
+        spent = self._model_cpu.spent()
+        if spent is None:  # no per-thread figures here: a pass runs on `intra_op` threads
+            spent = compute_s * self._threads.intra_op
+        per_row = spent / max(1, len(merged))
         out, start = [], 0
         for job in jobs:
             stop = start + len(job.tokenized)

@@ -16,13 +16,13 @@ def _node(name: str, **processes: tuple[float, str]) -> dict[str, Any]:
 def test_the_cost_is_every_process_between_the_sweeps_grouped_by_title() -> None:
     sweeps = iter(
         [
-            [_node("a", **{"10:1": (5.0, "ray::ServeReplica:raypipe:EmotionClassifier"), "11:1": (1.0, "raylet")})],
+            [_node("a", **{"10:1": (5.0, "ray::ServeReplica:raypipe:EmotionClassifier"), "11:1": (1.0, "/x/raylet")})],
             [
                 _node(
                     "a",
                     **{
                         "10:1": (25.0, "ray::ServeReplica:raypipe:EmotionClassifier"),  # +20
-                        "11:1": (1.5, "raylet"),  # +0.5
+                        "11:1": (1.5, "/x/raylet"),  # +0.5
                         "12:7": (2.0, "ray::MapWorker(MapBatches(InferenceActor))"),  # new: +2
                     },
                 ),
@@ -40,7 +40,7 @@ def test_the_cost_is_every_process_between_the_sweeps_grouped_by_title() -> None
         "serve replica": 20.0,
         "serve proxy": 3.0,
         "inference actors": 2.0,
-        "ray system": 0.5,
+        "ray raylet": 0.5,
         "driver": 0.5,
     }
     assert cost.cpu_s == 26.0 and cost.nodes == 2
@@ -72,7 +72,8 @@ def test_a_cluster_that_cannot_be_swept_costs_the_run_nothing_but_its_cost_line(
 def test_groups_follow_rays_process_titles() -> None:
     assert group_of("ray::ReadParquet->SplitBlocks(4)") == "read tasks"
     assert group_of("ray::ServeController") == "serve controller"
-    assert group_of("/usr/bin/gcs_server") == "ray system"
+    assert group_of("/usr/bin/gcs_server") == "ray gcs"
+    assert group_of("/venv/bin/python -u /venv/ray/_private/log_monitor.py") == "ray system"
 
 
 def test_the_report_says_what_answered_and_what_it_cost() -> None:
@@ -91,3 +92,17 @@ def test_the_report_says_what_answered_and_what_it_cost() -> None:
     assert "answered by   openvino:bf16 5,400 rows | openvino:fp32 600 rows | without a call 12" in text
     assert "cost          6.50 CPU-s per 1,000 paragraphs (model 69%) | $0.072 per million at $0.04/core-hour" in text
     assert RunReport.from_dict(report.to_dict()).cost == report.cost
+
+
+def test_a_worker_that_ended_between_the_sweeps_is_counted_through_its_parent() -> None:
+    # A read task's worker: 2 s spent before the first sweep, 3 s more, then it exits and the raylet reaps it.
+    before = [_node("a", **{"1:1": (1.0, 0.0, "/x/raylet"), "7:5": (2.0, 0.0, "ray::ReadParquet")})]
+    after = [_node("a", **{"1:1": (1.2, 5.0, "/x/raylet")})]
+    sweeps = iter([before, after])
+    driver = iter([0.0, 0.0])
+    meter = CpuMeter.start(sweep=lambda: next(sweeps), driver_cpu=lambda: next(driver))
+    assert meter is not None
+    meter.stop()
+    cost = meter.finish(paragraphs=100, model_cpu_s=0.0, core_hour_usd=0.04)
+    assert cost is not None
+    assert cost.groups == {"ended workers": 3.0, "ray raylet": 0.2}
