@@ -233,7 +233,9 @@ class CpuMeter:
         if ended > 0:
             groups["ended workers"] += ended
         # The driver, once (it is in the sweep too when it runs as a job on a cluster node).
-        groups["driver"] += max(0.0, self._driver_stopped - self._driver_started)
+        driver = self._driver_stopped - self._driver_started
+        if driver > 0:
+            groups["driver"] += driver
         total = sum(groups.values())
         return Cost(
             cpu_s=round(total, 3),
