@@ -175,7 +175,7 @@ def _kill_later(svc: LocalNodes, output: Path, share: float, killed: dict[str, f
     while True:
         time.sleep(0.5)
         try:
-            units = len(json.loads(next(plan.glob("runs/*/plan.json")).read_text())["units"])
+            units = len(json.loads(next(plan.glob("runs/*/plan/*.json")).read_text())["units"])
             done = sum(1 for p in (output / "outcomes" / "_delta_log").glob("*.json")) - 1
         except (StopIteration, FileNotFoundError, json.JSONDecodeError, KeyError):
             continue
