@@ -35,7 +35,7 @@ NEED_PYTHON := raypipe needs Python 3.11, 3.12 or 3.13: python3.13, python3.12 o
 .PHONY: venv protos demo-model demo notebooks test unit integration lint typecheck clean bench bench-quick
 
 $(UV):
-	$(or $(call find_python),$(if $(VENV_OK),$(PY),$(error $(NEED_PYTHON)))) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv==$(UV_VERSION)
+	PIP_ROOT_USER_ACTION=ignore $(or $(call find_python),$(if $(VENV_OK),$(PY),$(error $(NEED_PYTHON)))) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv==$(UV_VERSION)
 
 # An existing .venv of a supported Python is kept and brought up to date; otherwise a new one.
 $(STAMP): pyproject.toml constraints.txt | $(UV)
