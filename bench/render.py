@@ -110,6 +110,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         "(client or driver, Ray, Serve); peak RSS sums their RSS. Useful FLOPs count real tokens only.",
         "",
     ]
+    speed = results.get("speed")
+    if speed:
+        from bench.speed import speed_tables
+
+        out += [*speed_tables(speed), ""]
     for name, model in results.get("models", {}).items():
         out += _model_table(name, model)
         out.append("")

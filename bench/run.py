@@ -2,6 +2,7 @@
 
     python -m bench.run                      # both models, lines (a)-(e), memory, precision
     python -m bench.run --quick              # MiniLM only, small counts: a smoke run
+    python -m bench.run --sections speed     # e2e at default settings / the CPU's fastest gated setting
     python -m bench.run --models minilm-l6 --sections lines
     python -m bench.run --sections daily     # the 1M-row daily-delta line (slow to set up)
     python -m bench.run --models minilm-l6 --sections pool   # 1 vs 2 pool nodes, autoscaling, a node lost
@@ -536,8 +537,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma-separated, of {', '.join(SHAPES)} (default: all; --quick: minilm-l6)")
     p.add_argument(
         "--sections",
-        default="lines,memory,precision,driver,commits",
-        help="comma-separated of lines, memory, precision, driver, commits, daily, planning, pool "
+        default="speed,lines,memory,precision,driver,commits",
+        help="comma-separated of speed, lines, memory, precision, driver, commits, daily, planning, pool "
         "(default: all but daily, planning and pool)",
     )
     p.add_argument("--line-seconds", type=float, help="target duration of lines (b)-(d) (default: 60, bert-base 180)")
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             demo = build_demo_model(default_demo_model_dir())
         corpus = bench.write_corpus(_CORPUS_ROWS)
         model_dirs = {}
-        for name in names if sections & {"lines", "precision", "pool"} else []:
+        for name in names if sections & {"lines", "precision", "pool", "speed"} else []:
             with heavy_lock(args.lock):
                 model_dirs[name] = ensure_model(
                     SHAPES[name], demo_model_dir=demo, cache=Path(args.models_cache), env=bench.env
@@ -623,6 +624,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench: {name} lines", flush=True)
                 results["models"][name] = bench.model_lines(SHAPES[name], corpus, model_dirs[name])
                 save()
+        if "speed" in sections:
+            from bench.speed import run_speed
+
+            speed_models = {name: model_dirs[name] for name in names}
+            with heavy_lock(args.lock):
+                real = ensure_real_weights_model(cache=Path(args.models_cache), env=bench.env)
+            if real is not None:
+                speed_models["real-weights MiniLM"] = real
+            results["speed"] = run_speed(bench, speed_models, corpus)
+            save()
         if "memory" in sections:
             print("bench: memory", flush=True)
             results["memory"] = bench.memory(corpus, demo)

@@ -1,0 +1,233 @@
+"""The bench's speed section: end to end at default settings against the CPU's fastest gated setting.
+
+    python -m bench.run --sections speed [--models minilm-l6,bert-base] [--lock FILE]
+
+For each model (the MiniLM-L6 and bert-base shapes, random weights, and the real-weights MiniLM
+emotion model) on the CPU the bench runs on:
+
+1. The model's record for this CPU, as a user gets it: the real-weights model is exported with
+   ``raypipe model export`` (which measures); the shapes, built from a config, get
+   ``raypipe model optimize --no-int8`` (the same measurement on the default sample).
+2. **In process**: the setting a replica with default settings resolves to (the fastest that
+   passes the gate; `serve_app.runtimes`), called in one process with the model's own batching,
+   both thread layouts, the faster kept: the ceiling.
+3. **End to end at default settings**: ``ray start --head`` as the README has it, ``raypipe
+   serve --model DIR`` with no runtime or precision flag, ``raypipe backfill`` with defaults.
+   Its report's cost (`raypipe.cost`) gives the CPU of every process of the cluster by group, the
+   model's own CPU (the runtime's threads in the replica), and so the CPU outside the model and
+   the idle share of the cores.
+4. **Agreement** of the default setting's answers with TensorFlow fp32, in process: in domain
+   (generated emotion paragraphs of a seed nothing trained on) and out of domain (the shipped
+   texts the gate never measures on, `serve_app.gate_texts.held_out`). Meaningful for the
+   real-weights model only; the shapes show their record's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.cluster import Cluster, heavy_lock
+
+__all__ = ["run_speed", "speed_tables"]
+
+#: Paragraphs per line: long enough that start-up stays a few percent of the wall.
+ROWS = {"bert-base": 4000}
+DEFAULT_ROWS = 18_000
+QUICK_ROWS = {"bert-base": 400}
+QUICK_DEFAULT_ROWS = 2000
+
+
+def run_speed(bench: Any, models: dict[str, Path], corpus: Path) -> dict[str, Any]:
+    """The section's results: one entry per model label (bench is `bench.run.Bench`)."""
+    from serve_app.model import cpu_flags, cpu_model_name
+
+    flags = cpu_flags()
+    out: dict[str, Any] = {
+        "cpu": cpu_model_name(),
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "amx"))),
+        "models": {},
+    }
+    for label, model_dir in models.items():
+        print(f"bench: speed {label}", flush=True)
+        out["models"][label] = _model(bench, label, model_dir, corpus)
+    return out
+
+
+def _model(bench: Any, label: str, model_dir: Path, corpus: Path) -> dict[str, Any]:
+    quick = bench.args.quick
+    shape = "bert-base" if "bert-base" in label else "minilm"
+    n = (QUICK_ROWS if quick else ROWS).get(shape, QUICK_DEFAULT_ROWS if quick else DEFAULT_ROWS)
+    entry: dict[str, Any] = {"model_dir": str(model_dir), "paragraphs": n}
+    entry["record"] = _ensure_record(bench, label, model_dir)
+    # 2. In process: the setting default settings resolve to, both thread layouts.
+    layouts: dict[str, dict[str, Any]] = {}
+    for layout in ("intra", "passes"):
+        payload = {
+            "model_dir": str(model_dir),
+            "corpus": str(corpus),
+            "n": n,
+            "threads": bench.args.threads,
+            "layout": layout,
+            "runtime": "auto",
+            "precision": "auto",
+        }
+        with heavy_lock(bench.lock):
+            layouts[layout] = bench.child("inproc", payload, name=f"speed-{model_dir.name}-inproc-{layout}")
+    best = max(layouts.values(), key=lambda line: line["ok"] / line["wall_s"])
+    entry["inproc"] = {
+        "setting": f"{best['runtime']}:{best['precision']}",
+        "layout": best["layout"],
+        "para_per_s": best["ok"] / best["wall_s"],
+        "layouts_para_per_s": {k: round(v["ok"] / v["wall_s"], 2) for k, v in layouts.items()},
+        "cpu_ms_per_para": 1000 * best["cpu_s_self"] / best["ok"],
+    }
+    # 3. End to end, defaults everywhere.
+    shards = bench.write_shards(corpus, n, bench.work / f"input-speed-{n}")
+    with heavy_lock(bench.lock), Cluster(num_cpus=bench.args.cluster_cpus, logs=bench.logs) as cluster:
+        address = cluster.serve(model_dir)
+        line = bench.e2e(cluster, address, shards, f"speed-{model_dir.name}-e2e")
+    name = f"speed-{model_dir.name}-e2e"
+    report = json.loads((bench.work / f"out-{name}" / "runs" / f"{name}.json").read_text())
+    entry["e2e"] = {
+        **{k: line[k] for k in ("paragraphs", "ok", "dead_letters", "wall_s", "report_wall_s", "retries", "calls")},
+        "para_per_s": line["paragraphs"] / line["wall_s"],
+        "run_para_per_s": line["paragraphs"] / line["report_wall_s"],
+        "answered_by": report.get("answered_by"),
+        "model_version": report.get("model_version"),
+        "cost": report.get("cost"),
+        "peak_rss_started_bytes": line.get("peak_rss_started_bytes"),
+    }
+    entry["ratio"] = entry["e2e"]["para_per_s"] / entry["inproc"]["para_per_s"]
+    entry["run_ratio"] = entry["e2e"]["run_para_per_s"] / entry["inproc"]["para_per_s"]
+    entry["profile"] = _profile(report.get("cost") or {}, bench.args.cluster_cpus)
+    # 4. Agreement of the default setting with TensorFlow fp32.
+    if label == "real-weights MiniLM":
+        entry["agreement"] = _agreement(bench, model_dir)
+    else:
+        served = (entry["record"] or {}).get(entry["inproc"]["setting"], {})
+        entry["agreement"] = {
+            "source": "the record (random weights: agreement means little)",
+            "in domain": served.get("agreement_in"),
+            "out of domain": served.get("agreement_out"),
+        }
+    return entry
+
+
+def _ensure_record(bench: Any, label: str, model_dir: Path) -> dict[str, Any] | None:
+    """This CPU's record of the model ({setting: figures}), measuring it if it has none."""
+    from serve_app.runtimes import read_record
+
+    if read_record(model_dir) is None:
+        cmd = [sys.executable, "-m", "raypipe", "model", "optimize", str(model_dir), "--no-int8"]
+        with heavy_lock(bench.lock):
+            done = subprocess.run(cmd, env=bench.env, capture_output=True, text=True, timeout=3600)
+        (bench.logs / f"speed-optimize-{model_dir.name}.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeError(f"raypipe model optimize {model_dir} failed; see {bench.logs}")
+    record = read_record(model_dir)
+    if record is None:
+        return None
+    return {
+        f"{m.runtime}:{m.precision}": {
+            "para_per_s": m.para_per_s,
+            "agreement_in": m.agreement_in,
+            "agreement_out": m.agreement_out,
+            "max_abs_dp": m.max_abs_dp,
+        }
+        for m in record.measurements
+    }
+
+
+def _profile(cost: dict[str, Any], cores: int) -> dict[str, Any]:
+    """CPU per paragraph by process group (ms), the model's share, the CPU outside it, idle."""
+    n = cost.get("paragraphs") or 0
+    if not n:
+        return {}
+    groups = dict(cost.get("groups") or {})
+    model = float(cost.get("model_cpu_s") or 0.0)
+    replica = float(groups.pop("serve replica", 0.0))
+    per = {k: 1000 * v / n for k, v in groups.items()}
+    per["replica outside the model"] = 1000 * max(0.0, replica - model) / n
+    per["the model"] = 1000 * model / n
+    total = float(cost["cpu_s"])
+    wall = float(cost["wall_s"])
+    return {
+        "ms_per_para": {k: round(v, 3) for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
+        "total_ms_per_para": round(1000 * total / n, 3),
+        "outside_model_over_model": round((total - model) / model, 3) if model else None,
+        "outside_replica_over_replica": round((total - replica) / replica, 3) if replica else None,
+        "cores_busy": round(total / wall, 3) if wall else None,
+        "idle_ms_per_para": round(1000 * max(0.0, cores * wall - total) / n, 3),
+    }
+
+
+def _agreement(bench: Any, model_dir: Path) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from serve_app.gate_texts import held_out
+
+    outside = bench.work / "speed-out-of-domain.parquet"
+    texts = held_out()
+    pq.write_table(pa.table({"id": [f"o{i}" for i in range(len(texts))], "text": texts}), outside)
+    corpora = {"in domain": bench._demo_eval_corpus(), "out of domain": outside}
+    out: dict[str, Any] = {"source": "in process, held-out texts"}
+    for domain, path in corpora.items():
+        base = {"model_dir": str(model_dir), "corpus": str(path), "n": 2000, "threads": bench.args.threads}
+        lines = {}
+        for name, setting in (("reference", ("tensorflow", "fp32")), ("default", ("auto", "auto"))):
+            payload = {**base, "return_top": True, "runtime": setting[0], "precision": setting[1]}
+            with heavy_lock(bench.lock):
+                lines[name] = bench.child("inproc", payload, name=f"speed-agree-{domain[:2]}-{name}")
+        top_ref, top = np.array(lines["reference"]["top"]), np.array(lines["default"]["top"])
+        out[domain] = float(np.mean(top == top_ref))
+        out[f"{domain} texts"] = len(top)
+        out["setting"] = f"{lines['default']['runtime']}:{lines['default']['precision']}"
+    return out
+
+
+def speed_tables(speed: dict[str, Any]) -> list[str]:
+    """The section as Markdown: one table for the CPU, then where each model's CPU went."""
+    flags = " ".join(speed.get("cpu_flags") or [])
+    lines = [
+        f"### Speed at default settings: {speed.get('cpu') or 'CPU'} ({flags})",
+        "",
+        "| model | setting (gated fastest) | in process para/s | e2e para/s (command) | e2e / in process "
+        "| run only | agreement in / out | outside model / model | cores busy |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for label, m in speed.get("models", {}).items():
+        agree = m.get("agreement") or {}
+        a_in, a_out = agree.get("in domain"), agree.get("out of domain")
+        prof = m.get("profile") or {}
+        lines.append(
+            f"| {label} | {m['inproc']['setting']} | {m['inproc']['para_per_s']:.1f} | {m['e2e']['para_per_s']:.1f} "
+            f"| **{m['ratio']:.2f}** | {m['run_ratio']:.2f} "
+            f"| {_pct(a_in)} / {_pct(a_out)} | {prof.get('outside_model_over_model', '–')} "
+            f"| {prof.get('cores_busy', '–')} |"
+        )
+    for label, m in speed.get("models", {}).items():
+        prof = m.get("profile") or {}
+        per = prof.get("ms_per_para") or {}
+        if not per:
+            continue
+        lines += [
+            "",
+            f"CPU per paragraph, {label} ({m['paragraphs']:,} paragraphs, answered by {m['e2e'].get('answered_by')}): "
+            f"{prof.get('total_ms_per_para')} ms in all, idle {prof.get('idle_ms_per_para')} ms",
+            "",
+            "| group | ms per paragraph |",
+            "|---|---:|",
+            *(f"| {k} | {v:.3f} |" for k, v in per.items()),
+        ]
+    return lines
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2%}"
