@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from protos.raypipe.v1 import emotion_pb2
 from protos.wire import TIMING_KEYS
 from serve_app.metrics import ServerMetrics
-from serve_app.model import Tokenized
+from serve_app.model import Predictions, Tokenized
 from serve_app.settings import ServerSettings
 
 __all__ = [
@@ -157,6 +158,14 @@ class _ThreadCpu:
                 continue  # a thread that ended: its time is gone with it
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
         return ticks / self._tick
+
+    def add_current_thread(self) -> None:
+        """Count the calling thread too (from its next `spent` on, with all it has spent so far)."""
+        tid = threading.get_native_id()
+        if tid not in self._ids:
+            self._ids = self._ids | {tid}
+            if self._last is None:
+                self._last = 0.0
 
     def spent(self) -> float | None:
         """CPU seconds of the threads since the previous call (None where it cannot be read)."""
@@ -320,7 +329,7 @@ class EmotionClassifier:
         merged = Tokenized.concat([j.tokenized for j in jobs])
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        predictions = await loop.run_in_executor(self._model_executor, self._model.infer, merged)
+        predictions = await loop.run_in_executor(self._model_executor, self._infer_here, merged)
         compute_s = time.monotonic() - started
         self._model_counts["batches"] += 1
         self._model_counts["tokens"] += merged.tokens
@@ -348,6 +357,12 @@ class EmotionClassifier:
             )
             start = stop
         return out
+
+    def _infer_here(self, tokenized: Tokenized) -> Predictions:
+        """`EmotionModel.infer` on a model thread, which counts as the model's CPU: a runtime on
+        one thread (one OpenVINO stream, say) computes on the thread that calls it."""
+        self._model_cpu.add_current_thread()
+        return self._model.infer(tokenized)
 
     def ModelInfo(self, request: emotion_pb2.ModelInfoRequest) -> emotion_pb2.ModelInfoResponse:
         return emotion_pb2.ModelInfoResponse(
