@@ -32,7 +32,7 @@ find_python = $(strip $(if $(PYTHON),\
     $(lastword $(sort $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/$(v).*/bin/python$(v))))))))
 NEED_PYTHON := raypipe needs Python 3.11, 3.12 or 3.13: python3.13, python3.12 or python3.11 on PATH, or PYTHON=/path/to/python3.X
 
-.PHONY: venv protos demo-model demo notebooks test unit integration lint typecheck clean bench bench-quick
+.PHONY: venv protos demo-model demo notebooks lab test unit integration lint typecheck clean bench bench-quick
 
 $(UV):
 	PIP_ROOT_USER_ACTION=ignore $(or $(call find_python),$(if $(VENV_OK),$(PY),$(error $(NEED_PYTHON)))) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv==$(UV_VERSION)
@@ -55,8 +55,12 @@ demo-model: $(STAMP)  ## build (or reuse) the offline demo model in .cache/demo-
 demo: $(STAMP)  ## the whole path on a local cluster: model, corpus, Serve gRPC app, backfill, report
 	$(PY) -m raypipe demo --workdir demo-output
 
-notebooks: $(STAMP)  ## execute notebooks/ in place against a local cluster, so they are committed with outputs
+notebooks: $(STAMP)  ## install Jupyter (the notebooks extra), execute notebooks/ in place with their outputs
+	$(UV) pip install --quiet --python $(PY) -c constraints.txt -e '.[dev,notebooks]'
 	$(PY) notebooks/execute.py
+
+lab: notebooks  ## open the notebooks in JupyterLab
+	$(VENV)/bin/jupyter lab notebooks/
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
