@@ -104,6 +104,38 @@ class TextIndex:
         self,
         model_version: str,
         labels: tuple[str, ...],
+        hashes: np.ndarray,
+        probabilities: np.ndarray,
+        truncated: np.ndarray,
+    ) -> None:
+        """One shard: `hashes` sorted and distinct, row k of the answers answering hash k."""
+        self._setup(
+            model_version,
+            labels,
+            np.empty(0, np.int64),
+            [IndexShard(hashes, probabilities, truncated)],
+            [len(hashes)],
+        )
+
+    @classmethod
+    def of_shards(
+        cls,
+        model_version: str,
+        labels: tuple[str, ...],
+        bounds: np.ndarray,
+        shards: Sequence[Any],
+        limits: Sequence[int],
+    ) -> TextIndex:
+        """Shard k covers hashes from `bounds[k-1]` (inclusive) to `bounds[k]`; its first
+        `limits[k]` rows count."""
+        index = cls.__new__(cls)
+        index._setup(model_version, labels, bounds, shards, limits)
+        return index
+
+    def _setup(
+        self,
+        model_version: str,
+        labels: tuple[str, ...],
         bounds: np.ndarray,
         shards: Sequence[Any],
         limits: Sequence[int],
@@ -271,7 +303,7 @@ def build_index(
         return None, stats
     # Shards wholly over the cap are let go (their memory too); the one the cap cuts is kept whole.
     kept = [s if n else _merge(width=len(labels)) for s, n in zip(built, limits, strict=True)]
-    index = TextIndex(model_version, tuple(labels), bounds, kept, limits)
+    index = TextIndex.of_shards(model_version, tuple(labels), bounds, kept, limits)
     logger.info(
         "reusing answers of %s for %d distinct texts already committed (%d shards, %.0f MiB%s)",
         model_version,

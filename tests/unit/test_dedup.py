@@ -145,7 +145,7 @@ def test_hashes_at_the_edges_of_the_ranges():
         for k in range(4)
     ]
     assert [len(s.hashes) for s in shards] == [2, 2, 2, 2]
-    index = TextIndex("m1", ("a", "b"), bounds, shards, [2, 2, 2, 2])
+    index = TextIndex.of_shards("m1", ("a", "b"), bounds, shards, [2, 2, 2, 2])
     found = index.lookup(held)
     assert found.tolist() == list(range(8))
     np.testing.assert_array_equal(index.probabilities[found][:, 0], held.astype(np.float32))
