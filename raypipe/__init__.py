@@ -9,6 +9,10 @@ breaker and retries, and commit results and dead letters to a Delta Lake table, 
     print(report.render())
     raypipe.latest("s3://out/emotions/")         # one row per id (pyarrow Table)
     raypipe.read_outcomes("s3://out/emotions/")  # every committed row, results and dead letters
+    raypipe.read_report("s3://out/emotions/", report.run_id)  # the stored report, from any output URI
+
+`raypipe.connect()` joins the Ray cluster at `RAY_ADDRESS` (or one `ray start` left running),
+else starts a local one; the run calls do it by themselves when they need Ray.
 
 Names are imported on first use, so `import raypipe` stays cheap and starts nothing. The wire
 contract with the model service (`protos`) lies below both raypipe and `serve_app`.
@@ -23,57 +27,88 @@ __all__ = [
     "CircuitOpenError",
     "ConfigError",
     "InputError",
+    "LeaseLostError",
     "ModelServiceError",
+    "NoShardsError",
     "OutputLockedError",
+    "OutputPermissionError",
     "PipelineConfig",
     "RaypipeError",
+    "RunNotFoundError",
     "RunReport",
+    "RunStopped",
+    "SchemaError",
+    "ServiceTlsError",
+    "ServiceUnavailable",
     "SinkError",
+    "UnsafeOutputError",
     "backfill",
     "build_config",
     "check_model_dir",
+    "connect",
     "daily",
     "export_hf_checkpoint",
     "export_saved_model",
     "latest",
     "load_config",
     "read_outcomes",
+    "read_report",
     "replay",
 ]
 
 _HOMES = {
-    "backfill": "raypipe.api",
-    "daily": "raypipe.api",
-    "replay": "raypipe.api",
-    "read_outcomes": "raypipe.outcomes",
-    "latest": "raypipe.outcomes",
-    "export_hf_checkpoint": "serve_app.export",
-    "export_saved_model": "serve_app.export",
-    "check_model_dir": "serve_app.export",
-    "build_config": "raypipe.api",
-    "PipelineConfig": "raypipe.config",
-    "load_config": "raypipe.config",
-    "RunReport": "raypipe.report",
     "CircuitOpenError": "raypipe.errors",
     "ConfigError": "raypipe.errors",
     "InputError": "raypipe.errors",
+    "LeaseLostError": "raypipe.errors",
     "ModelServiceError": "raypipe.errors",
+    "NoShardsError": "raypipe.errors",
     "OutputLockedError": "raypipe.errors",
+    "OutputPermissionError": "raypipe.errors",
+    "PipelineConfig": "raypipe.config",
     "RaypipeError": "raypipe.errors",
+    "RunNotFoundError": "raypipe.errors",
+    "RunReport": "raypipe.report",
+    "RunStopped": "raypipe.errors",
+    "SchemaError": "raypipe.errors",
+    "ServiceTlsError": "raypipe.errors",
+    "ServiceUnavailable": "raypipe.errors",
     "SinkError": "raypipe.errors",
+    "UnsafeOutputError": "raypipe.errors",
+    "backfill": "raypipe.api",
+    "build_config": "raypipe.api",
+    "check_model_dir": "serve_app.export",
+    "connect": "raypipe.api",
+    "daily": "raypipe.api",
+    "export_hf_checkpoint": "serve_app.export",
+    "export_saved_model": "serve_app.export",
+    "latest": "raypipe.outcomes",
+    "load_config": "raypipe.config",
+    "read_outcomes": "raypipe.outcomes",
+    "read_report": "raypipe.api",
+    "replay": "raypipe.api",
 }
 
 if TYPE_CHECKING:
-    from raypipe.api import backfill, build_config, daily, replay
+    from raypipe.api import backfill, build_config, connect, daily, read_report, replay
     from raypipe.config import PipelineConfig, load_config
     from raypipe.errors import (
         CircuitOpenError,
         ConfigError,
         InputError,
+        LeaseLostError,
         ModelServiceError,
+        NoShardsError,
         OutputLockedError,
+        OutputPermissionError,
         RaypipeError,
+        RunNotFoundError,
+        RunStopped,
+        SchemaError,
+        ServiceTlsError,
+        ServiceUnavailable,
         SinkError,
+        UnsafeOutputError,
     )
     from raypipe.outcomes import latest, read_outcomes
     from raypipe.report import RunReport

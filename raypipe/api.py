@@ -1,4 +1,5 @@
-"""The Python API: one call per run mode, for notebooks, jobs and scripts.
+"""The Python API: one call per run mode, for notebooks, jobs and scripts; `read_report` to read
+a run's report back from its output, and `connect` to join (or start) the Ray cluster.
 
 Each call builds the run's typed config from (lowest first) an optional config file, the
 `RAYPIPE_*` environment and its keyword arguments, validates it, runs, and returns the
@@ -19,12 +20,64 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raypipe.config import PipelineConfig, load_config
+from raypipe.errors import RunNotFoundError
 from raypipe.preflight import check_run, parse_since
 
 if TYPE_CHECKING:
     from raypipe.report import RunReport
 
-__all__ = ["backfill", "build_config", "daily", "replay"]
+__all__ = ["backfill", "build_config", "connect", "daily", "read_report", "replay"]
+
+
+def connect(address: str | None = None) -> None:
+    """Joins a Ray cluster from this process, quietly.
+
+    The cluster is `address` (`"10.0.0.5:6379"`, `"ray://head:10001"`) if given, else the one
+    `RAY_ADDRESS` names, else one `ray start` left running on this host; with none of them, a
+    local cluster is started for this process (it stops when the process ends). Does nothing
+    when Ray is already initialised here. Ray's token-authentication notice and the INFO lines
+    of Serve and Ray Data are turned down; their warnings and errors still show.
+
+    The run calls (`backfill`, `daily`, `replay`) connect by themselves when they need Ray; call
+    this first to deploy the model service from the same process or to choose the cluster.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    from raypipe.modes import start_local_ray  # Ray Data comes with it: only when asked
+
+    start_local_ray(**({} if address is None else {"address": address}))
+
+
+def read_report(output_uri: str, run_id: str) -> RunReport:
+    """The report of run `run_id`, read from `<output_uri>/runs/<run_id>.json` (a local path or
+    `s3://`). Raises `RunNotFoundError` naming the nearest run id there when it has none."""
+    from raypipe.report import RunReport
+
+    return RunReport.from_dict(report_dict(output_uri, run_id))
+
+
+def report_dict(output_uri: str, run_id: str) -> dict[str, Any]:
+    """The stored report of `run_id` as written (`read_report`'s source; `raypipe report --json`)."""
+    import difflib
+    import posixpath
+
+    from raypipe.store import OutputStore
+
+    store = OutputStore(output_uri)
+    data = store.read_json_or_none(store.report_file(run_id))
+    if data is not None:
+        return dict(data)
+    runs = [posixpath.basename(p).removesuffix(".json") for p in store.list_files(store.path("runs"), ".json")]
+    near = difflib.get_close_matches(run_id, runs, n=1)
+    hint = f": did you mean {near[0]}?" if near else f"; its runs: {', '.join(runs[-5:])}" if runs else ""
+    raise RunNotFoundError(
+        f"no report for run {run_id} at {output_uri}{hint}",
+        run_id=run_id,
+        output=output_uri,
+        nearest=near[0] if near else None,
+    )
 
 
 def build_config(

@@ -17,7 +17,8 @@
 
 Run commands also take `--config FILE` and `--set section.key=value` (repeatable); the
 environment (`RAYPIPE_SECTION__KEY`) sits between the two. Exit codes: 0 the run completed,
-1 it failed, 2 bad configuration or input, 3 it finished incomplete (bad shards).
+1 it failed, 2 bad configuration or input, 3 it finished incomplete (bad shards), 143 SIGTERM
+stopped it (its report says failed; the same run id resumes it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_INCOMPLETE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_INCOMPLETE, EXIT_STOPPED = 0, 1, 2, 3, 143
 
 
 def _set_pairs(pairs: list[str]) -> dict[str, Any]:
@@ -492,24 +493,11 @@ def _lease(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from raypipe.api import report_dict
     from raypipe.report import RunReport
-    from raypipe.store import OutputStore
 
-    store = OutputStore(args.output)
-    data = store.read_json_or_none(store.report_file(args.run_id))
-    if data is None:
-        import difflib
-        import posixpath
-
-        runs = [posixpath.basename(p).removesuffix(".json") for p in store.list_files(store.path("runs"), ".json")]
-        near = difflib.get_close_matches(args.run_id, runs, n=1)
-        hint = f": did you mean {near[0]}?" if near else f"; its runs: {', '.join(runs[-5:])}" if runs else ""
-        print(f"raypipe: no report for run {args.run_id} at {args.output}{hint}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    if args.json:
-        print(json.dumps(data, indent=1))
-    else:
-        print(RunReport.from_dict(data).render())
+    data = report_dict(args.output, args.run_id)  # RunNotFoundError (a ConfigError): exit 2, naming the nearest
+    print(json.dumps(data, indent=1) if args.json else RunReport.from_dict(data).render())
     return EXIT_OK
 
 
@@ -531,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from raypipe.errors import ConfigError, InputError, RaypipeError
+    from raypipe.errors import ConfigError, InputError, RaypipeError, RunStopped
 
     try:
         if args.command == "model":
@@ -573,3 +561,6 @@ def _dispatch(args: argparse.Namespace) -> int:
     except RaypipeError as e:
         print(f"raypipe: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except RunStopped as e:
+        print(f"raypipe: {e}; the run's report says failed, and the same --run-id resumes it", file=sys.stderr)
+        return EXIT_STOPPED

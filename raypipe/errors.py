@@ -2,6 +2,7 @@
 
     RaypipeError
     ├── ConfigError                 a setting is wrong; raised before any data is read
+    │   └── RunNotFoundError        no report for that run id at that output (names the nearest)
     ├── InputError                  the input itself is wrong (shard, column)
     │   ├── NoShardsError           an input URI that matches no shards
     │   ├── SchemaError             a shard lacks a required column or has a wrong type
@@ -24,6 +25,9 @@
     ├── OutputLockedError           another run holds the output's lease
     │   └── LeaseLostError          this attempt was fenced off by a newer one: it stops writing
     └── UnsafeOutputError           the output store ignores conditional writes (no fencing)
+
+    RunStopped (a SystemExit)       SIGTERM stopped the run: its report says failed; the same
+                                    run id resumes it. Exit code 143 unless caught.
 
 Two attributes drive the client's decisions, and nothing else is read:
 - `ModelServiceError.transient`: the retry layer retries an error only when it is set;
@@ -55,6 +59,8 @@ __all__ = [
     "OutputPermissionError",
     "RaypipeError",
     "RequestRejected",
+    "RunNotFoundError",
+    "RunStopped",
     "SchemaError",
     "ServiceCancelled",
     "ServiceInternal",
@@ -77,6 +83,18 @@ class RaypipeError(Exception):
 
 class ConfigError(RaypipeError):
     kind = "config"
+
+
+class RunNotFoundError(ConfigError):
+    """No report for `run_id` under `output`; `nearest` is the closest run id there, if any."""
+
+    kind = "run_not_found"
+
+    def __init__(self, message: str, *, run_id: str, output: str, nearest: str | None = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.output = output
+        self.nearest = nearest
 
 
 class InputError(RaypipeError):
@@ -238,3 +256,18 @@ class UnsafeOutputError(RaypipeError):
     """The output's object store ignores conditional writes, so two writers cannot be fenced."""
 
     kind = "unsafe_output"
+
+
+class RunStopped(SystemExit):
+    """SIGTERM stopped the run (`raypipe.modes`): it was aborted and its report written, status
+    `failed`. A `SystemExit` (code 143, as a shell reports a process SIGTERM ended), so no
+    `except Exception` swallows it on its way out; rerunning the same run id resumes the run."""
+
+    kind = "stopped"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(143)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
