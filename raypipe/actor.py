@@ -32,7 +32,9 @@ actor returns the summary with the failure instead of raising, so the report of 
 run keeps its calls, statuses and breaker figures; the driver then stops the run.
 
 All of one actor's concurrent units share its breaker, limiter and channel, all created
-lazily inside Ray Data's event loop for the actor.
+lazily inside Ray Data's event loop for the actor. The actor also keeps a running tally of its
+calls over its finished and in-flight units and writes it to the output on a timer
+(`raypipe.tally`), so a run stopped with every unit in flight still reports its calls.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import time
 import uuid
@@ -82,8 +85,12 @@ from raypipe.sinks import (
     outcome_schema,
     text_hashes,
 )
+from raypipe.store import OutputStore
+from raypipe.tally import WRITE_INTERVAL_S, CallTally, tally_path
 
 __all__ = ["SUMMARY_SCHEMA", "ActorSettings", "InferenceActor"]
+
+logger = logging.getLogger("raypipe")
 
 _OVERLOAD = frozenset({"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
 # The canary: a paragraph no model rejects, so its failure can only be the service's.
@@ -198,6 +205,10 @@ class InferenceActor:
         self._metrics: Metrics = NullMetrics()
         self._gauges: ActorGauges | None = None
         self._index: TextIndex | None = None
+        self._done = CallTally()  # units finished (committed, found committed, or stopped)
+        self._live: dict[int, UnitStats] = {}  # units in flight, their figures as far as they go
+        self._tally_due = False  # a unit ended: write the tally at the writer's next look
+        self._tally_writer: asyncio.Task[None] | None = None
 
     def _components(self) -> tuple[ModelClient, CircuitBreaker, Limiter]:
         if self._client is None:
@@ -247,6 +258,9 @@ class InferenceActor:
         return self._client, self._breaker, self._limiter
 
     async def __call__(self, block: pa.Table) -> pa.Table:
+        loop = asyncio.get_running_loop()
+        if self._tally_writer is None or self._tally_writer.get_loop() is not loop or self._tally_writer.done():
+            self._tally_writer = loop.create_task(self._write_tallies())  # Ray Data keeps one loop per actor
         units, errors, summaries, fatals = [], [], [], []
         for unit in pc.unique(block.column("_unit")).to_pylist():
             rows = block.filter(pc.equal(block.column("_unit"), unit))
@@ -254,6 +268,7 @@ class InferenceActor:
                 unit=unit, shard=rows.column("_source")[0].as_py(), attempt=self._settings.attempt, actor=self._actor_id
             )
             error = fatal = None
+            self._live[id(stats)] = stats
             try:
                 error = await self._process_unit(unit, rows, stats)
             except CircuitOpenError as e:
@@ -264,6 +279,9 @@ class InferenceActor:
                 fatal = json.dumps({"kind": "lease_lost", "message": str(e)})
             except ConfigError as e:  # e.g. service.token_env unset on this node: no call can be made
                 fatal = json.dumps({"kind": e.kind, "message": str(e)})
+            finally:  # its calls were made, whatever became of the unit: from in flight to done, in one step
+                self._done.add(self._live.pop(id(stats)))
+                self._tally_due = True
             if fatal is not None:
                 stats.committed = False
                 if self._client is not None:  # else the client could not even be built (config)
@@ -532,6 +550,8 @@ class InferenceActor:
         stats.latency.add(latency_s)
 
     def _actor_snapshot(self) -> dict[str, Any]:
+        """The actor's breaker and limiter figures, and its call tally over every unit it worked
+        on so far, finished or in flight (`raypipe.tally`); `seq` orders the snapshots."""
         _, breaker, limiter = self._components()
         self._seq += 1
         b = breaker.stats()
@@ -543,7 +563,36 @@ class InferenceActor:
             "seq": self._seq,
             "breaker": {"openings": b.openings, "time_open_s": b.time_open_s, "probes": b.probes},
             "limiter": {"min": lim.min, "max": lim.max, "final": lim.final},
+            "tally": CallTally.over(self._done, self._live.values()).to_dict(),
         }
+
+    def _calls_so_far(self) -> int:
+        return self._done.calls + sum(u.calls for u in self._live.values())
+
+    async def _write_tallies(self) -> None:
+        """Writes the actor's snapshot to the output (`raypipe.tally.tally_path`) within a
+        second of a unit's end, and otherwise, while its calls change, once soon after the first
+        ones and then at most every `WRITE_INTERVAL_S`; runs until the actor goes away. One
+        writer, so a later snapshot is never overwritten by an earlier one."""
+        fence = self._settings.fence
+        store = OutputStore(fence.output_uri)
+        path = tally_path(store, fence.run_id, self._settings.attempt, self._actor_id)
+        written_calls, written_at = 0, None
+        while True:
+            await asyncio.sleep(1.0)
+            stale = written_at is None or time.monotonic() - written_at >= WRITE_INTERVAL_S
+            if not self._tally_due and (self._calls_so_far() == written_calls or not stale):
+                continue
+            self._tally_due = False
+            if self._client is None:
+                continue  # no call made yet, so nothing to tell
+            record = {"actor": self._actor_id, "attempt": self._settings.attempt, **self._actor_snapshot()}
+            try:
+                await asyncio.to_thread(store.write_json, path, record)
+            except Exception as e:  # the unit summaries still count the finished units' calls
+                logger.warning("could not write the call tally of actor %s: %s", self._actor_id, e)
+                continue
+            written_calls, written_at = record["tally"]["calls"], time.monotonic()
 
     def _outcome_rows(self, rows: pa.Table, outcomes: list[_Outcome], empty: np.ndarray, stats: UnitStats) -> pa.Table:
         """The unit's rows for the outcomes table: one per input row, a result or a dead letter."""

@@ -32,14 +32,17 @@ and replaces them, in the same commit, with what they became.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
+import signal
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -51,7 +54,7 @@ from raypipe.commit import CommitProtocol
 from raypipe.config import ClientConfig, PipelineConfig
 from raypipe.cost import CpuMeter
 from raypipe.dedup import build_index
-from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
+from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError, RunStopped
 from raypipe.metrics import RunMetrics
 from raypipe.outcomes import Ledger
 from raypipe.pipeline import run_units
@@ -72,6 +75,7 @@ from raypipe.sources import (
     prune_partitions,
 )
 from raypipe.store import STATE_DIR, OutputStore
+from raypipe.tally import fold_tallies, read_tallies
 
 __all__ = ["backfill", "daily", "replay", "replay_run_id"]
 
@@ -101,11 +105,46 @@ def start_local_ray(**init_kwargs: Any) -> None:
 
     auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     auth_logger.addFilter(_drop_token_auth_enabled)
+    on_sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         ray.init(**{"logging_level": logging.WARNING, "log_to_driver": False, **init_kwargs})
     finally:
         auth_logger.removeFilter(_drop_token_auth_enabled)
+        if isinstance(on_sigterm, _StopOnSigterm):
+            signal.signal(signal.SIGTERM, on_sigterm)  # `ray.init` sets its own (`sys.exit`); a run's stays
     quiet_ray_loggers()
+
+
+class _StopOnSigterm:
+    """The SIGTERM handler while a run is on: raises `RunStopped` in the driver, once."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            logger.warning("SIGTERM again: the run is already stopping (writing its report)")
+            return
+        self.stopping = True
+        raise RunStopped("stopped by SIGTERM")
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run() -> Iterator[None]:
+    """SIGTERM (a deleted pod, `ray job stop`, a scheduler's deadline) stops the run as Ctrl-C
+    would: `RunStopped` is raised where the driver is, so the run is aborted, writes its failed
+    report (with the calls its actors tallied) and releases the output lease. A second SIGTERM
+    while it does so is ignored. Only where Python delivers signals (the main thread); the
+    previous handler is back once the run returns."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _StopOnSigterm())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _drop_token_auth_enabled(record: logging.LogRecord) -> bool:
@@ -177,6 +216,7 @@ def _quiet(run: Callable[..., RunReport]) -> Callable[..., RunReport]:
 
 
 @_quiet
+@_sigterm_stops_the_run()
 def _run(
     config: PipelineConfig,
     mode: str,
@@ -345,7 +385,7 @@ def _run(
             report.cost = None if cost is None else cost.to_dict()
         try:
             if write_report:
-                _fold_report(state, report, attempt, plan=plan)
+                attempt = _fold_report(state, report, attempt, plan=plan)
             run_metrics.finish(report)
             if write_report and not state.lease.lost:
                 state.save_attempt(attempt)
@@ -364,14 +404,23 @@ def _abort(protocol: CommitProtocol) -> None:
         logger.warning("run %s: could not fence this attempt off: %s", protocol.run_id, e)
 
 
-def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, plan: Plan | None) -> None:
+def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, plan: Plan | None) -> AttemptStats:
     """The report's figures: rows from the table (committed only), calls from every attempt.
+
+    An attempt's calls are its unit summaries', or its actors' own tallies where those count
+    more (`raypipe.tally`: a run stopped with units in flight; an attempt whose driver died
+    before saving its statistics has only those). Returns this attempt's statistics so folded.
 
     A replay's rows replace another run's dead letters: its rows are what the dead letters of
     its committed units became (`RunState.replay_ledger`, from the table, so an attempt killed
     after committing counts too); for a plan stored without its table version, what its
     attempts reported committing."""
-    attempts = [*state.earlier_attempts(), attempt]
+    tallies = read_tallies(state.store, state.run_id)
+    earlier = state.earlier_attempts()
+    saved = {a.attempt for a in earlier} | {attempt.attempt}
+    unsaved = [AttemptStats(attempt=a) for a in sorted(tallies) if a not in saved]
+    attempts = [fold_tallies(a, tallies.get(a.attempt, ())) for a in [*earlier, *unsaved, attempt]]
+    attempt = attempts[-1]
     report.fold_attempts(attempts)
     if state.mode == "replay":
         replayed = state.replay_ledger(plan) if plan is not None else None
@@ -384,6 +433,7 @@ def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, p
     else:
         report.apply_ledger(state.ledger())
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
+    return attempt
 
 
 def _with_whole_file_maxima(state: RunState, plan: Plan, done: set[str], skew_s: float) -> Plan:

@@ -6,8 +6,13 @@ Each test is bounded in time (pytest-timeout) and in the number of calls it make
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -220,6 +225,46 @@ def test_a_service_failing_every_call_stops_the_run_within_max_wait(tmp_path, co
     )
     assert report.status == "completed"
     assert_nothing_lost(out, corpus.ids)
+
+
+def tallied_calls(out: Path, run_id: str) -> int:
+    """Calls the run's actors have written to the output so far (`raypipe.tally`)."""
+    records = (out / "_raypipe" / "runs" / run_id / "attempts").glob("*/actors/*.json")
+    return sum(json.loads(p.read_text())["tally"]["calls"] for p in records)
+
+
+@pytest.mark.timeout(240)  # the scenario itself is bounded to 60 s below; the rest is the shared fixtures
+def test_a_run_stopped_by_sigterm_fails_cleanly_and_keeps_its_calls(
+    tmp_path, corpus, ray_cluster, serve_address, deploy_app
+):
+    """Every call answers UNAVAILABLE and the breaker would wait 10 minutes, so no unit ends;
+    SIGTERM to the driver stops the run: exit 143, and a failed report with the calls made."""
+    app = deploy_app("down", ServerSettings(fault=FaultInjection(fail_fraction=1.0, status="UNAVAILABLE")))
+    out = tmp_path / "out"
+    args = ["backfill", "--input", corpus.uri, "--output", str(out), "--service", serve_address,
+            "--run-id", "stopped", "--set", f"service.application={app}", "--set", "input.unit_rows=250",
+            "--set", "client.breaker.max_wait_s=600", "--set", "client.retry.initial_backoff_s=0.05",
+            "--set", "client.retry.max_backoff_s=0.3"]  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    driver = subprocess.Popen([sys.executable, "-m", "raypipe", *args], env=env, cwd=Path(__file__).parents[2],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: tallied_calls(out, "stopped") > 0 or driver.poll() is not None, 40, "the first calls")
+        assert driver.poll() is None, "the run ended before it was stopped"
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=20)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    served = serve.get_app_handle(app).stats.remote().result()["calls"]
+    report = json.loads((out / "runs" / "stopped.json").read_text())
+    print(f"stopped by SIGTERM: exit {driver.returncode}, report {report['calls']} calls, server {served}")
+    assert driver.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM" in err
+    assert report["status"] == "failed" and "SIGTERM" in report["error"]
+    assert 0 < report["calls"] <= served.get("UNAVAILABLE", 0)
+    assert report["status_counts"] == {"UNAVAILABLE": report["calls"]}
+    assert report["rows_dead_letters"] == 0
 
 
 def probes_within(open_s: float, reset_s: float = 1.0, cap_s: float = 4.0) -> int:
