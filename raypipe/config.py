@@ -196,7 +196,9 @@ def _read_ca_bundle(path: Path) -> bytes:
 
 class RetryConfig(_Frozen):
     max_attempts: int = Field(4, ge=1, le=20)
-    """Calls per micro-batch before its rows become dead letters (the reference build's 4)."""
+    """Attempts per call on a transient code; also the calls a micro-batch makes on service
+    codes before a canary decides whether the service or the rows are at fault. Rows never
+    become dead letters by this count (`raypipe.actor`)."""
     initial_backoff_s: float = Field(0.1, gt=0)
     """Scale of the exponential backoff (full jitter)."""
     max_backoff_s: float = Field(5.0, gt=0)
@@ -297,10 +299,16 @@ class InputConfig(_Frozen):
 
 class OutputConfig(_Frozen):
     uri: str
-    """Where results/, dead_letters/, runs/ and raypipe's own state go; local or s3://."""
+    """Where the outcomes table (`outcomes/`), run reports (`runs/`) and raypipe's state
+    (`_raypipe/`) go; local or s3://."""
     lease_s: float = Field(120.0, gt=0)
     """How long the output lease lasts without a heartbeat before another run may take it; a
-    retried attempt of the same run waits at most this long for the earlier one's lease."""
+    retried attempt of the same run waits for the earlier one's lease to lapse (see
+    `lease_wait_s`)."""
+    lease_wait_s: float = Field(600.0, gt=0)
+    """How long a new attempt of a run waits for an earlier attempt that keeps renewing the
+    lease (it is alive, or a zombie); past it, the run stops with `OutputLockedError` naming that
+    attempt, and `--force` (`take_over_lease`) takes the run over at once."""
     take_over_lease: bool = False
     """Take a live lease of an earlier attempt of the same run at once (CLI `--force`), fencing
     that attempt off, instead of waiting for the lease to expire."""
@@ -329,8 +337,10 @@ class DedupConfig(_Frozen):
     enabled: bool = True
     """Rows whose text already has a committed answer of the same model version cost no call."""
     max_index_rows: int = Field(20_000_000, ge=0)
-    """At most this many committed answers are held for the lookup (~40 bytes each with 6
-    labels, in Ray's object store); with more, the run infers every row."""
+    """At most this many distinct texts' answers are held for the lookup (~33 bytes a text with
+    6 labels, in Ray's object store), however many rows share them. With more, the index keeps
+    this many (the smallest hashes) and the run infers the others again; the log says so and the
+    report's `reuse_index` shows `capped` (`raypipe.dedup`)."""
 
 
 class ActorPoolConfig(_Frozen):

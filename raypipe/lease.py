@@ -9,7 +9,9 @@ renews it from a heartbeat thread, and deletes it at the end.
   on the ETag; locally a compare-and-swap under `flock`), so two takers racing cannot both
   win. Each takeover increments the generation.
 - A new attempt of the *same* run id (a retried RayJob, a re-submit) waits for the live lease
-  to expire, then takes it over; `force=True` (CLI `--force`) takes it at once. The driver
+  to expire, then takes it over; `force=True` (CLI `--force`) takes it at once. An earlier
+  attempt that keeps renewing is waited for at most `wait_s` (`output.lease_wait_s`), then
+  `OutputLockedError` names it (host, pid, last renewal) and the way to take over. The driver
   calls `check()` before its writes, and the heartbeat sets `lost` when the lease is gone, so
   a superseded driver stops at its next step. That is a courtesy, not the fence: a check
   passes and a write lands later. **The fence is the table's** (`raypipe.sinks`: the takeover
@@ -84,6 +86,7 @@ class Lease:
         holder: str,
         *,
         duration_s: float = 120.0,
+        wait_s: float = 600.0,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -91,6 +94,7 @@ class Lease:
         self._path = store.state(LEASE_FILE)
         self.holder = holder
         self.duration_s = duration_s
+        self.wait_s = wait_s
         self._clock = clock
         self._sleep = sleep
         self._token = uuid.uuid4().hex
@@ -210,9 +214,10 @@ class Lease:
     def acquire(self, *, force: bool = False) -> None:
         """Takes the lease, or raises `OutputLockedError`; then keeps it alive until `release`.
 
-        A live lease of the same run id is waited out (its holder may still be writing), or
-        taken at once with `force`; a live lease of another run id is refused.
+        A live lease of the same run id is waited out (its holder may still be writing) for at
+        most `wait_s`, or taken at once with `force`; a live lease of another run id is refused.
         """
+        waiting_since: float | None = None
         while not self._create():
             current, tag = self._read()
             if current is None:
@@ -230,7 +235,21 @@ class Lease:
                 )
             if expires >= now and not force:
                 wait = min(expires - now + 0.5, self.duration_s / 4)
-                renewed_ago = now - (expires - float(current.get("duration_s", self.duration_s)))
+                renewed_at = expires - float(current.get("duration_s", self.duration_s))
+                renewed_ago = now - renewed_at
+                waiting_since = now if waiting_since is None else waiting_since
+                waited = now - waiting_since
+                if waited >= self.wait_s:
+                    raise OutputLockedError(
+                        f"output {self._store.uri}: an earlier attempt of run {self.holder} (generation "
+                        f"{current.get('generation')}, host {current.get('host')}, pid {current.get('pid')}) still "
+                        f"renews its lease, last at {_iso(renewed_at)} ({max(renewed_ago, 0.0):.0f} s ago); gave up "
+                        f"after waiting {waited:.0f} s (output.lease_wait_s). Let it finish, or take the run over "
+                        "now, fencing that attempt off: rerun with --force",
+                        holder=str(current.get("holder")),
+                        expires_at=str(current.get("expires_at_iso")),
+                    )
+                wait = min(wait, self.wait_s - waited)
                 logger.warning(
                     "waiting %.0f s for the output lease: an earlier attempt of run %s (generation %s, host %s, "
                     "pid %s) renewed it %.0f s ago and holds it until %s. If that attempt is alive (a driver still "

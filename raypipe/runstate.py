@@ -132,7 +132,7 @@ class RunState:
         self.attempt = uuid.uuid4().hex[:8]
         self.protocol = CommitProtocol(config.output.uri, run_id, holder=self.attempt)
         self.table = self.protocol.table
-        self.lease = Lease(self.store, run_id, duration_s=config.output.lease_s)
+        self.lease = Lease(self.store, run_id, duration_s=config.output.lease_s, wait_s=config.output.lease_wait_s)
 
     # -- steps ---------------------------------------------------------------------------------
     def committed_report(self) -> RunReport | None:

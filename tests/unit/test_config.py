@@ -23,6 +23,12 @@ def test_layers_file_then_env_then_overrides(tmp_path):
     assert cfg.client.retry.max_attempts == 6  # env values are parsed to their types
 
 
+def test_the_lease_wait_is_bounded_by_default_and_set_from_the_cli_and_env():
+    assert load_config(None, {"output": {"uri": "/o"}}).output.lease_wait_s == 600
+    env = {"RAYPIPE_OUTPUT__LEASE_WAIT_S": "30"}
+    assert load_config(None, {"output": {"uri": "/o"}}, environ=env).output.lease_wait_s == 30
+
+
 def test_unknown_keys_are_errors_naming_the_path():
     with pytest.raises(ConfigError, match=r"client\.retyr: unknown setting"):
         load_config(None, {"output": {"uri": "/o"}, "client": {"retyr": {}}})
@@ -45,6 +51,7 @@ def test_env_typos_are_errors_too():
             "min_limit 9 > max_limit 3",
         ),
         ({"output": {"uri": "/o"}, "client": {"retry": {"max_attempts": 0}}}, "max_attempts"),
+        ({"output": {"uri": "/o", "lease_wait_s": 0}}, "output.lease_wait_s"),
         ({}, "output: Field required"),
     ],
 )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import socket
 import time
 
 import pytest
@@ -72,6 +74,36 @@ def test_same_run_id_waits_for_a_live_lease_then_fences_the_earlier_attempt(tmp_
     second.check()  # the holder passes
     second.release()
     assert not store.exists(store.state("lease.json"))
+
+
+def test_same_run_id_stops_waiting_for_an_attempt_that_keeps_renewing(tmp_path):
+    """The earlier attempt is alive (it renews while the new one waits): after `wait_s` the new
+    attempt gives up with `OutputLockedError` naming that attempt and `--force`, taking nothing."""
+    store = OutputStore(str(tmp_path))
+    clock = Clock()
+    first = Lease(store, "run-a", duration_s=60, clock=clock)
+    first.acquire()
+    first._stop.set()  # its renewals are made by `sleep` below, on the injected clock
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:  # time passes, and the earlier attempt renews meanwhile
+        slept.append(s)
+        clock.now += s
+        _, tag = first._read()
+        assert first._replace(tag, first.generation)
+
+    second = Lease(store, "run-a", duration_s=60, wait_s=100, clock=clock, sleep=sleep)
+    with pytest.raises(OutputLockedError, match=r"--force") as info:
+        second.acquire()
+    message = str(info.value)
+    assert f"generation 1, host {socket.gethostname()}, pid {os.getpid()}" in message
+    assert "still renews its lease, last at 1970-01-01T00:18:" in message  # the last renewal, on the clock
+    assert "waiting 100 s (output.lease_wait_s)" in message
+    assert info.value.holder == "run-a"
+    assert sum(slept) == pytest.approx(100)  # never past the bound
+    assert first.held() and not second.held()
+    first.check()  # the earlier attempt keeps the run
+    first.release()
 
 
 def test_force_takes_a_live_lease_of_the_same_run_at_once(tmp_path):
