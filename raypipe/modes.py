@@ -288,6 +288,9 @@ def _run(
         )
         text_index: Any = None
         if todo and config.dedup.enabled:
+            # Ray first: the index is built by Ray tasks into the object store (shards by hash
+            # range), so the driver holds references, not 33 bytes per committed text.
+            _ensure_ray()
             index, index_stats = build_index(
                 config.output.uri, version, tuple(labels), max_rows=config.dedup.max_index_rows
             )
