@@ -23,6 +23,7 @@ What lives where under OUTPUT:
     _raypipe/quarantine.json               shards an operator set aside (skipped, reported)
     _raypipe/runs/<run_id>/plan/<n>.json   the run's units, fixed at its first start
     _raypipe/runs/<run_id>/attempts/*.json each attempt's call statistics (for the report)
+    _raypipe/runs/<run_id>/attempts/<a>/actors/*.json  its actors' call tallies (`raypipe.tally`)
 
 **The fence is the table's**, and its story has one owner, `raypipe.commit.CommitProtocol`
 (`self.protocol`): take-over, unit commits, the plan and files seen (new immutable files the
@@ -35,6 +36,7 @@ it fences nothing.
 from __future__ import annotations
 
 import logging
+import posixpath
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ from raypipe.report import AttemptStats, RunReport
 from raypipe.sinks import OutcomeTable, TableFence
 from raypipe.sources import DeltaWindow, WorkUnit
 from raypipe.store import STATE_DIR, OutputStore
+from raypipe.tally import tally_files
 
 __all__ = [
     "LegacyLayout",
@@ -352,11 +355,14 @@ def drop_finished_state(output: str, *, before: datetime) -> int:
         at = _finished_at(store, run_id)
         if at is None or at > before:
             continue
+        attempt_folders = tally_files(store, run_id)  # each attempt's actors' call tallies
         doomed = [
             p
             for sub in ("attempts", "units", "started", "inputs", "plan")
             for p in store.list_files(store.run_state(run_id, sub))
+            if not (sub == "attempts" and posixpath.basename(p) in attempt_folders)
         ]
+        doomed += [p for paths in attempt_folders.values() for p in paths]
         doomed.append(store.run_state(run_id, "plan.json"))
         for path in doomed:
             store.delete(path)

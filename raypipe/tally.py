@@ -27,7 +27,7 @@ from typing import Any
 from raypipe.report import AttemptStats, LatencySketch, UnitStats
 from raypipe.store import OutputStore
 
-__all__ = ["WRITE_INTERVAL_S", "CallTally", "fold_tallies", "read_tallies", "tally_path"]
+__all__ = ["WRITE_INTERVAL_S", "CallTally", "fold_tallies", "read_tallies", "tally_files", "tally_path"]
 
 WRITE_INTERVAL_S = 10.0
 """Longest an actor's changed tally waits before it is written again."""
@@ -91,16 +91,20 @@ def tally_path(store: OutputStore, run_id: str, attempt: str, actor: str) -> str
     return store.run_state(run_id, "attempts", attempt, "actors", f"{re.sub(r'[^A-Za-z0-9_.-]', '_', actor)}.json")
 
 
-def read_tallies(store: OutputStore, run_id: str) -> dict[str, list[dict[str, Any]]]:
-    """Every actor record under the run's attempts, by attempt id."""
-    found: dict[str, list[dict[str, Any]]] = {}
+def tally_files(store: OutputStore, run_id: str) -> dict[str, list[str]]:
+    """The actor records under the run's attempts, by attempt id."""
+    found: dict[str, list[str]] = {}
     for folder in store.list_files(store.run_state(run_id, "attempts")):
         attempt = posixpath.basename(folder)
         if attempt.endswith(".json"):
             continue  # an attempt's own statistics (`RunState.save_attempt`), not a folder
-        paths = store.list_files(posixpath.join(folder, "actors"), ".json")
-        found[attempt] = [record for _, record in store.read_many_json(paths)]
+        found[attempt] = store.list_files(posixpath.join(folder, "actors"), ".json")
     return found
+
+
+def read_tallies(store: OutputStore, run_id: str) -> dict[str, list[dict[str, Any]]]:
+    """Every actor record under the run's attempts, by attempt id."""
+    return {a: [record for _, record in store.read_many_json(paths)] for a, paths in tally_files(store, run_id).items()}
 
 
 def fold_tallies(attempt: AttemptStats, records: Iterable[dict[str, Any]]) -> AttemptStats:

@@ -132,3 +132,25 @@ def test_a_unit_summary_carries_the_actor_tally_including_its_own_calls(tmp_path
                          .column("summary")[0].as_py())  # fmt: skip
     assert summary["calls"] == client.calls > 0
     assert summary["actor_stats"]["tally"]["calls"] == summary["calls"]
+
+
+def test_vacuum_drops_the_tallies_of_old_finished_runs(tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    from raypipe.runstate import drop_finished_state
+    from raypipe.sinks import OutcomeTable
+    from tests.fakes import LABELS
+
+    store = OutputStore(str(tmp_path))
+    table = OutcomeTable(str(tmp_path))
+    table.ensure(LABELS)
+    table.mark_committed(table.take_over("old"), {})
+    finished = (datetime.now(UTC) - timedelta(days=30)).isoformat()
+    store.write_json(store.report_file("old"), {"run_id": "old", "status": "completed", "finished_at": finished})
+    store.write_json(store.run_state("old", "attempts", "a1.json"), AttemptStats(attempt="a1").to_dict())
+    tally = tally_path(store, "old", "a1", "host:1:ab")
+    store.write_json(tally, record("host:1:ab", 1, {"OK": 1}))
+
+    assert drop_finished_state(str(tmp_path), before=datetime.now(UTC) - timedelta(days=7)) == 1
+    assert not store.exists(tally) and not store.exists(store.run_state("old", "attempts", "a1.json"))
+    assert store.exists(store.report_file("old"))
