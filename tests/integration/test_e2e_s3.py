@@ -115,13 +115,21 @@ def test_input_matching_no_shards_is_an_error(s3, serve_address):
 
 
 def test_unreachable_service_fails_fast_with_its_address(s3, ray_cluster):
+    """Its own input and output bucket, so it runs alone (`-k unreachable`) as well as after the others."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from tests.integration.conftest import free_port
 
+    bucket = s3.bucket("unreachable")
+    with s3.fs().open(f"{bucket.removeprefix('s3://')}/in/part-0.parquet", "wb") as f:
+        pq.write_table(pa.table({"id": ["a", "b"], "text": ["one text", "another"]}), f)
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(ServiceUnavailable, match=address):
         raypipe.backfill(
-            "s3://corpus/e2e/", "s3://results/never", service=address, settings={"service": {"connect_timeout_s": 2}}
+            f"{bucket}/in/", f"{bucket}/never", service=address, settings={"service": {"connect_timeout_s": 2}}
         )
+    assert not s3.fs().exists(f"{bucket.removeprefix('s3://')}/never")  # refused before anything was written
 
 
 def _texts_by_id(s3, uri: str) -> dict[str, str]:
