@@ -76,7 +76,7 @@ integration: $(STAMP)
 	$(PY) -m pytest tests/integration -q -m integration
 
 test: lint typecheck  ## lint, types, unit tests, then integration tests (real Ray, Serve, moto S3)
-	$(PY) -m pytest tests -q -ra
+	$(PY) -m pytest tests -q -ra --durations=10
 
 bench: $(STAMP)  ## throughput, memory and precision against the ceilings (~50 min on 2 cores) -> bench/results/
 	$(PY) -m bench.run $(BENCH_ARGS)
