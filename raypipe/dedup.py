@@ -2,7 +2,8 @@
 
 Every outcome row carries `text_hash`, a 64-bit BLAKE2b of its text's UTF-8 bytes. Before a
 run sends anything, the committed results of the same `model_version` (the version string
-names the precision/runtime too: `+bf16`, `+ov-fp32`, ...) become a `TextIndex`: per
+names every setting that changes answers: `+len128`, `+bf16`, `+ov-int8`, ...; fp32 on either
+runtime answers as the reference and keeps the card's version) become a `TextIndex`: per
 distinct text its hash and its answer (one float32 per label and the truncation flag, 33
 bytes a text with 6 labels). The actors look each row's hash up there; a row whose text
 already has an answer costs no call, and its result is written under the row's own id,
