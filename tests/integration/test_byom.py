@@ -111,10 +111,13 @@ def test_served_probabilities_equal_the_checkpoint_in_process(
 
     from raypipe.client import GrpcModelClient, check_service
     from serve_app.deploy import deploy
+    from serve_app.settings import ServerSettings
 
     app = "byom-minilm"
     card = json.loads((exported / "model.json").read_text(encoding="utf-8"))
-    address = deploy(exported, app_name=app, grpc_port=grpc_port)
+    # fp32: the reference's answers on whatever runtime is faster here (a faster precision the
+    # export measured may differ from the checkpoint by more than 1e-4; its gate is tested apart).
+    address = deploy(exported, app_name=app, grpc_port=grpc_port, settings=ServerSettings(precision="fp32"))
     try:
         info = check_service(address, application=app)
         assert info.labels == demo_data.LABELS

@@ -2,8 +2,9 @@
 
 - The fine-tuned real-weights MiniLM (`tests.hf_checkpoints.minilm_emotion`), exported and
   compiled by OpenVINO in fp32, answers as TensorFlow fp32 does (probabilities within 1e-4).
-- A replica deployed with ``runtime: openvino`` serves the model directory's own IR, says so
-  in its model version (``+ov-fp32``), and answers as the TensorFlow app does.
+- A replica deployed with ``runtime: openvino`` serves the model directory's own IR, says so in
+  the setting of its answers (``openvino:fp32``), and answers as a TensorFlow replica does, under
+  the same model version (fp32 on either runtime gives the reference's answers).
 """
 
 from __future__ import annotations
@@ -57,14 +58,15 @@ def test_served_openvino_reports_its_runtime(
         (model_dir / part).symlink_to(demo_model_dir / part)
     export_ir(model_dir)  # so the replica loads it instead of converting into its own cache
     version = json.loads((demo_model_dir / "model.json").read_text(encoding="utf-8"))["version"]
-    app = "openvino"
-    address = deploy(
-        model_dir,
-        app_name=app,
-        grpc_port=grpc_port,
-        settings=ServerSettings(runtime="openvino"),
-        options=DeploymentOptions(num_cpus=1.0),
-    )
+    apps = {
+        "openvino": ServerSettings(runtime="openvino", precision="fp32"),
+        "tf-reference": ServerSettings(runtime="tensorflow", precision="fp32"),
+    }
+    address = ""
+    for app, settings in apps.items():
+        address = deploy(
+            model_dir, app_name=app, grpc_port=grpc_port, settings=settings, options=DeploymentOptions(num_cpus=1.0)
+        )
     texts = TEXTS[:64]
 
     async def classify(application: str) -> Any:
@@ -75,10 +77,11 @@ def test_served_openvino_reports_its_runtime(
             await client.close()
 
     try:
-        ov_answer = asyncio.run(classify(app))
+        ov_answer = asyncio.run(classify("openvino"))
+        tf_answer = asyncio.run(classify("tf-reference"))
     finally:
-        serve.delete(app)
-    tf_answer = asyncio.run(classify("raypipe"))
-    assert ov_answer.model_version == f"{version}+ov-fp32"
-    assert tf_answer.model_version == version
+        for app in apps:
+            serve.delete(app)
+    assert (ov_answer.setting, tf_answer.setting) == ("openvino:fp32", "tensorflow:fp32")
+    assert ov_answer.model_version == tf_answer.model_version == version
     np.testing.assert_allclose(ov_answer.probabilities, tf_answer.probabilities, atol=1e-4)
