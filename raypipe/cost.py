@@ -7,12 +7,13 @@ processes whose command line names the session directory (GCS, raylet, dashboard
 and all their descendants (workers: read tasks, inference actors, Serve's proxy, controller and
 replicas) — plus the driver itself. The difference between the sweeps, per process and summed,
 is the run's CPU; processes are grouped by their title (`group_of`) so the bench can say where
-it went. A worker that ended between the sweeps is counted through its parent, which reaped it
-(its children's CPU time grows by the worker's whole life; what the worker had spent before the
-first sweep is taken off): group ``ended workers``. The second sweep is taken when the run's
-last unit is in (`CpuMeter.stop`), before Ray Data tears its actors down. On a cluster shared
-with other jobs their CPU counts too: the figure is the cluster's cost over the run, which is
-what a bill is.
+it went. Only nodes in both sweeps count, and a sweep waits at most `SWEEP_WAIT_S` for a node
+(one lost a moment ago never answers). A worker that ended between the sweeps is counted
+through its parent, which reaped it (its children's CPU time grows by the worker's whole
+life; what the worker had spent before the first sweep is taken off): group ``ended
+workers``. The second sweep is taken when the run's last unit is in (`CpuMeter.stop`),
+before Ray Data tears its actors down. On a cluster shared with other jobs their CPU counts
+too: the figure is the cluster's cost over the run, which is what a bill is.
 
 The model's share comes from the replicas themselves: each answer carries the core-seconds of
 the forward passes it took part in (`protos.wire.TIMING_KEYS["model_cpu_s"]`), which the actors
@@ -212,6 +213,10 @@ class CpuMeter:
         assert self._stopped is not None and self._driver_stopped is not None
         wall = self._stopped - self._started
         groups: defaultdict[str, float] = defaultdict(float)
+        # Nodes in both sweeps (a node that missed one, or joined between them, would count a
+        # whole life, or nothing to subtract from).
+        both = {n["node"] for n in self._before} & {n["node"] for n in after}
+        after = [n for n in after if n["node"] in both]
         before = {(n["node"], k): v for n in self._before for k, v in n["processes"].items()}
         alive = {(n["node"], k) for n in after for k in n["processes"]}
         own, here = f"{os.getpid()}:", os.uname().nodename
@@ -229,7 +234,8 @@ class CpuMeter:
                 if spent > 0:
                     groups[group_of(title)] += spent
         # ... less what such workers had spent before the first sweep (counted there already).
-        ended -= sum(_entry(v)[0] for k, v in before.items() if k not in alive)
+        swept = {n["node"] for n in after}
+        ended -= sum(_entry(v)[0] for k, v in before.items() if k not in alive and k[0] in swept)
         if ended > 0:
             groups["ended workers"] += ended
         # The driver, once (it is in the sweep too when it runs as a job on a cluster node).
@@ -255,6 +261,10 @@ def _entry(entry: Any) -> tuple[float, float, str]:
     return float(entry[0]), float(entry[1]), str(entry[2])
 
 
+#: Longest a sweep waits for a node's answer (a node that died a moment ago answers never).
+SWEEP_WAIT_S = 10.0
+
+
 def _driver_cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -272,4 +282,11 @@ def _sweep_cluster() -> list[dict[str, Any]]:
         sweep.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
         for node_id in nodes
     ]
-    return list(ray.get(refs, timeout=60))
+    # A node lost a moment ago may still be listed alive: never wait on it for long. The nodes
+    # that answer are the sweep (a node missing from one sweep is left out of the difference).
+    ready, late = ray.wait(refs, num_returns=len(refs), timeout=SWEEP_WAIT_S)
+    for ref in late:
+        ray.cancel(ref, force=True)
+    if not ready:
+        raise RuntimeError(f"no node answered the CPU sweep within {SWEEP_WAIT_S:g} s")
+    return list(ray.get(ready))
