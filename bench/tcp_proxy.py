@@ -9,6 +9,9 @@ the bytes each way, and it can hold each client write a while.
 - Delay (`delay_s`): each client write waits that long before it is passed on, so every
   request waits about that long, as on a network (moto on loopback answers at once;
   `bench.planning`).
+- Cut on a byte count (`cut_after_up`): the proxy cuts itself once that many bytes went from
+  client to server and sets `cut_fired`, so a test's outage starts at a point of the work,
+  not of the clock (a fast CPU would otherwise finish before a timed cut).
 
 Hand-written, not a library: the standard library's asyncio streams make it ~80 lines, and the
 tests need to cut live connections at a moment of their choosing, which proxies such as
@@ -37,10 +40,14 @@ def free_port() -> int:
 class TcpProxy:
     """Forwards 127.0.0.1:`listen_port` (0: a free port, kept across cuts) to 127.0.0.1:`target_port`."""
 
-    def __init__(self, target_port: int, listen_port: int = 0, *, delay_s: float = 0.0) -> None:
+    def __init__(
+        self, target_port: int, listen_port: int = 0, *, delay_s: float = 0.0, cut_after_up: int | None = None
+    ) -> None:
         self.target_port = target_port
         self.listen_port = listen_port
         self.delay_s = delay_s
+        self.cut_after_up = cut_after_up
+        self.cut_fired = threading.Event()
         self.up = 0
         self.down = 0
         self._loop = asyncio.new_event_loop()
@@ -108,6 +115,11 @@ class TcpProxy:
                         self.down += len(data)
                     else:
                         self.up += len(data)
+                        if self.cut_after_up is not None and self.up >= self.cut_after_up:
+                            self.cut_after_up = None
+                            await self._cut()
+                            self.cut_fired.set()
+                            return
                         if self.delay_s:
                             await asyncio.sleep(self.delay_s)
                     dst.write(data)

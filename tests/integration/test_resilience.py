@@ -99,9 +99,9 @@ def test_poison_rows_are_dead_lettered_alone_then_replayed_into_the_results(tmp_
     assert dead == [] and len(results) == len(all_ids)
 
 
-def backfill_in_background(input_uri, out, service, cfg):
-    """Starts a backfill in a thread and returns, once its first unit is committed, a `finish`
-    that waits for the run and returns its report (or raises its error)."""
+def backfill_in_background(input_uri, out, service, cfg, started: threading.Event | None = None):
+    """Starts a backfill in a thread and returns, once its first unit is committed (or `started`
+    is set), a `finish` that waits for the run and returns its report (or raises its error)."""
     box = {}
 
     def run():
@@ -112,7 +112,11 @@ def backfill_in_background(input_uri, out, service, cfg):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    wait_for(lambda: committed_results(out) is not None or not thread.is_alive(), 120, "a first committed unit")
+    wait_for(
+        lambda: (started is not None and started.is_set()) or committed_results(out) is not None or not thread.is_alive(),
+        120,
+        "a first committed unit",
+    )
 
     def finish():
         thread.join(timeout=240)
@@ -155,7 +159,10 @@ def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address,
 
 @pytest.mark.timeout(300)
 def test_an_outage_opens_the_breaker_and_calls_while_open_stay_bounded(tmp_path, corpus, serve_address, grpc_port):
-    proxy = TcpProxy(grpc_port, free_port()).start()
+    # The outage starts at a point of the work, not of the clock: the proxy cuts itself once a
+    # fifth of the corpus's distinct text has gone up, so most calls are still to come on any CPU.
+    distinct_bytes = sum(len(t.encode()) for t in set(corpus.texts) if t and t.strip())
+    proxy = TcpProxy(grpc_port, free_port(), cut_after_up=distinct_bytes // 5).start()
     out = tmp_path / "out"
     threshold, limit_max, outage_s = 5, 8, 15.0
     cfg = settings(
@@ -167,8 +174,8 @@ def test_an_outage_opens_the_breaker_and_calls_while_open_stay_bounded(tmp_path,
         actors={"min_actors": 1, "max_actors": 1},
     )
     try:
-        finish = backfill_in_background(corpus.uri, out, proxy.address, cfg)
-        proxy.cut()
+        finish = backfill_in_background(corpus.uri, out, proxy.address, cfg, started=proxy.cut_fired)
+        assert proxy.cut_fired.wait(120), "the run never sent a fifth of its text"
         time.sleep(outage_s)
         proxy.restore()
         report = finish()
