@@ -112,11 +112,11 @@ def backfill_in_background(input_uri, out, service, cfg, started: threading.Even
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    wait_for(
-        lambda: (started is not None and started.is_set()) or committed_results(out) is not None or not thread.is_alive(),
-        120,
-        "a first committed unit",
-    )
+
+    def begun() -> bool:
+        return (started is not None and started.is_set()) or committed_results(out) is not None
+
+    wait_for(lambda: begun() or not thread.is_alive(), 120, "a first committed unit")
 
     def finish():
         thread.join(timeout=240)
