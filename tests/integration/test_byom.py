@@ -54,8 +54,8 @@ def minilm() -> Checkpoints:
 @pytest.fixture(scope="module")
 def exported(minilm: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_hf_checkpoint(
-        minilm.tf_dir, tmp_path_factory.mktemp("byom") / "minilm-emotion", max_sequence_length=MAX_LENGTH
-    )
+        minilm.tf_dir, tmp_path_factory.mktemp("byom") / "minilm-emotion", max_sequence_length=MAX_LENGTH, measure=False
+    )  # measuring on export is tested on a small model (tests/unit/test_export.py)
 
 
 def _in_process(checkpoint: Path, texts: list[str]) -> np.ndarray:
@@ -96,7 +96,7 @@ def test_export_card(exported: Path, minilm: Checkpoints) -> None:
 
 
 def test_pytorch_only_checkpoint_exports_to_the_same_model(exported: Path, minilm: Checkpoints, tmp_path: Path) -> None:
-    out = export_hf_checkpoint(minilm.pt_dir, tmp_path / "from-pt", max_sequence_length=MAX_LENGTH)
+    out = export_hf_checkpoint(minilm.pt_dir, tmp_path / "from-pt", max_sequence_length=MAX_LENGTH, measure=False)
     card = json.loads((out / "model.json").read_text(encoding="utf-8"))
     assert card["source"]["weights"] == "model.safetensors (PyTorch)"
     # The version hashes the served weights: the same version means the same model, and the

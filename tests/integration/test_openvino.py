@@ -32,7 +32,9 @@ def test_real_weights_minilm_on_openvino_answers_as_tensorflow(tmp_path: Path, m
     from serve_app.export import export_hf_checkpoint
 
     monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path / "cache"))
-    model_dir = export_hf_checkpoint(ck.minilm_emotion().tf_dir, tmp_path / "minilm", max_sequence_length=128)
+    model_dir = export_hf_checkpoint(
+        ck.minilm_emotion().tf_dir, tmp_path / "minilm", max_sequence_length=128, measure=False
+    )
     fp32 = EmotionModel.load(model_dir).predict(TEXTS).probabilities
     export_ir(model_dir)
     model = EmotionModel.load(model_dir, runtime="openvino", threads=2)

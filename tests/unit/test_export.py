@@ -110,6 +110,19 @@ def test_pytorch_weights_export_serves_the_source_model(
     assert card["source"]["model_type"] == "bert"
 
 
+def test_export_measures_the_runtimes_so_the_first_serve_is_fast(exported: Path) -> None:
+    """`model export` measures on this CPU what a replica with default settings chooses from:
+    TF fp32, OpenVINO fp32 (and bf16 where the CPU has it), in and out of domain."""
+    from serve_app.runtimes import read_record
+
+    record = read_record(exported)
+    assert record is not None
+    settings = {(m.runtime, m.precision): m for m in record.measurements}
+    assert {("tensorflow", "fp32"), ("openvino", "fp32")} <= set(settings)
+    assert settings["openvino", "fp32"].agreement_in == 1.0
+    assert all(m.agreement_out is not None and m.para_per_s > 0 for m in record.measurements)
+
+
 @pytest.mark.parametrize("weights", ["tf", "tf-safetensors", "pt-sharded"])
 def test_every_weight_format_exports_to_the_same_version(
     root: Path, bert: Any, tokenizer: Any, exported: Path, reference: np.ndarray, weights: str
@@ -118,7 +131,7 @@ def test_every_weight_format_exports_to_the_same_version(
     separate = weights == "tf"
     source = ck.save_checkpoint(bert, None if separate else tokenizer, root / f"checkpoint-{weights}", weights=weights)
     out = export_hf_checkpoint(
-        source, root / f"exported-{weights}", tokenizer_dir=root / "tokenizer" if separate else None
+        source, root / f"exported-{weights}", tokenizer_dir=root / "tokenizer" if separate else None, measure=False
     )
     assert _card(out)["version"] == _card(exported)["version"]
     assert ("TensorFlow" in _card(out)["source"]["weights"]) == weights.startswith("tf")
@@ -131,7 +144,7 @@ def test_other_bert_family_models(root: Path, model_type: str) -> None:
     tokenizer = ck.write_bpe_tokenizer(tok_dir) if model_type == "roberta" else ck.write_wordpiece_tokenizer(tok_dir)
     model = ck.build_classifier(ck.tiny_config(model_type, vocab_size=len(tokenizer), labels=LABELS), seed=1)
     source = ck.save_checkpoint(model, tokenizer, root / f"checkpoint-{model_type}", weights="pt")
-    out = export_hf_checkpoint(source, root / f"exported-{model_type}")
+    out = export_hf_checkpoint(source, root / f"exported-{model_type}", measure=False)
     card = _card(out)
     assert card["max_sequence_length"] == 64  # RoBERTa: 66 positions, 2 reserved
     assert card["version"].startswith(f"{model_type}-1x32-")
