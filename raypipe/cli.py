@@ -538,16 +538,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "lease":
             return _lease(args)
         if args.command in ("compact", "vacuum", "migrate"):
-            from raypipe import outcomes
+            from raypipe import upkeep
 
             if args.command == "compact":
-                done = outcomes.compact(args.output, run_ids=args.run_id)
+                done = upkeep.compact(args.output, run_ids=args.run_id)
             elif args.command == "vacuum":
-                done = outcomes.vacuum(
+                done = upkeep.vacuum(
                     args.output, retention_hours=args.retention_hours, dry_run=args.dry_run, force=args.force
                 )
             else:
-                done = outcomes.migrate(args.output)
+                done = upkeep.migrate(args.output)
             print(json.dumps(done))
             return EXIT_OK
         if args.command == "demo":

@@ -36,7 +36,6 @@ it fences nothing.
 from __future__ import annotations
 
 import logging
-import posixpath
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,24 +50,14 @@ from raypipe.errors import ConfigError
 from raypipe.lease import Lease
 from raypipe.outcomes import Ledger, ledger, ledger_of
 from raypipe.report import AttemptStats, RunReport
-from raypipe.sinks import OutcomeTable, TableFence
+from raypipe.sinks import TableFence
 from raypipe.sources import DeltaWindow, WorkUnit
-from raypipe.store import STATE_DIR, OutputStore
-from raypipe.tally import tally_files
+from raypipe.store import OutputStore
 
-__all__ = [
-    "LegacyLayout",
-    "Plan",
-    "RunState",
-    "drop_finished_state",
-    "finished_runs",
-    "quarantine",
-    "read_files_seen",
-]
+__all__ = ["Plan", "RunState", "quarantine", "read_files_seen"]
 
 logger = logging.getLogger("raypipe")
 
-COMMITTED = "COMMITTED.json"
 FILES_SEEN = LEGACY_FILES_SEEN  # an earlier release's files seen, read where the table names none
 WATERMARK = "watermark.json"
 QUARANTINE = "quarantine.json"
@@ -322,78 +311,3 @@ def quarantine(output: str, shards: list[str], *, reason: str, release: bool = F
             current[shard] = {"reason": reason, "at": _iso(datetime.now(UTC))}
     store.write_json(store.state(QUARANTINE), {"shards": current})
     return {"quarantined": sorted(current)}
-
-
-def finished_runs(output: str) -> list[str]:
-    """Run ids the table records as committed (their fenced run commit), among the runs with
-    rows in the table or state under `_raypipe/runs/`."""
-    store = OutputStore(output)
-    table = OutcomeTable(output)
-    runs = store.path(STATE_DIR, "runs")
-    try:
-        store.fs.invalidate_cache(runs)
-        names = {p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)}
-    except FileNotFoundError:
-        names = set()
-    return sorted(table.committed_runs(names | table.run_ids()))
-
-
-def _finished_at(store: OutputStore, run_id: str) -> datetime | None:
-    """When a committed run finished: its report's `finished_at`, else the `COMMITTED.json` an
-    earlier release wrote."""
-    report = store.read_json_or_none(store.report_file(run_id)) or {}
-    at = report.get("finished_at") or (store.read_json_or_none(store.run_state(run_id, COMMITTED)) or {}).get("at")
-    return _parse(at) if at else None
-
-
-def drop_finished_state(output: str, *, before: datetime) -> int:
-    """Removes plans and attempt statistics of runs committed and finished before `before`
-    (reports stay)."""
-    store = OutputStore(output)
-    removed = 0
-    for run_id in finished_runs(output):
-        at = _finished_at(store, run_id)
-        if at is None or at > before:
-            continue
-        attempt_folders = tally_files(store, run_id)  # each attempt's actors' call tallies
-        doomed = [
-            p
-            for sub in ("attempts", "units", "started", "inputs", "plan")
-            for p in store.list_files(store.run_state(run_id, sub))
-            if not (sub == "attempts" and posixpath.basename(p) in attempt_folders)
-        ]
-        doomed += [p for paths in attempt_folders.values() for p in paths]
-        doomed.append(store.run_state(run_id, "plan.json"))
-        for path in doomed:
-            store.delete(path)
-        removed += 1
-    return removed
-
-
-class LegacyLayout:
-    """An output written by raypipe's earlier layout (read by `raypipe migrate`)."""
-
-    def __init__(self, output: str) -> None:
-        self.store = OutputStore(output)
-
-    def runs(self) -> list[str]:
-        runs = self.store.path(STATE_DIR, "runs")
-        try:
-            self.store.fs.invalidate_cache(runs)
-            return sorted(p.rsplit("/", 1)[-1] for p in self.store.fs.ls(runs, detail=False))
-        except FileNotFoundError:
-            return []
-
-    def is_committed(self, run_id: str) -> bool:
-        """Did the run finish (its `COMMITTED.json`, the earlier layout's run commit)?"""
-        return self.store.read_json_or_none(self.store.run_state(run_id, COMMITTED)) is not None
-
-    def committed_units(self, run_id: str) -> set[str]:
-        folder = self.store.run_state(run_id, "units")
-        return {p.rsplit("/", 1)[-1].removesuffix(".json") for p in self.store.list_files(folder, ".json")}
-
-    def results_file(self, run_id: str, unit: str) -> str:
-        return self.store.path("results", f"run={run_id}", f"{unit}.parquet")
-
-    def dead_file(self, run_id: str, unit: str) -> str:
-        return self.store.path("dead_letters", f"run={run_id}", f"{unit}.parquet")

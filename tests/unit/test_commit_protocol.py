@@ -21,11 +21,11 @@ import pytest
 
 from raypipe.commit import CommitProtocol
 from raypipe.errors import LeaseLostError
-from raypipe.outcomes import read_outcomes, vacuum
+from raypipe.outcomes import read_outcomes
 from raypipe.report import AttemptStats, UnitStats
-from raypipe.runstate import drop_finished_state, finished_runs
 from raypipe.sinks import OutcomeTable, UnitCommitter
 from raypipe.store import OutputStore
+from raypipe.upkeep import drop_finished_state, finished_runs, vacuum
 from tests.fakes import LABELS
 
 UNIT = "shard-0-abc"

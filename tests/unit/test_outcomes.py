@@ -13,9 +13,9 @@ import pytest
 
 import raypipe
 from raypipe.errors import ConfigError
-from raypipe.outcomes import migrate, vacuum
 from raypipe.sinks import OutcomeTable, UnitCommitter
 from raypipe.store import OutputStore
+from raypipe.upkeep import migrate, vacuum
 from tests.fakes import LABELS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -7,8 +7,9 @@ import pytest
 
 from raypipe.api import build_config
 from raypipe.errors import LeaseLostError
-from raypipe.runstate import Plan, RunState, finished_runs
+from raypipe.runstate import Plan, RunState
 from raypipe.sources import WorkUnit
+from raypipe.upkeep import finished_runs
 from tests.fakes import LABELS
 
 IN = "/data/in"

@@ -1,0 +1,255 @@
+"""Keeping an output in shape: compaction, vacuum, and copying an earlier layout in.
+
+- `compact`: Delta's own `optimize.compact` over finished runs' partitions (small files).
+- `vacuum`: Delta's `vacuum` (files no commit references, such as those of a fenced-off
+  attempt, and the log's expired entries), plus removing finished runs' state
+  (`drop_finished_state`).
+- `migrate`: copies an output written by raypipe ≤ 0.1 (`results/`, `dead_letters/` Parquet
+  with commit markers, read through `LegacyLayout`) into the table.
+- `finished_runs`: the run ids the table records as committed, which all three go by.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import posixpath
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raypipe.errors import ConfigError
+from raypipe.sinks import OutcomeTable
+from raypipe.store import STATE_DIR, OutputStore
+from raypipe.tally import tally_files
+
+__all__ = [
+    "VACUUM_FLOOR_HOURS",
+    "LegacyLayout",
+    "compact",
+    "drop_finished_state",
+    "finished_runs",
+    "migrate",
+    "vacuum",
+]
+
+logger = logging.getLogger("raypipe")
+
+COMMITTED = "COMMITTED.json"
+"""An earlier release's run commit marker (`_raypipe/runs/<run_id>/COMMITTED.json`)."""
+
+
+def compact(output: str, *, run_ids: list[str] | None = None, target_size: int | None = None) -> dict[str, Any]:
+    """Delta `optimize.compact` over finished runs' partitions (all finished runs by default).
+
+    An unfinished run is never compacted: its progress is read from one file per unit.
+    """
+    table = OutcomeTable(output)
+    runs = run_ids if run_ids is not None else finished_runs(output)
+    done = set(finished_runs(output))
+    unfinished = [r for r in runs if r not in done]
+    if unfinished:
+        raise ValueError(f"runs still unfinished (not compacted): {', '.join(unfinished)}")
+    if not runs:
+        return {"runs": 0}
+    dt = table.load()
+    metrics = dt.optimize.compact(partition_filters=[("run_id", "in", runs)], target_size=target_size)
+    return {"runs": len(runs), **{k: v for k, v in metrics.items() if isinstance(v, int | float)}}
+
+
+VACUUM_FLOOR_HOURS = 168.0
+"""The shortest retention `vacuum` takes unless forced: Delta's own default
+(`delta.deletedFileRetentionDuration`, 7 days), far above the longest a unit may take between
+writing its file and committing it (a unit's inference, breaker waits, commit retries)."""
+
+
+def vacuum(
+    output: str, *, retention_hours: float = VACUUM_FLOOR_HOURS, dry_run: bool = False, force: bool = False
+) -> dict[str, Any]:
+    """Delta `vacuum`: deletes data files no commit references and that are older than the
+    retention (fenced-off or failed commits, files compacted away), and the commit log's
+    expired entries; then the run state of runs committed before the retention.
+
+    A file written by a live attempt is referenced by no commit until its unit commits, so a
+    short retention could delete it under that commit. A retention under `VACUUM_FLOOR_HOURS`
+    is refused (`ConfigError`) unless `force`; the retention is rounded up to whole hours
+    (delta-rs takes an int), never down.
+    """
+    if not retention_hours >= 0:
+        raise ConfigError(f"vacuum: --retention-hours must be >= 0, got {retention_hours}")
+    if retention_hours < VACUUM_FLOOR_HOURS and not force:
+        raise ConfigError(
+            f"vacuum: a retention of {retention_hours:g} h is under {VACUUM_FLOOR_HOURS:g} h and may delete the files "
+            "of a unit a live run has written but not committed yet; pass --force if no run writes to this output"
+        )
+    table = OutcomeTable(output)
+    dt = table.load()
+    files = dt.vacuum(
+        retention_hours=math.ceil(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True
+    )
+    if not dry_run:
+        dt.cleanup_metadata()
+    removed = 0 if dry_run else drop_finished_state(output, before=datetime.now(UTC) - timedelta(hours=retention_hours))
+    return {"files": len(files), "dry_run": dry_run, "runs_state_removed": removed}
+
+
+def migrate(output: str) -> dict[str, int]:
+    """Copies an output of raypipe's earlier layout (`results/run=R/*.parquet`,
+    `dead_letters/run=R/*.parquet`, committed units' markers under `_raypipe/runs/R/units/`)
+    into the outcomes table, one commit per run; the old files are left in place.
+
+    Only units with a commit marker are copied (an unfinished attempt's files never were
+    committed), and only a run with its `COMMITTED.json` is recorded as committed in the
+    table: a half-done legacy run, resumed under its run id, infers its other units. A run
+    already in the table is skipped, so the command can be rerun.
+    """
+    import pyarrow.parquet as pq
+
+    from raypipe.sinks import text_hashes
+
+    old = LegacyLayout(output)
+    table = OutcomeTable(output)
+    copied = {"runs": 0, "rows": 0}
+    for run_id in old.runs():
+        if table.exists() and run_id in _runs_in_table(table):
+            continue
+        units = old.committed_units(run_id)
+        parts: list[pa.Table] = []
+        labels: list[str] = []
+        for unit in sorted(units):
+            for kind, path in (
+                ("result", old.results_file(run_id, unit)),
+                ("dead_letter", old.dead_file(run_id, unit)),
+            ):
+                if not old.store.exists(path):
+                    continue
+                with old.store.fs.open(path, "rb") as f:
+                    t = pq.read_table(f)
+                labels = labels or [c.removeprefix("prob_") for c in t.column_names if c.startswith("prob_")]
+                n = t.num_rows
+                cols: dict[str, Any] = {c: t.column(c) for c in t.column_names if c != "failed_at"}
+                cols["outcome"] = pa.array([kind] * n, pa.string())
+                cols["unit"] = pa.array([unit] * n, pa.string())
+                cols["run_id"] = pa.array([run_id] * n, pa.string())
+                if kind == "dead_letter":
+                    cols["inferred_at"] = t.column("failed_at")
+                    cols["text_hash"] = text_hashes(t.column("text"))
+                parts.append(pa.table(cols))
+        if not parts:
+            continue
+        table.ensure(tuple(labels))
+        full = table.arrow_schema()
+        rows = pa.concat_tables(
+            [
+                pa.Table.from_arrays(
+                    [
+                        p.column(f.name).cast(f.type) if f.name in p.column_names else pa.nulls(p.num_rows, f.type)
+                        for f in full
+                    ],
+                    schema=full,
+                )
+                for p in parts
+            ]
+        )
+        from deltalake import CommitProperties, write_deltalake
+
+        write_deltalake(
+            table.load(),
+            rows,
+            mode="append",
+            partition_by=["run_id"],
+            commit_properties=CommitProperties(
+                custom_metadata={"raypipe.operation": "migrate", "raypipe.run_id": run_id}
+            ),
+        )
+        if old.is_committed(run_id):  # else a half-done legacy run: resuming it does its other units
+            fence = table.take_over(run_id, holder="migrate")
+            table.mark_committed(fence, {"raypipe.migrated": "true"})
+        copied["runs"] += 1
+        copied["rows"] += rows.num_rows
+        logger.info("migrated run %s: %d rows", run_id, rows.num_rows)
+    return copied
+
+
+def _runs_in_table(table: OutcomeTable) -> set[str]:
+    actions = pa.table(table.load().get_add_actions(flatten=True))
+    if actions.num_rows == 0:
+        return set()
+    return set(pc.unique(actions.column("partition.run_id")).to_pylist())
+
+
+def finished_runs(output: str) -> list[str]:
+    """Run ids the table records as committed (their fenced run commit), among the runs with
+    rows in the table or state under `_raypipe/runs/`."""
+    store = OutputStore(output)
+    table = OutcomeTable(output)
+    runs = store.path(STATE_DIR, "runs")
+    try:
+        store.fs.invalidate_cache(runs)
+        names = {p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)}
+    except FileNotFoundError:
+        names = set()
+    return sorted(table.committed_runs(names | table.run_ids()))
+
+
+def _finished_at(store: OutputStore, run_id: str) -> datetime | None:
+    """When a committed run finished: its report's `finished_at`, else the `COMMITTED.json` an
+    earlier release wrote."""
+    report = store.read_json_or_none(store.report_file(run_id)) or {}
+    at = report.get("finished_at") or (store.read_json_or_none(store.run_state(run_id, COMMITTED)) or {}).get("at")
+    return datetime.fromisoformat(at) if at else None
+
+
+def drop_finished_state(output: str, *, before: datetime) -> int:
+    """Removes plans and attempt statistics of runs committed and finished before `before`
+    (reports stay)."""
+    store = OutputStore(output)
+    removed = 0
+    for run_id in finished_runs(output):
+        at = _finished_at(store, run_id)
+        if at is None or at > before:
+            continue
+        attempt_folders = tally_files(store, run_id)  # each attempt's actors' call tallies
+        doomed = [
+            p
+            for sub in ("attempts", "units", "started", "inputs", "plan")
+            for p in store.list_files(store.run_state(run_id, sub))
+            if not (sub == "attempts" and posixpath.basename(p) in attempt_folders)
+        ]
+        doomed += [p for paths in attempt_folders.values() for p in paths]
+        doomed.append(store.run_state(run_id, "plan.json"))
+        for path in doomed:
+            store.delete(path)
+        removed += 1
+    return removed
+
+
+class LegacyLayout:
+    """An output written by raypipe's earlier layout (read by `raypipe migrate`)."""
+
+    def __init__(self, output: str) -> None:
+        self.store = OutputStore(output)
+
+    def runs(self) -> list[str]:
+        runs = self.store.path(STATE_DIR, "runs")
+        try:
+            self.store.fs.invalidate_cache(runs)
+            return sorted(p.rsplit("/", 1)[-1] for p in self.store.fs.ls(runs, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def is_committed(self, run_id: str) -> bool:
+        """Did the run finish (its `COMMITTED.json`, the earlier layout's run commit)?"""
+        return self.store.read_json_or_none(self.store.run_state(run_id, COMMITTED)) is not None
+
+    def committed_units(self, run_id: str) -> set[str]:
+        folder = self.store.run_state(run_id, "units")
+        return {p.rsplit("/", 1)[-1].removesuffix(".json") for p in self.store.list_files(folder, ".json")}
+
+    def results_file(self, run_id: str, unit: str) -> str:
+        return self.store.path("results", f"run={run_id}", f"{unit}.parquet")
+
+    def dead_file(self, run_id: str, unit: str) -> str:
+        return self.store.path("dead_letters", f"run={run_id}", f"{unit}.parquet")
