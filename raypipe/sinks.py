@@ -304,14 +304,38 @@ class OutcomeTable:
         number; one commit then sets `app` to it, with the run's slots at `fence`'s generation.
         A concurrent pointer change is a conflict: `write` runs again on the new state. Once a
         newer attempt took over, `LeaseLostError`, and the file written stays unreferenced."""
+
+        def mark(dt: Any) -> tuple[str, int]:
+            current = dt.transaction_version(app)
+            return app, write(None if current is None else int(current))
+
+        return self._fenced_commit(
+            fence,
+            mark,
+            {"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
+            failure=f"could not record {operation} for run {fence.run_id}",
+        )
+
+    def _fenced_commit(
+        self,
+        fence: TableFence,
+        mark: Callable[[Any], tuple[str, int]],
+        metadata: dict[str, str],
+        *,
+        failure: str,
+    ) -> int:
+        """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
+        run's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
+
+        A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
+        newer attempt took over, `LeaseLostError`. Returns the version the app was set to."""
         from deltalake import CommitProperties, Transaction
 
         failed = _commit_failed()
         for _ in range(50):
             dt = self.load()
             _check_generation(dt, fence, 0)
-            current = dt.transaction_version(app)
-            number = write(None if current is None else int(current))
+            app, version = mark(dt)
             txns = [Transaction(_slot_app(fence.run_id, s), fence.generation) for s in range(SLOTS)]
             try:
                 dt.create_write_transaction(
@@ -320,14 +344,13 @@ class OutcomeTable:
                     schema=dt.schema(),
                     partition_by=["run_id"],
                     commit_properties=CommitProperties(
-                        app_transactions=[*txns, Transaction(app, number)],
-                        custom_metadata={"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
+                        app_transactions=[*txns, Transaction(app, version)], custom_metadata=metadata
                     ),
                 )
-                return number
+                return version
             except failed:
                 time.sleep(random.uniform(0.01, 0.2))
-        raise SinkError(f"could not record {operation} for run {fence.run_id}", path=self.uri)
+        raise SinkError(failure, path=self.uri)
 
     def committed_runs(self, candidates: set[str]) -> set[str]:
         """The run ids among `candidates` whose run commit is in the table."""
@@ -378,32 +401,12 @@ class OutcomeTable:
 
     def mark_committed(self, fence: TableFence, metadata: dict[str, str]) -> None:
         """Records, fenced, that every unit of the run is committed (a rerun does nothing)."""
-        from deltalake import CommitProperties, Transaction
-
-        failed = _commit_failed()
-        for _ in range(50):
-            dt = self.load()
-            _check_generation(dt, fence, 0)
-            txns = [Transaction(_slot_app(fence.run_id, s), fence.generation) for s in range(SLOTS)]
-            try:
-                dt.create_write_transaction(
-                    [],
-                    mode="append",
-                    schema=dt.schema(),
-                    partition_by=["run_id"],
-                    commit_properties=CommitProperties(
-                        app_transactions=[*txns, Transaction(_done_app(fence.run_id), fence.generation)],
-                        custom_metadata={
-                            "raypipe.operation": "run-committed",
-                            "raypipe.run_id": fence.run_id,
-                            **metadata,
-                        },
-                    ),
-                )
-                return
-            except failed:
-                time.sleep(random.uniform(0.01, 0.2))
-        raise SinkError(f"could not record run {fence.run_id} as committed", path=self.uri)
+        self._fenced_commit(
+            fence,
+            lambda dt: (_done_app(fence.run_id), fence.generation),
+            {"raypipe.operation": "run-committed", "raypipe.run_id": fence.run_id, **metadata},
+            failure=f"could not record run {fence.run_id} as committed",
+        )
 
     def committed_units(self, run_id: str) -> set[str]:
         """Units of `run_id` with committed rows, from the log's file statistics (no data read).
