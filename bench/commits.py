@@ -3,7 +3,7 @@
 W writer threads, each an actor's `UnitCommitter` of one attempt (same fence), commit N
 units of `rows` rows each into one Delta table on S3 (moto on 127.0.0.1), as the actors of a
 run do. Reports commits per second and the time of one commit. Units of one slot conflict and
-retry (see `raypipe.sinks`); the figure includes those retries.
+retry (see `raypipe.commit.table`); the figure includes those retries.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _rows(unit: str, n: int, labels: tuple[str, ...]) -> Any:
     import numpy as np
     import pyarrow as pa
 
-    from raypipe.sinks import label_column
+    from raypipe.commit.table import label_column
 
     rng = np.random.default_rng(abs(hash(unit)) % 2**32)
     probs = rng.dirichlet(np.ones(len(labels)), size=n).astype(np.float32)
@@ -44,7 +44,7 @@ def _rows(unit: str, n: int, labels: tuple[str, ...]) -> Any:
 
 def run_commits(writers: int = 8, units_per_writer: int = 10, rows: int = 2000) -> dict[str, Any]:
     from bench.s3server import MotoServer
-    from raypipe.sinks import OutcomeTable, UnitCommitter
+    from raypipe.commit.table import OutcomeTable, UnitCommitter
 
     labels = ("anger", "fear", "joy", "love", "sadness", "surprise")
     server = MotoServer().start()

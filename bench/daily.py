@@ -86,9 +86,9 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from raypipe.runstate import FILES_SEEN
-    from raypipe.sinks import OutcomeTable, UnitCommitter, text_hashes
-    from raypipe.sources import fingerprint
+    from raypipe.commit.table import OutcomeTable, UnitCommitter, text_hashes
+    from raypipe.plan.sources import fingerprint
+    from raypipe.run.state import FILES_SEEN
     from raypipe.store import OutputStore
 
     card = json.loads((demo / "model.json").read_text())

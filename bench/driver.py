@@ -22,10 +22,10 @@ def run_driver_memory(units: int = 50_000) -> dict[str, Any]:
     from deltalake import DeltaTable
     from deltalake.transaction import AddAction
 
+    from raypipe.commit.table import OutcomeTable
+    from raypipe.plan.sources import WorkUnit
     from raypipe.report import AttemptStats, UnitStats
-    from raypipe.runstate import Plan
-    from raypipe.sinks import OutcomeTable
-    from raypipe.sources import WorkUnit
+    from raypipe.run.state import Plan
 
     out: dict[str, Any] = {"units": units}
     with tempfile.TemporaryDirectory(prefix="raypipe-driver-") as tmp:

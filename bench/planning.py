@@ -128,7 +128,7 @@ def child_plan(payload: dict[str, Any]) -> dict[str, Any]:
     import fsspec
 
     from raypipe.config import InputConfig
-    from raypipe.sources import ColumnNames, PlanObservations, list_input, plan_listing
+    from raypipe.plan.sources import ColumnNames, PlanObservations, list_input, plan_listing
 
     overrides: dict[str, Any] = {"planning_threads": payload["threads"]} if payload.get("threads") else {}
     if payload.get("every_footer"):
@@ -189,7 +189,7 @@ def child_requests(payload: dict[str, Any]) -> dict[str, Any]:
     """Requests per footer, before and now, with s3fs's listing cache warm and cold."""
     import fsspec
 
-    from raypipe.sources import _read_footer, list_input
+    from raypipe.plan.sources import _read_footer, list_input
 
     fs = fsspec.filesystem("s3")
     counts = _count_requests(fs)
@@ -277,7 +277,7 @@ def _unit_commits(fs: Any, log_dir: str, read: set[str]) -> bool:
     return found
 
 
-#: Lines of the driver's log that mark its steps (INFO, raypipe.modes).
+#: Lines of the driver's log that mark its steps (INFO, raypipe.run.modes).
 _MILESTONES = {"planned": "planned ", "pipeline_started": " units to do, "}
 
 

@@ -102,7 +102,7 @@ def _line(
     report = json.loads((output / "runs" / f"pool-{name}.json").read_text())
     import pyarrow.dataset as pads
 
-    from raypipe.outcomes import read_outcomes
+    from raypipe.commit.outcomes import read_outcomes
 
     wanted = pads.dataset(str(shards), format="parquet").to_table(columns=["id"]).column("id").to_pylist()
     got = read_outcomes(str(output), f"pool-{name}", columns=["id"]).column("id").to_pylist()

@@ -13,7 +13,7 @@ emotion model) on the CPU the bench runs on:
    both thread layouts, the faster kept: the ceiling.
 3. **End to end at default settings**: ``ray start --head`` as the README has it, ``raypipe
    serve --model DIR`` with no runtime or precision flag, ``raypipe backfill`` with defaults.
-   Its report's cost (`raypipe.cost`) gives the CPU of every process of the cluster by group, the
+   Its report's cost (`raypipe.run.cost`) gives the CPU of every process of the cluster by group, the
    model's own CPU (the runtime's threads in the replica), and so the CPU outside the model and
    the idle share of the cores.
 4. **Agreement** of the default setting's answers with TensorFlow fp32, in process: in domain

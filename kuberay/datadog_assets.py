@@ -13,7 +13,7 @@ each naming the widget or monitor and what is wrong; an empty list means it pass
   client kept unparsed (a wrong enum value, a widget that fits no widget schema) and every field
   its model does not have (a misspelt key).
 - `query_problems`: every metric query (a widget's `q` or `queries[].query`, a monitor's
-  `query`) names a metric of the catalogs (`raypipe.metrics.CATALOG`,
+  `query`) names a metric of the catalogs (`raypipe.call.metrics.CATALOG`,
   `serve_app.metrics.CATALOG`) under the namespace; aggregates it as its kind allows
   (percentiles and `count:` only on distributions; counts only as `sum:` with `.as_count()` or
   `.as_rate()`, and those only on counts); filters and groups only by tags the code sets on it,
@@ -87,7 +87,7 @@ class Declared:
 
 def catalog_metrics(namespace: str = NAMESPACE) -> dict[str, Declared]:
     """Every metric both sides emit, by its Datadog name (`raypipe.client.calls`)."""
-    from raypipe.metrics import CATALOG as client
+    from raypipe.call.metrics import CATALOG as client
     from serve_app.metrics import CATALOG as server
 
     prefix = f"{namespace}." if namespace else ""

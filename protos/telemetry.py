@@ -1,5 +1,5 @@
 """The metric emitters both sides send through: raypipe's driver and actors, and serve_app's
-replicas. Which metrics each side emits lives with that side (`raypipe.metrics`,
+replicas. Which metrics each side emits lives with that side (`raypipe.call.metrics`,
 `serve_app.metrics`); this module only knows how to send them.
 
     Metrics                  the protocol: count, gauge, distribution, event, flush, close
@@ -387,7 +387,7 @@ class MetricDef:
 
 @dataclass(frozen=True)
 class Catalog:
-    """Every metric one side emits (`raypipe.metrics.CATALOG`, `serve_app.metrics.CATALOG`)."""
+    """Every metric one side emits (`raypipe.call.metrics.CATALOG`, `serve_app.metrics.CATALOG`)."""
 
     side: str
     constant_tags: tuple[str, ...]

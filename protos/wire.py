@@ -19,4 +19,4 @@ TIMING_KEYS = {
 }
 """Trailing metadata of a successful Classify answer (values are decimal strings): the
 replica's timing, which the client's in-flight limiter reads, and the model's cost of the call
-(`raypipe.cost`)."""
+(`raypipe.run.cost`)."""

@@ -82,15 +82,16 @@ _HOMES = {
     "daily": "raypipe.api",
     "export_hf_checkpoint": "serve_app.export",
     "export_saved_model": "serve_app.export",
-    "latest": "raypipe.outcomes",
+    "latest": "raypipe.commit.outcomes",
     "load_config": "raypipe.config",
-    "read_outcomes": "raypipe.outcomes",
+    "read_outcomes": "raypipe.commit.outcomes",
     "read_report": "raypipe.api",
     "replay": "raypipe.api",
 }
 
 if TYPE_CHECKING:
     from raypipe.api import backfill, build_config, connect, daily, read_report, replay
+    from raypipe.commit.outcomes import latest, read_outcomes
     from raypipe.config import PipelineConfig, load_config
     from raypipe.errors import (
         CircuitOpenError,
@@ -110,7 +111,6 @@ if TYPE_CHECKING:
         SinkError,
         UnsafeOutputError,
     )
-    from raypipe.outcomes import latest, read_outcomes
     from raypipe.report import RunReport
     from serve_app.export import check_model_dir, export_hf_checkpoint, export_saved_model
 

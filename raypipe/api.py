@@ -6,7 +6,7 @@ Each call builds the run's typed config from (lowest first) an optional config f
 `RunReport` (also written to `OUTPUT/runs/<run_id>.json`). They connect to the Ray cluster
 already initialised in the process, else to `RAY_ADDRESS`, else start a local one.
 
-Before any of that, `raypipe.preflight.check_run` checks the input, the output and the
+Before any of that, `raypipe.run.preflight.check_run` checks the input, the output and the
 settings: a wrong one raises `ConfigError` or `InputError` before the model service is called,
 Ray is started or anything is written. The values are the CLI's: `since` takes an ISO time
 string (`"2026-11-20T00:00:00Z"`) as well as a timezone-aware `datetime`.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from raypipe.config import PipelineConfig, load_config
 from raypipe.errors import RunNotFoundError
-from raypipe.preflight import check_run, parse_since
+from raypipe.run.preflight import check_run, parse_since
 
 if TYPE_CHECKING:
     from raypipe.report import RunReport
@@ -45,7 +45,7 @@ def connect(address: str | None = None) -> None:
 
     if ray.is_initialized():
         return
-    from raypipe.modes import start_local_ray  # Ray Data comes with it: only when asked
+    from raypipe.run.modes import start_local_ray  # Ray Data comes with it: only when asked
 
     start_local_ray(**({} if address is None else {"address": address}))
 
@@ -117,7 +117,7 @@ def backfill(
         input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
     )
     check_run(config, "backfill")
-    from raypipe import modes  # after the checks: it brings Ray Data
+    from raypipe.run import modes  # after the checks: it brings Ray Data
 
     return modes.backfill(config)
 
@@ -140,7 +140,7 @@ def daily(
         input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
     )
     check_run(config, "daily")
-    from raypipe import modes
+    from raypipe.run import modes
 
     return modes.daily(config, since=after)
 
@@ -158,6 +158,6 @@ def replay(
     names the replay (default: resume the latest unfinished `<run_id>.replay-<n>`, else a new one)."""
     config = build_config(output=output, service=service, run_id=replay_id, config_file=config_file, settings=settings)
     check_run(config, "replay", of_run=run_id)
-    from raypipe import modes
+    from raypipe.run import modes
 
     return modes.replay(config, of_run=run_id)

@@ -398,8 +398,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, force_precision=True)
     import os
 
-    from raypipe.modes import start_local_ray
-    from raypipe.preflight import check_ray_address
+    from raypipe.run.modes import start_local_ray
+    from raypipe.run.preflight import check_ray_address
 
     check_ray_address(os.environ)  # a RAY_ADDRESS nobody answers at: ray.init would retry for minutes
     if args.detach:
@@ -472,7 +472,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _lease(args: argparse.Namespace) -> int:
-    from raypipe.lease import Lease
+    from raypipe.run.lease import Lease
     from raypipe.store import OutputStore
 
     lease = Lease(OutputStore(args.output), "raypipe-cli")
@@ -529,7 +529,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "report":
             return _report(args)
         if args.command == "shards":
-            from raypipe.runstate import quarantine
+            from raypipe.run.state import quarantine
 
             release = args.shards_command == "release"
             done = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)
@@ -538,7 +538,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "lease":
             return _lease(args)
         if args.command in ("compact", "vacuum", "migrate"):
-            from raypipe import upkeep
+            from raypipe.commit import upkeep
 
             if args.command == "compact":
                 done = upkeep.compact(args.output, run_ids=args.run_id)

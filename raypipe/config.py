@@ -198,7 +198,7 @@ class RetryConfig(_Frozen):
     max_attempts: int = Field(4, ge=1, le=20)
     """Attempts per call on a transient code; also the calls a micro-batch makes on service
     codes before a canary decides whether the service or the rows are at fault. Rows never
-    become dead letters by this count (`raypipe.actor`)."""
+    become dead letters by this count (`raypipe.call.actor`)."""
     initial_backoff_s: float = Field(0.1, gt=0)
     """Scale of the exponential backoff (full jitter)."""
     max_backoff_s: float = Field(5.0, gt=0)
@@ -332,7 +332,7 @@ def default_max_actors(cluster_cpus: float) -> int:
 
 
 class DedupConfig(_Frozen):
-    """Answers reused by text hash (`raypipe.dedup`)."""
+    """Answers reused by text hash (`raypipe.call.dedup`)."""
 
     enabled: bool = True
     """Rows whose text already has a committed answer of the same model version cost no call."""
@@ -341,7 +341,7 @@ class DedupConfig(_Frozen):
     6 labels, in Ray's object store: 3.3 GB at the default, which a 95M-text corpus fits; the
     driver holds only references), however many rows share them. With more, the index keeps
     this many (the smallest hashes) and the run infers the others again; the log says so and the
-    report's `reuse_index` shows `capped` (`raypipe.dedup`)."""
+    report's `reuse_index` shows `capped` (`raypipe.call.dedup`)."""
 
 
 class ActorPoolConfig(_Frozen):
@@ -398,7 +398,7 @@ class PipelineConfig(_Frozen):
     progress_interval_s: float = Field(10.0, gt=0)
     """How often progress is logged."""
     core_hour_usd: float = Field(0.04, ge=0)
-    """Price of one CPU core for an hour, for the report's cost per million paragraphs (`raypipe.cost`);
+    """Price of one CPU core for an hour, for the report's cost per million paragraphs (`raypipe.run.cost`);
     the default is about an on-demand cloud vCPU of a compute-optimised instance."""
 
     @field_validator("run_id")

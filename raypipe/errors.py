@@ -35,9 +35,9 @@ Two attributes drive the client's decisions, and nothing else is read:
   (it is down, slow or overloaded), so the rows must go back to be sent again and the breaker
   decides when to stop; False when the call may have failed because of its rows (INTERNAL from
   a replica a poison paragraph crashed, INVALID_ARGUMENT): those calls are attributed by a
-  canary call before any row is isolated (see `raypipe.actor`).
+  canary call before any row is isolated (see `raypipe.call.actor`).
 
-gRPC errors are mapped to this tree in exactly one place, `raypipe.client.map_rpc_error`.
+gRPC errors are mapped to this tree in exactly one place, `raypipe.call.client.map_rpc_error`.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class ServiceInternal(ModelServiceError):
 class ServiceTlsError(ModelServiceError):
     """The TLS handshake with the service failed: its certificate is not trusted or not for the
     name asked, or one side speaks TLS and the other does not. Retrying cannot fix it, so
-    `raypipe.client.check_service` raises it before any data is read."""
+    `raypipe.call.client.check_service` raises it before any data is read."""
 
     kind = "tls"
     transient = False
@@ -259,7 +259,7 @@ class UnsafeOutputError(RaypipeError):
 
 
 class RunStopped(SystemExit):
-    """SIGTERM stopped the run (`raypipe.modes`): it was aborted and its report written, status
+    """SIGTERM stopped the run (`raypipe.run.modes`): it was aborted and its report written, status
     `failed`. A `SystemExit` (code 143, as a shell reports a process SIGTERM ended), so no
     `except Exception` swallows it on its way out; rerunning the same run id resumes the run."""
 

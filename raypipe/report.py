@@ -214,7 +214,7 @@ class AttemptStats:
         return d
 
     def ledger(self) -> dict[str, int]:
-        """The rows this attempt committed, in `raypipe.outcomes.ledger`'s form (replays, whose
+        """The rows this attempt committed, in `raypipe.commit.outcomes.ledger`'s form (replays, whose
         rows replace another run's, count what they committed this way)."""
         counts = {"result:ok": self.ok, "result:empty_text": self.empty_text}
         counts.update({f"dead_letter:{k}": v for k, v in self.dead_letter_kinds.items()})
@@ -232,7 +232,7 @@ class AttemptStats:
 
 
 def render_cost(cost: dict[str, Any]) -> str:
-    """The report's cost line from `raypipe.cost.Cost.to_dict`."""
+    """The report's cost line from `raypipe.run.cost.Cost.to_dict`."""
     return (
         f"{cost['cpu_s_per_1k']:,.2f} CPU-s per 1,000 paragraphs (model {cost['model_share']:.0%})"
         f" | ${cost['usd_per_million']:,.3f} per million at ${cost['core_hour_usd']:g}/core-hour"
@@ -295,7 +295,7 @@ class RunReport:
     """Rows the service answered, by runtime x precision ("openvino:bf16"), over every attempt: on a
     pool of mixed CPUs each replica serves its own CPU's fastest gated setting."""
     cost: dict[str, Any] | None = None
-    """What this attempt cost (`raypipe.cost.Cost.to_dict`): CPU-seconds of every process of the
+    """What this attempt cost (`raypipe.run.cost.Cost.to_dict`): CPU-seconds of every process of the
     cluster per 1,000 paragraphs, the model's share, the price per million paragraphs."""
     error: str | None = None
 
@@ -350,7 +350,7 @@ class RunReport:
             }
 
     def apply_ledger(self, counts: dict[str, int]) -> None:
-        """Row counts from the run's committed rows in the table (`raypipe.outcomes.ledger`)."""
+        """Row counts from the run's committed rows in the table (`raypipe.commit.outcomes.ledger`)."""
         self.rows_ok = counts.get("result:ok", 0)
         self.rows_empty_text = counts.get("result:empty_text", 0)
         self.dead_letter_kinds = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dead_letter:")}

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
-from raypipe.client import BatchResult, ModelInfo
+from raypipe.call.client import BatchResult, ModelInfo
 from raypipe.errors import ModelServiceError
 
 LABELS = ("sadness", "joy", "love", "anger", "fear", "surprise")
@@ -81,7 +81,7 @@ class ScriptedClient:
         self.calls = 0
         self.answered = 0
         """Calls that got an answer or an error: not those their caller cancelled while out (the
-        run report does not count those either, `raypipe.metrics.MetricsInterceptor`)."""
+        run report does not count those either, `raypipe.call.metrics.MetricsInterceptor`)."""
         self.paragraphs_ok = 0
         self.texts_sent: list[str] = []
 

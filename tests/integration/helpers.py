@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.outcomes import read_outcomes
-from raypipe.sinks import OutcomeTable
+from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.table import OutcomeTable
 
 
 def _outcome(out: str | Path, outcome: str, run_id: str | None = None) -> pa.Table | None:

@@ -109,7 +109,7 @@ def test_served_probabilities_equal_the_checkpoint_in_process(
 ) -> None:
     from ray import serve
 
-    from raypipe.client import GrpcModelClient, check_service
+    from raypipe.call.client import GrpcModelClient, check_service
     from serve_app.deploy import deploy
     from serve_app.settings import ServerSettings
 

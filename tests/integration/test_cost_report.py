@@ -1,4 +1,4 @@
-"""A real run's report says which setting answered and what the run cost (`raypipe.cost`).
+"""A real run's report says which setting answered and what the run cost (`raypipe.run.cost`).
 
 The shared Serve app serves the demo model with default settings and no measured record for
 this CPU: the fastest setting with the reference's answers (OpenVINO fp32), whose model version

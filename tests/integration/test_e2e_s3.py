@@ -11,9 +11,9 @@ import pyarrow.dataset as pads
 import pytest
 
 import raypipe
+from raypipe.commit.table import label_column
 from raypipe.errors import NoShardsError, SchemaError, ServiceUnavailable
 from raypipe.samples import write_sample_corpus
-from raypipe.sinks import label_column
 
 
 def read_results(s3, uri: str):

@@ -20,10 +20,10 @@ import pytest
 from ray import serve
 
 import raypipe
+from raypipe.commit.table import OutcomeTable
 from raypipe.errors import LeaseLostError, OutputPermissionError, UnsafeOutputError
-from raypipe.lease import Lease
+from raypipe.run.lease import Lease
 from raypipe.samples import write_sample_corpus
-from raypipe.sinks import OutcomeTable
 from raypipe.store import OutputStore
 from serve_app.settings import FaultInjection, ServerSettings
 from tests.integration.conftest import wait_for
@@ -119,8 +119,8 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
 def _racer(output: str, endpoint: str, version: str, go, results) -> None:
     """One attempt of run `race` in its own process, its S3 traffic through `endpoint`."""
     os.environ["AWS_ENDPOINT_URL"] = endpoint
+    from raypipe.commit.table import OutcomeTable, UnitCommitter
     from raypipe.errors import LeaseLostError
-    from raypipe.sinks import OutcomeTable, UnitCommitter
     from tests.unit.test_commit_protocol import UNIT, rows
 
     table = OutcomeTable(output)
@@ -144,7 +144,7 @@ def test_an_older_attempt_whose_writes_are_stalled_past_the_takeover_has_nothing
     attempt answered it."""
     import multiprocessing
 
-    from raypipe.outcomes import read_outcomes
+    from raypipe.commit.outcomes import read_outcomes
     from tests.fakes import LABELS
 
     out = f"{s3.bucket('race')}/out"

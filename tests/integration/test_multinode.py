@@ -149,7 +149,7 @@ def commit_times(out: str) -> list[float]:
     """Unix times of the outcomes table's commits, oldest first."""
     from deltalake import DeltaTable
 
-    from raypipe.sinks import storage_options
+    from raypipe.commit.table import storage_options
 
     table = f"{out}/outcomes"
     history = DeltaTable(table, storage_options=storage_options(table)).history()

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 import raypipe
-from raypipe.metrics import CATALOG as client_catalog
+from raypipe.call.metrics import CATALOG as client_catalog
 from raypipe.samples import write_sample_corpus
 from serve_app.metrics import CATALOG as server_catalog
 from serve_app.metrics import ServerMetricsSettings

@@ -50,7 +50,7 @@ def test_served_openvino_reports_its_runtime(
 ) -> None:
     from ray import serve
 
-    from raypipe.client import GrpcModelClient
+    from raypipe.call.client import GrpcModelClient
     from serve_app.deploy import DeploymentOptions, deploy
     from serve_app.settings import ServerSettings
 

@@ -18,7 +18,7 @@ from ray import serve
 
 import raypipe
 from raypipe.errors import InputError, OutputLockedError, SchemaError
-from raypipe.lease import Lease
+from raypipe.run.lease import Lease
 from raypipe.samples import write_sample_corpus
 from raypipe.store import OutputStore
 from tests.integration.conftest import wait_for

@@ -18,11 +18,11 @@ import pyarrow.compute as pc
 import pytest
 
 import raypipe
-from raypipe import modes
 from raypipe.api import build_config
+from raypipe.commit.table import OutcomeTable
 from raypipe.errors import ConfigError, ServiceTlsError
+from raypipe.run import modes
 from raypipe.samples import write_sample_corpus
-from raypipe.sinks import OutcomeTable
 from tests.integration.helpers import dead_letters, results
 from tests.tls import Pki, TlsProxy
 

@@ -12,7 +12,9 @@ import pyarrow.compute
 import pyarrow.parquet as pq
 import pytest
 
-from raypipe.actor import ActorSettings, InferenceActor
+from raypipe.call.actor import ActorSettings, InferenceActor
+from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.table import OutcomeTable
 from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
 from raypipe.errors import (
     CircuitOpenError,
@@ -21,9 +23,7 @@ from raypipe.errors import (
     ServiceOverloaded,
     ServiceUnavailable,
 )
-from raypipe.outcomes import read_outcomes
-from raypipe.sinks import OutcomeTable
-from raypipe.sources import ColumnNames, list_shards, plan_units, read_unit
+from raypipe.plan.sources import ColumnNames, list_shards, plan_units, read_unit
 from tests.fakes import LABELS, ScriptedClient, fake_probs
 
 
@@ -254,7 +254,7 @@ def test_an_invalid_utf8_line_of_json_lines_is_a_dead_letter_not_a_replacement_c
 def test_a_text_with_a_committed_answer_costs_no_call_and_duplicates_are_sent_once(tmp_path):
     """Rows whose text has an answer of this model in the index are copied, under their own ids;
     rows of the unit sharing a text are sent once."""
-    from raypipe.dedup import TextIndex, hash_texts
+    from raypipe.call.dedup import TextIndex, hash_texts
 
     known = "already answered"
     probs = np.array([fake_probs(known)], np.float32)
@@ -278,7 +278,7 @@ def test_a_text_with_a_committed_answer_costs_no_call_and_duplicates_are_sent_on
 def test_an_actor_with_metrics_tells_its_gauges_of_each_committed_unit(tmp_path, monkeypatch):
     """`run.since_commit_s`, the run's heartbeat in Datadog, restarts at every commit."""
     from protos.telemetry import MetricsSpec, NullMetrics
-    from raypipe.metrics import ActorGauges
+    from raypipe.call.metrics import ActorGauges
 
     commits = []
     monkeypatch.setattr(MetricsSpec, "build", lambda self: NullMetrics())

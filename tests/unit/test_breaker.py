@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from raypipe.breaker import BreakerState, CircuitBreaker, Permit
+from raypipe.call.breaker import BreakerState, CircuitBreaker, Permit
 from raypipe.errors import CircuitOpenError
 
 T = TypeVar("T")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
-from raypipe.client import Deadlines, GrpcModelClient, ServerTiming, check_service
+from raypipe.call.client import Deadlines, GrpcModelClient, ServerTiming, check_service
 from raypipe.errors import (
     RequestRejected,
     ServiceCancelled,
@@ -139,7 +139,7 @@ def test_channel_is_created_lazily_and_reused():
 
 
 def test_server_timing_parses_trailing_metadata_and_tolerates_its_absence() -> None:
-    from raypipe.client import ServerTiming
+    from raypipe.call.client import ServerTiming
 
     metadata = [
         ("request_id", "x"),

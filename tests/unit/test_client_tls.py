@@ -18,15 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from protos.raypipe.v1 import emotion_pb2_grpc
-from raypipe.actor import ActorSettings, InferenceActor
-from raypipe.channel import ChannelSecurity
-from raypipe.client import GrpcModelClient, check_service
+from raypipe.call.actor import ActorSettings, InferenceActor
+from raypipe.call.channel import ChannelSecurity
+from raypipe.call.client import GrpcModelClient, check_service
+from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.table import OutcomeTable
 from raypipe.config import ClientConfig, ServiceConfig, load_config
 from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, ServiceUnavailable
-from raypipe.modes import _fatal_error
-from raypipe.outcomes import read_outcomes
-from raypipe.sinks import OutcomeTable
-from raypipe.sources import ColumnNames, list_shards, plan_units, read_unit
+from raypipe.plan.sources import ColumnNames, list_shards, plan_units, read_unit
+from raypipe.run.modes import _fatal_error
 from tests.fakes import LABELS, FakeServicer, fake_probs
 from tests.tls import Pki, TlsProxy
 

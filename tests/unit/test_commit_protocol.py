@@ -19,13 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raypipe.commit import CommitProtocol
+from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.protocol import CommitProtocol
+from raypipe.commit.table import OutcomeTable, UnitCommitter
+from raypipe.commit.upkeep import drop_finished_state, finished_runs, vacuum
 from raypipe.errors import LeaseLostError
-from raypipe.outcomes import read_outcomes
 from raypipe.report import AttemptStats, UnitStats
-from raypipe.sinks import OutcomeTable, UnitCommitter
 from raypipe.store import OutputStore
-from raypipe.upkeep import drop_finished_state, finished_runs, vacuum
 from tests.fakes import LABELS
 
 UNIT = "shard-0-abc"

@@ -1,12 +1,12 @@
-"""Unit tests for a run's cost (`raypipe.cost`) and its line in the report: sweeps are fakes."""
+"""Unit tests for a run's cost (`raypipe.run.cost`) and its line in the report: sweeps are fakes."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from raypipe.cost import CpuMeter, group_of
 from raypipe.report import RunReport
+from raypipe.run.cost import CpuMeter, group_of
 
 
 def _node(name: str, **processes: tuple[float, str]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kuberay import datadog_assets as dd
-from raypipe.metrics import CATALOG as CLIENT
+from raypipe.call.metrics import CATALOG as CLIENT
 from serve_app.metrics import CATALOG as SERVER
 
 DASHBOARD = dd.load(dd.ASSETS / "dashboard.json")

@@ -8,8 +8,8 @@ import pickle
 import numpy as np
 import pyarrow as pa
 
-from raypipe.dedup import IndexShard, TextIndex, build_index, hash_texts, shard_bounds
-from raypipe.sinks import OutcomeTable, UnitCommitter, label_column, text_hashes
+from raypipe.call.dedup import IndexShard, TextIndex, build_index, hash_texts, shard_bounds
+from raypipe.commit.table import OutcomeTable, UnitCommitter, label_column, text_hashes
 from tests.fakes import LABELS, fake_probs
 
 

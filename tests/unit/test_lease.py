@@ -11,7 +11,7 @@ import time
 import pytest
 
 from raypipe.errors import LeaseLostError, OutputLockedError
-from raypipe.lease import Lease
+from raypipe.run.lease import Lease
 from raypipe.store import OutputStore
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from raypipe.limiter import HISTORY_POINTS, AdaptiveLimiter, FixedLimiter, Limiter
+from raypipe.call.limiter import HISTORY_POINTS, AdaptiveLimiter, FixedLimiter, Limiter
 
 
 class FakeClock:

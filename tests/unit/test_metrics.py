@@ -14,12 +14,10 @@ from collections import Counter
 import grpc
 import pytest
 
-from raypipe.breaker import CircuitBreaker
-from raypipe.client import GrpcModelClient
-from raypipe.config import load_config
-from raypipe.errors import ServiceUnavailable
-from raypipe.limiter import FixedLimiter
-from raypipe.metrics import (
+from raypipe.call.breaker import CircuitBreaker
+from raypipe.call.client import GrpcModelClient
+from raypipe.call.limiter import FixedLimiter
+from raypipe.call.metrics import (
     BREAKER_OPEN,
     BREAKER_OPENINGS,
     CLIENT_CALLS,
@@ -43,8 +41,10 @@ from raypipe.metrics import (
     RayMetrics,
     RunMetrics,
 )
-from raypipe.progress import Progress
+from raypipe.config import load_config
+from raypipe.errors import ServiceUnavailable
 from raypipe.report import RunReport, UnitStats
+from raypipe.run.progress import Progress
 from serve_app.metrics import ServerMetrics, ServerMetricsSettings
 from tests.dogstatsd import UdpAgent, closed_udp_port
 from tests.fakes import start_fake_server
@@ -159,7 +159,7 @@ def test_ray_metrics_drop_records_until_ray_is_connected():
     """In a fresh process (the suite's integration tests connect this one to a cluster)."""
     script = """
 import ray
-from raypipe.metrics import CLIENT_CALLS, CLIENT_LATENCY_MS, INFLIGHT_LIMIT, RayMetrics
+from raypipe.call.metrics import CLIENT_CALLS, CLIENT_LATENCY_MS, INFLIGHT_LIMIT, RayMetrics
 m = RayMetrics(tags={"run_id": "r"})
 CLIENT_CALLS.record(m, 1, {"status": "OK"})  # no cluster: dropped, no error
 INFLIGHT_LIMIT.record(m, 3)

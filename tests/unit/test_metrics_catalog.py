@@ -15,15 +15,15 @@ import pytest
 
 from protos.raypipe.v1 import emotion_pb2
 from protos.telemetry import Catalog, MetricDef, MetricsSpec
-from raypipe import metrics as client_metrics
-from raypipe.breaker import CircuitBreaker
-from raypipe.client import GrpcModelClient
+from raypipe.call import metrics as client_metrics
+from raypipe.call.breaker import CircuitBreaker
+from raypipe.call.client import GrpcModelClient
+from raypipe.call.limiter import FixedLimiter
+from raypipe.call.metrics import ActorGauges, MetricsInterceptor, RunMetrics, emit_unit
 from raypipe.config import MetricsConfig
 from raypipe.errors import ServiceUnavailable
-from raypipe.limiter import FixedLimiter
-from raypipe.metrics import ActorGauges, MetricsInterceptor, RunMetrics, emit_unit
-from raypipe.progress import Progress
 from raypipe.report import RunReport, UnitStats
+from raypipe.run.progress import Progress
 from serve_app import metrics as server_metrics
 from serve_app.metrics import ServerMetrics, ServerMetricsSettings
 from tests.fakes import start_fake_server

@@ -7,11 +7,11 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raypipe import modes
 from raypipe.api import build_config
-from raypipe.pipeline import _read_block
-from raypipe.runstate import RunState
-from raypipe.sources import ColumnNames
+from raypipe.plan.sources import ColumnNames
+from raypipe.run import modes
+from raypipe.run.pipeline import _read_block
+from raypipe.run.state import RunState
 
 T = datetime(2026, 3, 1, tzinfo=UTC)
 

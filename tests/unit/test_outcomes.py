@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import raypipe
+from raypipe.commit.table import OutcomeTable, UnitCommitter
+from raypipe.commit.upkeep import migrate, vacuum
 from raypipe.errors import ConfigError
-from raypipe.sinks import OutcomeTable, UnitCommitter
 from raypipe.store import OutputStore
-from raypipe.upkeep import migrate, vacuum
 from tests.fakes import LABELS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

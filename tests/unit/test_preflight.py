@@ -1,4 +1,4 @@
-"""Bad input is refused before anything happens (`raypipe.preflight`), through the real CLI
+"""Bad input is refused before anything happens (`raypipe.run.preflight`), through the real CLI
 and the Python API: exit 2, one line naming the fix, the model service never called, Ray
 never imported, and nothing created in the output. No Ray, no network beyond 127.0.0.1."""
 
@@ -19,7 +19,7 @@ import pytest
 import raypipe
 from raypipe import api
 from raypipe.errors import ConfigError, InputError, NoShardsError, SchemaError
-from raypipe.preflight import check_ray_address, check_run, parse_since
+from raypipe.run.preflight import check_ray_address, check_run, parse_since
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,7 +156,7 @@ def test_an_output_that_is_a_file_or_inside_the_input_is_refused(tmp_path, servi
 
 
 def test_replay_of_an_output_with_no_table_or_no_such_run_is_refused(tmp_path, service):
-    from raypipe.sinks import OutcomeTable
+    from raypipe.commit.table import OutcomeTable
 
     address, sock = service
     empty = tmp_path / "empty"
@@ -200,7 +200,7 @@ def no_service(monkeypatch):
 
         return start
 
-    from raypipe import modes
+    from raypipe.run import modes
 
     for mode in ("backfill", "daily", "replay"):
         monkeypatch.setattr(modes, mode, run(mode))
@@ -233,7 +233,7 @@ def test_the_api_refuses_what_the_cli_refuses(tmp_path, no_service):
 
 
 def test_a_good_run_passes_its_checks_and_reads_no_rows(tmp_path, no_service, monkeypatch):
-    from raypipe import sources
+    from raypipe.plan import sources
 
     shard(tmp_path / "in" / "a.parquet")
     shard(tmp_path / "in" / "b.parquet")
@@ -266,7 +266,7 @@ def test_a_corrupt_first_shard_is_refused_by_a_backfill(tmp_path):
 
 
 def test_a_quarantined_first_shard_is_not_checked(tmp_path):
-    from raypipe.runstate import quarantine
+    from raypipe.run.state import quarantine
 
     bad = shard(tmp_path / "in" / "a.parquet", id=["1"], body=["x"])
     shard(tmp_path / "in" / "b.parquet")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from raypipe.outcomes import read_outcomes
-from raypipe.sinks import OutcomeTable, UnitCommitter, unit_slot
+from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.table import OutcomeTable, UnitCommitter, unit_slot
 from tests.fakes import LABELS
 
 RUN = "r1"
@@ -71,15 +71,15 @@ def test_replays_of_different_units_do_not_conflict(tmp_path):
 
 def replay_state(out):
     from raypipe.api import build_config
-    from raypipe.runstate import RunState
+    from raypipe.run.state import RunState
 
     cfg = build_config(output=str(out), service="127.0.0.1:1", run_id=REPLAY)
     return RunState(cfg, "replay", REPLAY)
 
 
 def replay_plan(out, units: list[str]):
-    from raypipe.runstate import Plan
-    from raypipe.sources import WorkUnit
+    from raypipe.plan.sources import WorkUnit
+    from raypipe.run.state import Plan
 
     table = OutcomeTable(str(out))
     version = table.load().version()
@@ -110,8 +110,8 @@ def test_a_resumed_replay_does_not_infer_units_an_earlier_attempt_committed(tmp_
 def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(tmp_path):
     """The killed attempt saved no statistics; the report's rows come from the table: what the
     dead letters of the replayed units became."""
-    from raypipe.modes import _fold_report
     from raypipe.report import AttemptStats, RunReport
+    from raypipe.run.modes import _fold_report
 
     a, b = unit_names(2)
     original_run(tmp_path, [a, b])
@@ -125,7 +125,7 @@ def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(t
 
 
 def test_a_replay_unit_reads_its_own_dead_letters_only(tmp_path):
-    from raypipe.sources import ColumnNames, WorkUnit, read_unit
+    from raypipe.plan.sources import ColumnNames, WorkUnit, read_unit
 
     a, b = unit_names(2)
     original_run(tmp_path, [a, b])

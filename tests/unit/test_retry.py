@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from raypipe.call.retry import RetryPolicy, call_with_retries
 from raypipe.errors import (
     CircuitOpenError,
     ModelServiceError,
@@ -18,7 +19,6 @@ from raypipe.errors import (
     ServiceTimeout,
     ServiceUnavailable,
 )
-from raypipe.retry import RetryPolicy, call_with_retries
 
 
 class FakeSleep:

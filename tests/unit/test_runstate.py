@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from raypipe.api import build_config
+from raypipe.commit.upkeep import finished_runs
 from raypipe.errors import LeaseLostError
-from raypipe.runstate import Plan, RunState
-from raypipe.sources import WorkUnit
-from raypipe.upkeep import finished_runs
+from raypipe.plan.sources import WorkUnit
+from raypipe.run.state import Plan, RunState
 from tests.fakes import LABELS
 
 IN = "/data/in"

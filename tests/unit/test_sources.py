@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raypipe import sources
 from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedError
-from raypipe.sources import (
+from raypipe.plan import sources
+from raypipe.plan.sources import (
     ColumnNames,
     DeltaWindow,
     PlanObservations,
@@ -95,7 +95,7 @@ def test_a_large_row_group_of_small_rows_stays_one_unit(tmp_path):
 
 
 def test_huge_row_group_is_cut_by_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr("raypipe.sources.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
+    monkeypatch.setattr("raypipe.plan.sources.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
     write_parquet(tmp_path / "a.parquet", [str(i) for i in range(100)], ["t"] * 100, row_group_size=100)
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, columns=COLS)
     assert [(u.row_start, u.row_stop) for u in units] == [(0, 30), (30, 60), (60, 90), (90, 100)]

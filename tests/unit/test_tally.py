@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from raypipe.actor import InferenceActor
+from raypipe.call.actor import InferenceActor
 from raypipe.config import BreakerConfig
 from raypipe.errors import ServiceUnavailable
 from raypipe.report import AttemptStats, RunReport, UnitStats
@@ -137,8 +137,8 @@ def test_a_unit_summary_carries_the_actor_tally_including_its_own_calls(tmp_path
 def test_vacuum_drops_the_tallies_of_old_finished_runs(tmp_path):
     from datetime import UTC, datetime, timedelta
 
-    from raypipe.sinks import OutcomeTable
-    from raypipe.upkeep import drop_finished_state
+    from raypipe.commit.table import OutcomeTable
+    from raypipe.commit.upkeep import drop_finished_state
     from tests.fakes import LABELS
 
     store = OutputStore(str(tmp_path))

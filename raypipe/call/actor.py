@@ -1,12 +1,12 @@
 """The async inference actor: one work unit in, its results and dead letters committed.
 
-Ray Data hands the actor whole blocks, one per work unit (`raypipe.sources`). For a unit the
+Ray Data hands the actor whole blocks, one per work unit (`raypipe.plan.sources`). For a unit the
 actor splits the sendable rows into length-sorted micro-batches and sends them all at once.
 Each micro-batch is one *call*, and a call goes through, in this order:
 
     limiter (one in-flight slot, held for the whole call, retries and backoff included)
       -> breaker (one permit per call; waits while the service is down)
-        -> retry (`raypipe.retry`: transient codes, a few attempts with backoff)
+        -> retry (`raypipe.call.retry`: transient codes, a few attempts with backoff)
           -> each attempt: does the breaker still admit the permit? -> gRPC client
 
 The breaker sees one outcome per call, after its retries, never one per attempt. An attempt
@@ -25,7 +25,7 @@ Who is at fault when a call fails after its retries:
 
 Rows with no text are recorded with `status="empty_text"` and never sent. The unit's results
 and dead letters are then committed together, in one Delta commit fenced by the attempt's
-generation (`raypipe.sinks.UnitCommitter`), and the actor returns the unit's summary, which
+generation (`raypipe.commit.table.UnitCommitter`), and the actor returns the unit's summary, which
 the driver folds into the run report. When the service stays down (`CircuitOpenError`) or a
 newer attempt fenced this one off (`LeaseLostError`), the unit is not committed, and the
 actor returns the summary with the failure instead of raising, so the report of a stopped
@@ -54,26 +54,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.breaker import CircuitBreaker, Permit
-from raypipe.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
-from raypipe.config import ClientConfig, ServiceConfig
-from raypipe.dedup import TextIndex, hash_texts
-from raypipe.errors import (
-    BadRowError,
-    CircuitOpenError,
-    ConfigError,
-    InvalidIdError,
-    InvalidTextError,
-    LeaseLostError,
-    MissingIdError,
-    ModelServiceError,
-    SinkError,
-)
-from raypipe.limiter import AdaptiveLimiter, FixedLimiter, Limiter
-from raypipe.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
-from raypipe.report import UnitStats
-from raypipe.retry import RetryPolicy, call_with_retries
-from raypipe.sinks import (
+from raypipe.call.breaker import CircuitBreaker, Permit
+from raypipe.call.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
+from raypipe.call.dedup import TextIndex, hash_texts
+from raypipe.call.limiter import AdaptiveLimiter, FixedLimiter, Limiter
+from raypipe.call.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
+from raypipe.call.retry import RetryPolicy, call_with_retries
+from raypipe.commit.table import (
     OUTCOME_DEAD_LETTER,
     OUTCOME_RESULT,
     RESULT_STATUS_EMPTY,
@@ -85,6 +72,19 @@ from raypipe.sinks import (
     outcome_schema,
     text_hashes,
 )
+from raypipe.config import ClientConfig, ServiceConfig
+from raypipe.errors import (
+    BadRowError,
+    CircuitOpenError,
+    ConfigError,
+    InvalidIdError,
+    InvalidTextError,
+    LeaseLostError,
+    MissingIdError,
+    ModelServiceError,
+    SinkError,
+)
+from raypipe.report import UnitStats
 from raypipe.store import OutputStore
 from raypipe.tally import WRITE_INTERVAL_S, CallTally, tally_path
 
@@ -103,7 +103,7 @@ _Sample = tuple[float, bool, BatchResult | None]
 
 
 def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
-    """The dead letter's error for a row that is never sent (`reason` from `raypipe.sources`)."""
+    """The dead letter's error for a row that is never sent (`reason` from `raypipe.plan.sources`)."""
     if reason is None:
         return MissingIdError("the id is null or empty: the row cannot be told apart; see source and row")
     kind, _, detail = reason.partition(": ")
@@ -174,7 +174,7 @@ class ActorSettings:
     replay: bool = False
     """Units re-infer committed dead letters: their commit replaces those rows."""
     text_index: Any = None
-    """Committed answers by text hash (`raypipe.dedup.TextIndex`, or a Ray object ref to one)."""
+    """Committed answers by text hash (`raypipe.call.dedup.TextIndex`, or a Ray object ref to one)."""
     metrics: MetricsSpec | None = None
     """Where the actor's metrics go (calls by status, latency, breaker, in-flight limit)."""
 
@@ -354,7 +354,7 @@ class InferenceActor:
     async def _reuse_answers(
         self, sendable: np.ndarray, texts: Sequence[str | None], stats: UnitStats
     ) -> tuple[list[_Outcome], np.ndarray, dict[int, np.ndarray]]:
-        """Rows whose text already has a committed answer of this model (`raypipe.dedup`), and
+        """Rows whose text already has a committed answer of this model (`raypipe.call.dedup`), and
         rows whose text another row of the unit sends: (answered rows, rows still to send,
         {row sent: the rows that share its text})."""
         if not len(sendable):

@@ -1,6 +1,6 @@
 """A circuit breaker that makes callers wait while the model service is down.
 
-Every call to the model service (`raypipe.actor.InferenceActor._call`: after it holds its
+Every call to the model service (`raypipe.call.actor.InferenceActor._call`: after it holds its
 in-flight slot, before its retries) asks the breaker for a `Permit`, and reports the call's
 outcome once, after its retries, with `record`; each attempt checks `admits(permit)` right
 before it goes out. After `failure_threshold` consecutive
@@ -46,7 +46,7 @@ others waiting (up to their `max_wait_s`)::
     finally:
         breaker.record(permit, success=success)
 
-Where it sits (`raypipe.actor.InferenceActor._call`, the one caller): limiter (an in-flight
+Where it sits (`raypipe.call.actor.InferenceActor._call`, the one caller): limiter (an in-flight
 slot, held for the whole call) → **breaker (one permit per call)** → retry (attempts with
 backoff) → each attempt checks `admits(permit)` → client. It counts calls, not retry
 attempts: a call records one outcome, after its retries. An attempt checks `admits(permit)`

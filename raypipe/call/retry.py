@@ -8,7 +8,7 @@ Between attempts it sleeps with exponential backoff and full jitter (AWS's "Full
 attempt n waits uniformly in [0, min(max_backoff_s, initial_backoff_s × 2^(n-1))]), so
 many actors retrying after the same outage do not come back in lockstep.
 
-Where it sits (`raypipe.actor.InferenceActor._call`): limiter (one in-flight slot, held for
+Where it sits (`raypipe.call.actor.InferenceActor._call`): limiter (one in-flight slot, held for
 the whole call, retries and backoff included) → breaker (one permit per call) → **retry** →
 each attempt checks that its permit is still admitted → client. The breaker sees the call's
 outcome once, after its retries; gRPC's channel-level retry policy stays off, so that no

@@ -7,7 +7,7 @@
   `outcomes`; the docs show it for DuckDB, Spark, Athena and Trino, and `latest` runs it.
 - `ledger(output, run_id)`: a run's committed rows by outcome, the report's row counts.
 
-Keeping the table in shape (`compact`, `vacuum`, `migrate`) is `raypipe.upkeep`'s.
+Keeping the table in shape (`compact`, `vacuum`, `migrate`) is `raypipe.commit.upkeep`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.sinks import OUTCOME_DEAD_LETTER, OUTCOME_RESULT, OutcomeTable
+from raypipe.commit.table import OUTCOME_DEAD_LETTER, OUTCOME_RESULT, OutcomeTable
 
 __all__ = ["LATEST_SQL", "Ledger", "latest", "ledger", "ledger_of", "read_outcomes"]
 

@@ -10,7 +10,7 @@ with `acquire()` before a call and gives it back with `release(latency_s=..., dr
 - `AdaptiveLimiter` finds the cap by itself: AIMD (as TCP Reno) driven by what the server
   says about its load, never by raw latency (below).
 
-Where it sits (`raypipe.actor.InferenceActor._call`): **limiter (an in-flight slot, taken
+Where it sits (`raypipe.call.actor.InferenceActor._call`): **limiter (an in-flight slot, taken
 first and held for the whole call, its breaker wait, retries and backoff included)** →
 breaker (one permit per call) → retry → client. So a call waiting on an open breaker holds
 its slot, and an outage costs at most `limit` calls. It is also where backpressure reaches

@@ -1,15 +1,15 @@
 """One owner of a run's state on its output: table, plan, lease, watermark, report.
 
-`RunState` is what the run modes (`raypipe.modes._run`) call, once per step:
+`RunState` is what the run modes (`raypipe.run.modes._run`) call, once per step:
 
     state = RunState(config, mode, run_id)
     state.committed_report()      # None, or the report of a run id already committed
     state.begin(labels)           # lease (one run id at a time), table ready, take over: fence
     plan = state.plan(make_plan)  # the stored plan, or a new one (stored once, fenced)
     todo = state.pending(plan)    # units not committed in the table
-    ... the pipeline commits units through `raypipe.sinks.UnitCommitter(state.fence)` ...
+    ... the pipeline commits units through `raypipe.commit.table.UnitCommitter(state.fence)` ...
     state.record_files_seen(...)  # the files every unit of which is committed (fenced)
-    state.protocol.commit_run()   # the run committed (fenced; `raypipe.commit`), or .abort()
+    state.protocol.commit_run()   # the run committed (fenced; `raypipe.commit.protocol`), or .abort()
     state.advance_watermark(...)  # informational, never backwards
     state.write_report(...)       # the report, from the table's rows and every attempt's calls
 
@@ -25,7 +25,7 @@ What lives where under OUTPUT:
     _raypipe/runs/<run_id>/attempts/*.json each attempt's call statistics (for the report)
     _raypipe/runs/<run_id>/attempts/<a>/actors/*.json  its actors' call tallies (`raypipe.tally`)
 
-**The fence is the table's**, and its story has one owner, `raypipe.commit.CommitProtocol`
+**The fence is the table's**, and its story has one owner, `raypipe.commit.protocol.CommitProtocol`
 (`self.protocol`): take-over, unit commits, the plan and files seen (new immutable files the
 table names, so a fenced-off attempt's file is never named), the run commit ("committed" has
 one truth: the run's commit in the table), and abort. The lease only keeps a second run id
@@ -44,14 +44,14 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from raypipe.commit import LEGACY_FILES_SEEN, CommitProtocol, read_files_seen
+from raypipe.commit.outcomes import Ledger, ledger, ledger_of
+from raypipe.commit.protocol import LEGACY_FILES_SEEN, CommitProtocol, read_files_seen
+from raypipe.commit.table import TableFence
 from raypipe.config import PipelineConfig
 from raypipe.errors import ConfigError
-from raypipe.lease import Lease
-from raypipe.outcomes import Ledger, ledger, ledger_of
+from raypipe.plan.sources import DeltaWindow, WorkUnit
 from raypipe.report import AttemptStats, RunReport
-from raypipe.sinks import TableFence
-from raypipe.sources import DeltaWindow, WorkUnit
+from raypipe.run.lease import Lease
 from raypipe.store import OutputStore
 
 __all__ = ["Plan", "RunState", "quarantine", "read_files_seen"]

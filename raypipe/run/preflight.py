@@ -123,7 +123,7 @@ _INPUT_HINT = "set --input (input.uri) to a Parquet or JSON-lines file, a folder
 
 
 def _check_input(config: PipelineConfig, mode: Mode) -> None:
-    from raypipe.sources import ColumnNames, ShardFormat, list_input, plan_units
+    from raypipe.plan.sources import ColumnNames, ShardFormat, list_input, plan_units
 
     settings = config.input
     assert settings is not None
@@ -174,7 +174,7 @@ def _schema_hint(error: InputError, config: PipelineConfig) -> str:
 
 def _quarantined(config: PipelineConfig) -> frozenset[str]:
     """Shards set aside on this output (read only: a missing output has none)."""
-    from raypipe.runstate import QUARANTINE
+    from raypipe.run.state import QUARANTINE
     from raypipe.store import OutputStore
 
     store = OutputStore(config.output.uri)
@@ -245,8 +245,8 @@ def _comparable(uri: str) -> str | None:
 
 # -- replay -----------------------------------------------------------------------------------
 def _check_replay(output: str, of_run: str) -> None:
-    from raypipe.outcomes import read_outcomes
-    from raypipe.sinks import OutcomeTable
+    from raypipe.commit.outcomes import read_outcomes
+    from raypipe.commit.table import OutcomeTable
     from raypipe.store import OutputStore
 
     if not OutcomeTable(output).exists():

@@ -13,7 +13,7 @@ Who emits what (names below carry the `metrics.namespace` prefix, `raypipe.` by 
 - `ActorGauges`, sampled in each actor: `client.breaker.open`, `client.breaker.openings`,
   `client.inflight.limit`, `client.inflight.calls` and `run.since_commit_s` (the run's heartbeat
   while its actors live), tagged `actor`.
-- the driver, per finished unit (`raypipe.progress.Progress`): `run.units`, `run.rows`
+- the driver, per finished unit (`raypipe.run.progress.Progress`): `run.units`, `run.rows`
   (tagged `outcome`: ok, empty_text, dead_letter), `run.dead_letters` (tagged `kind`),
   `client.retries`, `client.canaries`, and the gauges `run.units_left` and `run.eta_s`; and per
   run (`RunMetrics`): `run.started`, `run.finished` (tagged `status`), `run.rows_per_s`, and Datadog events
@@ -51,9 +51,9 @@ from protos.telemetry import (
 )
 
 if TYPE_CHECKING:
-    from raypipe.breaker import CircuitBreaker
+    from raypipe.call.breaker import CircuitBreaker
+    from raypipe.call.limiter import Limiter
     from raypipe.config import MetricsConfig
-    from raypipe.limiter import Limiter
     from raypipe.report import RunReport, UnitStats
 
 __all__ = [
@@ -276,7 +276,7 @@ class ActorGauges:
             await asyncio.sleep(self._interval_s)
 
     def sample(self) -> None:
-        from raypipe.breaker import BreakerState
+        from raypipe.call.breaker import BreakerState
 
         b = self._breaker.stats()
         BREAKER_OPEN.record(self._metrics, 0 if b.state is BreakerState.CLOSED else 1, self._tags)
@@ -304,7 +304,7 @@ def emit_unit(metrics: Metrics, stats: UnitStats) -> None:
 
 
 def emit_progress(metrics: Metrics, units_left: int, eta_s: float | None) -> None:
-    """The driver's view of how much of the attempt is left (`raypipe.progress.Progress`)."""
+    """The driver's view of how much of the attempt is left (`raypipe.run.progress.Progress`)."""
     RUN_UNITS_LEFT.record(metrics, units_left)
     if eta_s is not None:
         RUN_ETA_S.record(metrics, eta_s)

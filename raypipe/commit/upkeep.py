@@ -20,8 +20,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypipe.commit.table import OutcomeTable
 from raypipe.errors import ConfigError
-from raypipe.sinks import OutcomeTable
 from raypipe.store import STATE_DIR, OutputStore
 from raypipe.tally import tally_files
 
@@ -107,7 +107,7 @@ def migrate(output: str) -> dict[str, int]:
     """
     import pyarrow.parquet as pq
 
-    from raypipe.sinks import text_hashes
+    from raypipe.commit.table import text_hashes
 
     old = LegacyLayout(output)
     table = OutcomeTable(output)

@@ -1,7 +1,7 @@
 """Run modes: backfill, daily delta and replay, over one shared run protocol.
 
-A run calls its state's owner (`raypipe.runstate.RunState`: lease, plan, report) and its
-commit protocol (`raypipe.commit.CommitProtocol`: the table) once per step:
+A run calls its state's owner (`raypipe.run.state.RunState`: lease, plan, report) and its
+commit protocol (`raypipe.commit.protocol.CommitProtocol`: the table) once per step:
 1. `committed_report`: a run id already committed (`CommitProtocol.is_committed`, the one
    truth) returns at once, with its stored report;
 2. the model service is checked (labels, version, limits) before any data is read;
@@ -48,21 +48,16 @@ from typing import Any, Literal
 
 import pyarrow.compute as pc
 
-from raypipe.actor import ActorSettings
-from raypipe.client import ChannelSecurity, check_service
-from raypipe.commit import CommitProtocol
+from raypipe.call.actor import ActorSettings
+from raypipe.call.client import ChannelSecurity, check_service
+from raypipe.call.dedup import build_index
+from raypipe.call.metrics import RunMetrics
+from raypipe.commit.outcomes import Ledger
+from raypipe.commit.protocol import CommitProtocol
+from raypipe.commit.table import OutcomeTable
 from raypipe.config import ClientConfig, PipelineConfig
-from raypipe.cost import CpuMeter
-from raypipe.dedup import build_index
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError, RunStopped
-from raypipe.metrics import RunMetrics
-from raypipe.outcomes import Ledger
-from raypipe.pipeline import run_units
-from raypipe.progress import Progress
-from raypipe.report import AttemptStats, RunReport
-from raypipe.runstate import Plan, RunState
-from raypipe.sinks import OutcomeTable
-from raypipe.sources import (
+from raypipe.plan.sources import (
     ColumnNames,
     DeltaWindow,
     InputListing,
@@ -74,6 +69,11 @@ from raypipe.sources import (
     plan_units,
     prune_partitions,
 )
+from raypipe.report import AttemptStats, RunReport
+from raypipe.run.cost import CpuMeter
+from raypipe.run.pipeline import run_units
+from raypipe.run.progress import Progress
+from raypipe.run.state import Plan, RunState
 from raypipe.store import STATE_DIR, OutputStore
 from raypipe.tally import fold_tallies, read_tallies
 
@@ -192,7 +192,7 @@ def _raypipe_error(e: BaseException) -> BaseException:
 
 
 def _fatal_error(fatal: str) -> RaypipeError:
-    """The typed error an actor reported (`raypipe.actor.SUMMARY_SCHEMA`'s `fatal`)."""
+    """The typed error an actor reported (`raypipe.call.actor.SUMMARY_SCHEMA`'s `fatal`)."""
     d = json.loads(fatal)
     if d["kind"] == "lease_lost":
         return LeaseLostError(d["message"], holder="?", expires_at="?")
@@ -259,7 +259,7 @@ def _run(
     plan: Plan | None = None
     run_metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
     attempt = AttemptStats(attempt=state.attempt)
-    meter: CpuMeter | None = None  # what the run costs, from its first unit on (`raypipe.cost`)
+    meter: CpuMeter | None = None  # what the run costs, from its first unit on (`raypipe.run.cost`)
     write_report = True
     try:
         input_uri = config.input.uri if config.input else None

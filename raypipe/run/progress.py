@@ -3,7 +3,7 @@
 In a terminal it is a progress bar (rows, rows/s, ETA, dead letters, units); elsewhere (a
 log file, a notebook, a Ray job's log) a log line every `interval_s` seconds and at the end.
 Each committed unit's counts, and the units and time left, also go to the run's metrics
-(`raypipe.metrics.emit_unit`, `emit_progress`).
+(`raypipe.call.metrics.emit_unit`, `emit_progress`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from raypipe.metrics import Metrics, NullMetrics, emit_progress, emit_unit
+from raypipe.call.metrics import Metrics, NullMetrics, emit_progress, emit_unit
 from raypipe.report import UnitStats
 
 __all__ = ["Progress"]

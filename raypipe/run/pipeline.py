@@ -24,11 +24,11 @@ from ray.data import ActorPoolStrategy, DataContext
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from raypipe.actor import ActorSettings, InferenceActor
+from raypipe.call.actor import ActorSettings, InferenceActor
 from raypipe.config import ActorPoolConfig, default_max_actors
 from raypipe.errors import InputError, ShardChangedError
+from raypipe.plan.sources import ColumnNames, DeltaWindow, WorkUnit, marker_block, read_unit, unit_block_schema
 from raypipe.report import UnitStats
-from raypipe.sources import ColumnNames, DeltaWindow, WorkUnit, marker_block, read_unit, unit_block_schema
 
 __all__ = ["UnitDatasource", "UnitResult", "run_units"]
 

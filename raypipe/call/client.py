@@ -6,7 +6,7 @@ of Ray. It is also the one place where gRPC's errors become raypipe's (`map_rpc_
 
 The channel is created lazily on the first call, inside the running event loop: grpc.aio
 channels are bound to the loop they were made in, and actors are constructed outside it.
-Plaintext or TLS (and a bearer token) is `raypipe.channel.ChannelSecurity`'s business; the
+Plaintext or TLS (and a bearer token) is `raypipe.call.channel.ChannelSecurity`'s business; the
 channels of `GrpcModelClient` and `check_service` come from there alike.
 
 Deadlines fit the work (`Deadlines`): a call gets `safety` x the time it should take, which
@@ -30,7 +30,7 @@ import numpy as np
 
 from protos.raypipe.v1 import emotion_pb2, emotion_pb2_grpc
 from protos.wire import APPLICATION_KEY, TIMING_KEYS
-from raypipe.channel import ChannelSecurity, aio_channel, auth_metadata, blocking_channel, tls_problem
+from raypipe.call.channel import ChannelSecurity, aio_channel, auth_metadata, blocking_channel, tls_problem
 from raypipe.errors import (
     ModelServiceError,
     RequestRejected,
@@ -208,7 +208,7 @@ class GrpcModelClient:
     ) -> None:
         """`timeout_s` is the floor of a Classify deadline (and ModelInfo's deadline);
         `max_timeout_s` its ceiling (None: the floor, i.e. a fixed deadline). `interceptors`
-        go on the channel (e.g. `raypipe.metrics.MetricsInterceptor`). `security`: TLS and a
+        go on the channel (e.g. `raypipe.call.metrics.MetricsInterceptor`). `security`: TLS and a
         bearer token (plaintext when None); the token is read from this process's environment
         now, so a node without it fails here (`ConfigError`), not call after call."""
         self.address = address

@@ -39,7 +39,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
-    # Retries live in raypipe.retry, one layer only: switch off the channel's own.
+    # Retries live in raypipe.call.retry, one layer only: switch off the channel's own.
     ("grpc.enable_retries", 0),
     # After an outage the channel fails fast until its reconnect backoff expires (by default
     # it grows to 120 s); cap it so a returning service is seen within seconds.

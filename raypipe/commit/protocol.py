@@ -15,14 +15,14 @@ that either happens or raises::
     protocol.commit_run(metadata)      # the run committed, fenced
     protocol.abort()                   # nothing of this attempt lands after it returns
 
-**The fence** is the table's concurrency control (`raypipe.sinks`): `setup_run` commits a new
+**The fence** is the table's concurrency control (`raypipe.commit.table`): `setup_run` commits a new
 generation of the run id to its slots; every later commit of this attempt (units, plan, files
 seen, run) carries the run's slots at that generation and is built on a snapshot where they
 still hold it, so once a newer attempt took over, none can land (`LeaseLostError`), however
 long it was stalled. `abort` fences off this attempt's own writers the same way (a take-over
 by nobody), unless a newer attempt already holds the run: the report a driver writes after
 a failure is then final, and files an actor writes afterwards stay invisible (`raypipe
-vacuum` removes them). What the lease does (`raypipe.lease`) is liveness only.
+vacuum` removes them). What the lease does (`raypipe.run.lease`) is liveness only.
 
 State beside the table is never a truth on its own: the plan and the files seen are new
 immutable files under numbers no other writer uses, and the table names the current one (an
@@ -39,8 +39,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from raypipe.commit.table import FILES_SEEN_APP, OutcomeTable, TableFence, UnitCommitter, plan_app
 from raypipe.errors import SinkError
-from raypipe.sinks import FILES_SEEN_APP, OutcomeTable, TableFence, UnitCommitter, plan_app
 from raypipe.store import OutputStore
 
 __all__ = ["CommitProtocol", "FilesSeen"]

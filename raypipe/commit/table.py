@@ -119,7 +119,7 @@ def outcome_schema(labels: tuple[str, ...] | list[str]) -> pa.Schema:
 
 def text_hashes(texts: pa.Array | pa.ChunkedArray | list[str | None]) -> pa.Array:
     """A 64-bit BLAKE2b of each text's UTF-8 bytes, as a signed int64 (null for a null text):
-    the key `raypipe.dedup` reuses answers by."""
+    the key `raypipe.call.dedup` reuses answers by."""
     values = texts if isinstance(texts, list) else texts.to_pylist()
     return pa.array(
         [
@@ -158,12 +158,12 @@ def _done_app(run_id: str) -> str:
 
 
 def plan_app(run_id: str) -> str:
-    """The app transaction naming a run's current plan file (`raypipe.runstate`)."""
+    """The app transaction naming a run's current plan file (`raypipe.run.state`)."""
     return f"raypipe/{run_id}/plan"
 
 
 FILES_SEEN_APP = "raypipe/files-seen"
-"""The app transaction naming the output's current files-seen file (`raypipe.runstate`)."""
+"""The app transaction naming the output's current files-seen file (`raypipe.run.state`)."""
 
 
 def unit_slot(unit: str) -> int:

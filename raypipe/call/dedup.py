@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from raypipe.sinks import OUTCOME_RESULT, RESULT_STATUS_OK, OutcomeTable, label_column, text_hashes
+from raypipe.commit.table import OUTCOME_RESULT, RESULT_STATUS_OK, OutcomeTable, label_column, text_hashes
 
 __all__ = ["IndexShard", "IndexStats", "TextIndex", "build_index", "hash_texts", "shard_bounds"]
 

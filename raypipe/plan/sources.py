@@ -3,7 +3,7 @@
 A **work unit** is a contiguous row range of one shard (whole Parquet row groups where they
 are small enough; a whole file for JSON lines). It is the grain of everything that must be
 exact: a unit is read as one block, inferred, and committed with its results and dead letters
-in one step (see `raypipe.sinks`), so a resumed run skips committed units and redoes only the
+in one step (see `raypipe.commit.table`), so a resumed run skips committed units and redoes only the
 ones that were in flight.
 
 Planning reads only Parquet footers (one ranged GET of a shard's tail each on S3) and the
@@ -447,7 +447,7 @@ def plan_listing(
     small file needs. What it costs: row-group pruning and the footers' `updated_at`
     statistics (the latest per shard, which a daily re-reads a rewritten file after) for the
     shards planned whole; the run takes the latter from its committed rows instead
-    (`raypipe.modes`), and a daily's windowed re-reads read footers as before.
+    (`raypipe.run.modes`), and a daily's windowed re-reads read footers as before.
     """
     seen = observations if observations is not None else PlanObservations()
     common: dict[str, Any] = {
@@ -862,7 +862,7 @@ def prune_partitions(
 def _read_dead_letters(unit: WorkUnit) -> pa.Table:
     """A unit's committed dead letters of run `unit.source_run`, read from the outcomes table
     (`unit.shard` is the output URI); the rows keep their original source and row."""
-    from raypipe.sinks import OutcomeTable
+    from raypipe.commit.table import OutcomeTable
 
     # The unit and outcome in the scan's filter: the log's file statistics skip the run's other
     # units' files, so a replay reads each unit's file once, not the run's partition per unit.
