@@ -87,7 +87,7 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     import pyarrow.compute as pc
 
     from raypipe.commit.table import OutcomeTable, UnitCommitter, text_hashes
-    from raypipe.plan.sources import fingerprint
+    from raypipe.plan.listing import fingerprint
     from raypipe.run.state import FILES_SEEN
     from raypipe.store import OutputStore
 

@@ -23,9 +23,9 @@ def run_driver_memory(units: int = 50_000) -> dict[str, Any]:
     from deltalake.transaction import AddAction
 
     from raypipe.commit.table import OutcomeTable
-    from raypipe.plan.sources import WorkUnit
+    from raypipe.plan.plan import Plan
+    from raypipe.plan.units import WorkUnit
     from raypipe.report import AttemptStats, UnitStats
-    from raypipe.run.state import Plan
 
     out: dict[str, Any] = {"units": units}
     with tempfile.TemporaryDirectory(prefix="raypipe-driver-") as tmp:

@@ -529,7 +529,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "report":
             return _report(args)
         if args.command == "shards":
-            from raypipe.run.state import quarantine
+            from raypipe.plan.quarantine import quarantine
 
             release = args.shards_command == "release"
             done = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)

@@ -1,6 +1,6 @@
 """The async inference actor: one work unit in, its results and dead letters committed.
 
-Ray Data hands the actor whole blocks, one per work unit (`raypipe.plan.sources`). For a unit the
+Ray Data hands the actor whole blocks, one per work unit (`raypipe.run.read`). For a unit the
 actor splits the sendable rows into length-sorted micro-batches and sends them all at once.
 Each micro-batch is one *call*, and a call goes through, in this order:
 
@@ -103,7 +103,7 @@ _Sample = tuple[float, bool, BatchResult | None]
 
 
 def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
-    """The dead letter's error for a row that is never sent (`reason` from `raypipe.plan.sources`)."""
+    """The dead letter's error for a row that is never sent (`reason` from `raypipe.run.read`)."""
     if reason is None:
         return MissingIdError("the id is null or empty: the row cannot be told apart; see source and row")
     kind, _, detail = reason.partition(": ")

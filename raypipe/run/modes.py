@@ -43,8 +43,8 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Any
 
 import pyarrow.compute as pc
 
@@ -55,25 +55,16 @@ from raypipe.call.metrics import RunMetrics
 from raypipe.commit.outcomes import Ledger
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable
-from raypipe.config import ClientConfig, PipelineConfig
+from raypipe.config import ClientConfig, InputConfig, PipelineConfig
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError, RunStopped
-from raypipe.plan.sources import (
-    ColumnNames,
-    DeltaWindow,
-    InputListing,
-    PlanObservations,
-    ShardFormat,
-    WorkUnit,
-    list_input,
-    plan_listing,
-    plan_units,
-    prune_partitions,
-)
+from raypipe.plan.inputs import columns_of, on_bad_shard, plan_input, replan, with_whole_file_maxima
+from raypipe.plan.plan import Plan
+from raypipe.plan.units import ColumnNames, WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.run.cost import CpuMeter
 from raypipe.run.pipeline import run_units
 from raypipe.run.progress import Progress
-from raypipe.run.state import Plan, RunState
+from raypipe.run.state import RunState
 from raypipe.store import STATE_DIR, OutputStore
 from raypipe.tally import fold_tallies, read_tallies
 
@@ -171,11 +162,6 @@ def _ensure_ray() -> None:
         start_local_ray()
 
 
-def _columns(config: PipelineConfig) -> ColumnNames:
-    assert config.input is not None
-    return ColumnNames(config.input.id_column, config.input.text_column, config.input.updated_at_column)
-
-
 def _raypipe_error(e: BaseException) -> BaseException:
     """The raypipe error behind a Ray task failure (Ray wraps what an actor raised), else `e`."""
     seen: set[int] = set()
@@ -265,8 +251,7 @@ def _run(
         input_uri = config.input.uri if config.input else None
         plan, resumed = state.plan(lambda: make_plan(state), input_uri=input_uri, model_version=version)
         if resumed and config.input is not None and (plan.bad_shards or any(u.planned_whole for u in plan.units)):
-            listing = list_input(config.input.uri, format=config.input.format)
-            plan = _refresh_whole_files(_retry_bad_shards(config, plan, listing), listing, state.pending(plan))
+            plan = replan(config.input, plan, state.pending(plan))
             state.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
         report.planning = {
@@ -328,8 +313,8 @@ def _run(
             try:
                 for outcome in run_units(
                     todo,
-                    columns=_columns(config) if config.input else ColumnNames(),
-                    on_bad_shard=_on_bad_shard(config, mode) if config.input else "fail",
+                    columns=columns_of(config.input) if config.input else ColumnNames(),
+                    on_bad_shard=on_bad_shard(config.input, mode) if config.input else "fail",
                     settings=settings,
                     actors=config.actors,
                 ):
@@ -362,7 +347,12 @@ def _run(
         complete = len(done_units) == len(plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
         if plan.mode != "replay" and config.input is not None:
-            plan = _with_whole_file_maxima(state, plan, done_units, config.input.max_future_skew_s)
+            plan = with_whole_file_maxima(
+                plan,
+                done_units,
+                config.input.max_future_skew_s,
+                lambda: state.table.max_updated_at_by_unit(state.run_id),
+            )
             state.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
             protocol.commit_run()
@@ -439,174 +429,10 @@ def _fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, p
     return attempt
 
 
-def _with_whole_file_maxima(state: RunState, plan: Plan, done: set[str], skew_s: float) -> Plan:
-    """The plan with the latest `updated_at` of each committed shard planned whole from its
-    listed size (`sources.plan_listing`: no footer read at planning), taken from the statistics
-    of its committed rows in the table's log (no data read).
-
-    They are recorded with the files seen, so a daily reads a later rewrite of such a file for
-    its newer rows only, as it does for a file whose footers planning read. Delta's statistics
-    truncate timestamps to the millisecond (never up: checked in the unit tests), so a rewrite
-    may re-read rows of that last millisecond and never skips one. A file whose rows reach
-    beyond now + `skew_s` (a sentinel) gets none: a rewrite of it is read whole."""
-    whole = {u.key: u.shard for u in plan.units if u.planned_whole and u.key in done}
-    if not whole:
-        return plan
-    maxima = state.table.max_updated_at_by_unit(state.run_id)
-    limit = datetime.now(UTC) + timedelta(seconds=skew_s)
-    found: dict[str, datetime] = {}
-    for key, shard in whole.items():
-        hi = maxima.get(key)
-        if hi is not None and hi <= limit:
-            found[shard] = hi
-    if not found:
-        return plan
-    observations = dict(plan.observations or {})
-    observations["shard_max"] = {
-        **(observations.get("shard_max") or {}),
-        **{shard: hi.isoformat() for shard, hi in found.items()},
-    }
-    latest = max(found.values())
-    footers = _parse(observations.get("max_updated_at"))
-    if footers is not None and latest > footers:  # else read_as_of is "now": the rows had no statistics
-        observations["max_updated_at"] = observations["read_as_of"] = latest.isoformat()
-    return dataclasses.replace(plan, observations=observations)
-
-
-def _on_bad_shard(config: PipelineConfig, mode: str) -> Literal["fail", "record"]:
-    """A daily records bad shards by default (a bad shard must not hold the others back)."""
-    assert config.input is not None
-    return config.input.on_bad_shard or ("record" if mode == "daily" else "fail")
-
-
-def _input_plan(config: PipelineConfig, mode: str, state: RunState, *, since: datetime | None = None) -> Plan:
-    """A backfill plans every shard whole. A daily plans the files no run has read whole yet
-    (new ones, and those whose size or ETag changed), whole, whatever their rows' updated_at;
-    with `since`, also the files already read, for their rows updated after `since`."""
+def _input(config: PipelineConfig, mode: str) -> InputConfig:
     if config.input is None:
         raise ConfigError(f"a {mode} run needs input.uri")
-    listing = list_input(config.input.uri, format=config.input.format, quarantined=state.quarantined())
-    seen = PlanObservations(limit=datetime.now(UTC) + timedelta(seconds=config.input.max_future_skew_s))
-    whole, windowed = listing.shards, list[tuple[str, ShardFormat]]()
-    rewritten: dict[datetime, list[tuple[str, ShardFormat]]] = {}
-    files: Counter[str] = Counter()
-    if mode == "daily":
-        read_before = state.files_seen()
-        whole = []
-        for shard, fmt in listing.shards:
-            fingerprint, read_up_to = read_before.get(shard, (None, None))
-            kind = (
-                "new"
-                if fingerprint is None
-                else "changed"
-                if fingerprint != listing.fingerprints[shard]
-                else "unchanged"
-            )
-            files[kind] += 1
-            if kind == "unchanged":
-                windowed.append((shard, fmt))
-            elif kind == "changed" and read_up_to is not None and fmt == "parquet":
-                # Rewritten in place: its rows updated after what was read of it last time.
-                rewritten.setdefault(datetime.fromisoformat(read_up_to), []).append((shard, fmt))
-            else:
-                whole.append((shard, fmt))
-        if since is not None and config.input.updated_at_partition:
-            windowed = prune_partitions(windowed, config.input.updated_at_partition, DeltaWindow.since(since), seen)
-    else:
-        files["new"] = len(whole)
-    common: dict[str, Any] = {
-        "unit_rows": config.input.unit_rows,
-        "columns": _columns(config),
-        "on_bad_shard": _on_bad_shard(config, mode),
-        "observations": seen,
-        "fingerprints": listing.fingerprints,
-        "threads": config.input.planning_threads,
-    }
-    units, bad = plan_listing(whole, sizes=listing.sizes, footer_sample=config.input.footer_sample, **common)
-    for upto, shards in sorted(rewritten.items()):
-        after = upto if since is None else min(since, upto)
-        more, more_bad = plan_units(shards, need_updated_at=True, window=DeltaWindow.since(after), **common)
-        units += [dataclasses.replace(u, since=after.isoformat()) for u in more]
-        bad += more_bad
-    if since is not None and windowed:
-        more, more_bad = plan_units(windowed, need_updated_at=True, window=DeltaWindow.since(since), **common)
-        units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
-        bad += more_bad
-    logger.info(
-        "planned %d units: %d files new, %d changed, %d read before%s; %d skipped, %d bad",
-        len(units),
-        files["new"],
-        files["changed"],
-        files["unchanged"],
-        f" (rows updated after {since.isoformat()} re-read)" if since is not None else " (not read)",
-        len(listing.skipped),
-        len(bad),
-    )
-    if seen.whole_files:
-        logger.info(
-            "%d footers read at planning; %d small Parquet files planned whole from their listed size "
-            "(each footer is read with its rows)",
-            seen.footers_read,
-            seen.whole_files,
-        )
-    if seen.future_row_groups:
-        logger.warning(
-            "%d row group(s) hold updated_at beyond now + %s s (e.g. a 9999-12-31 sentinel): inferred, but "
-            "they do not move the watermark",
-            seen.future_row_groups,
-            config.input.max_future_skew_s,
-        )
-    observations = {**seen.to_dict(), "files": dict(files), "skipped_files": listing.skipped}
-    # What the input was read as of (the latest updated_at not in the future, else now): the watermark.
-    observations["read_as_of"] = observations["max_updated_at"] or _iso(datetime.now(UTC))
-    window = None if since is None else DeltaWindow.since(since)
-    return Plan(mode, config.input.uri, units, bad, window, observations=observations)
-
-
-def _refresh_whole_files(plan: Plan, listing: InputListing, pending: list[WorkUnit]) -> Plan:
-    """A resumed run reads each of its pending whole-file units (`sources.plan_listing`) as the
-    file is now: one mended or rewritten since planning (a bad shard fixed in place) would
-    otherwise never read under this run id (`ShardChangedError`). A unit that is the whole file
-    has no row range of an older version to keep; a unit cut from a footer keeps its
-    fingerprint, and a committed unit keeps the one it was read at."""
-    todo = {u.key for u in pending if u.planned_whole}
-    units = [
-        dataclasses.replace(u, fingerprint=listing.fingerprints[u.shard])
-        if u.key in todo and u.shard in listing.fingerprints
-        else u
-        for u in plan.units
-    ]
-    return dataclasses.replace(plan, units=units)
-
-
-def _retry_bad_shards(config: PipelineConfig, plan: Plan, listing: InputListing) -> Plan:
-    """Plans again the shards an earlier attempt recorded as bad: a fixed shard joins the run."""
-    assert config.input is not None
-    if not plan.bad_shards:
-        return plan
-    shards = [(b["shard"], b["format"]) for b in plan.bad_shards]
-    units, bad = plan_units(
-        [(shard, fmt) for shard, fmt in shards if shard in listing.fingerprints],  # type: ignore[misc]
-        unit_rows=config.input.unit_rows,
-        columns=_columns(config),
-        on_bad_shard="record",
-        fingerprints=listing.fingerprints,
-        threads=config.input.planning_threads,
-    )
-    gone = [b for b in plan.bad_shards if b["shard"] not in listing.fingerprints]
-    bad += [{**b, "error": "the shard is gone from the input"} for b in gone]
-    if units:
-        logger.info("%d shard(s) recorded as bad are readable now: %d units added", len(shards) - len(bad), len(units))
-    return Plan(
-        plan.mode,
-        plan.input,
-        plan.units + units,
-        bad,
-        plan.window,
-        plan.replay_of,
-        plan.observations,
-        plan.model_version,
-    )
+    return config.input
 
 
 def backfill(config: PipelineConfig) -> RunReport:
@@ -618,7 +444,7 @@ def backfill(config: PipelineConfig) -> RunReport:
     return _run(
         config,
         "backfill",
-        lambda state: _input_plan(config, "backfill", state),
+        lambda state: plan_input(_input(config, "backfill"), "backfill", state),
         watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
     )
 
@@ -636,7 +462,7 @@ def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport
     return _run(
         config,
         "daily",
-        lambda state: _input_plan(config, "daily", state, since=since),
+        lambda state: plan_input(_input(config, "daily"), "daily", state, since=since),
         watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
     )
 

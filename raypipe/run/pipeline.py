@@ -27,8 +27,9 @@ from ray.data.datasource import Datasource, ReadTask
 from raypipe.call.actor import ActorSettings, InferenceActor
 from raypipe.config import ActorPoolConfig, default_max_actors
 from raypipe.errors import InputError, ShardChangedError
-from raypipe.plan.sources import ColumnNames, DeltaWindow, WorkUnit, marker_block, read_unit, unit_block_schema
+from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 from raypipe.report import UnitStats
+from raypipe.run.read import marker_block, read_unit, unit_block_schema
 
 __all__ = ["UnitDatasource", "UnitResult", "run_units"]
 

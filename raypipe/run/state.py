@@ -38,9 +38,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
+from datetime import datetime
 
 import pyarrow.compute as pc
 
@@ -49,18 +47,19 @@ from raypipe.commit.protocol import LEGACY_FILES_SEEN, CommitProtocol, read_file
 from raypipe.commit.table import TableFence
 from raypipe.config import PipelineConfig
 from raypipe.errors import ConfigError
-from raypipe.plan.sources import DeltaWindow, WorkUnit
+from raypipe.plan.plan import Plan
+from raypipe.plan.quarantine import quarantined
+from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.run.lease import Lease
 from raypipe.store import OutputStore
 
-__all__ = ["Plan", "RunState", "quarantine", "read_files_seen"]
+__all__ = ["RunState", "read_files_seen"]
 
 logger = logging.getLogger("raypipe")
 
 FILES_SEEN = LEGACY_FILES_SEEN  # an earlier release's files seen, read where the table names none
 WATERMARK = "watermark.json"
-QUARANTINE = "quarantine.json"
 
 
 def _iso(ts: datetime | None) -> str | None:
@@ -69,48 +68,6 @@ def _iso(ts: datetime | None) -> str | None:
 
 def _parse(ts: str | None) -> datetime | None:
     return None if ts is None else datetime.fromisoformat(ts)
-
-
-@dataclass
-class Plan:
-    mode: str
-    input: str | None
-    units: list[WorkUnit]
-    bad_shards: list[dict[str, str]]
-    window: DeltaWindow | None = None
-    replay_of: str | None = None
-    observations: dict[str, Any] | None = None
-    """What planning saw in the footers (`PlanObservations`), and a backfill's `read_as_of`."""
-    model_version: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "input": self.input,
-            "units": [u.to_dict() for u in self.units],
-            "bad_shards": self.bad_shards,
-            "window": None
-            if self.window is None
-            else {"after": _iso(self.window.after), "until": _iso(self.window.until)},
-            "replay_of": self.replay_of,
-            "observations": self.observations,
-            "model_version": self.model_version,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        w = d.get("window")
-        window = None if w is None else DeltaWindow(_parse(w["after"]), _parse(w["until"]))  # type: ignore[arg-type]
-        return cls(
-            d["mode"],
-            d["input"],
-            [WorkUnit.from_dict(u) for u in d["units"]],
-            d["bad_shards"],
-            window,
-            d.get("replay_of"),
-            d.get("observations"),
-            d.get("model_version"),
-        )
 
 
 class RunState:
@@ -273,7 +230,7 @@ class RunState:
         return self.protocol.record_files_seen(lambda seen: _changes(done, latest, seen))
 
     def quarantined(self) -> frozenset[str]:
-        return frozenset((self.store.read_json_or_none(self.store.state(QUARANTINE)) or {}).get("shards", {}))
+        return quarantined(self.store)
 
     def write_report(self, report: RunReport) -> None:
         self.store.write_json(self.store.report_file(self.run_id), report.to_dict())
@@ -296,18 +253,3 @@ def _changes(
 
 def _later(a: str | None, b: str | None) -> str | None:
     return max((x for x in (a, b) if x is not None), default=None)
-
-
-def quarantine(output: str, shards: list[str], *, reason: str, release: bool = False) -> dict[str, Any]:
-    """Adds shards to (or with `release`, removes them from) the output's quarantine: planning
-    skips a quarantined shard and lists it in the report, so a shard that stays bad stops
-    making every run incomplete once an operator has decided so."""
-    store = OutputStore(output)
-    current = (store.read_json_or_none(store.state(QUARANTINE)) or {}).get("shards", {})
-    for shard in shards:
-        if release:
-            current.pop(shard, None)
-        else:
-            current[shard] = {"reason": reason, "at": _iso(datetime.now(UTC))}
-    store.write_json(store.state(QUARANTINE), {"shards": current})
-    return {"quarantined": sorted(current)}

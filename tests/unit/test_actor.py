@@ -23,7 +23,10 @@ from raypipe.errors import (
     ServiceOverloaded,
     ServiceUnavailable,
 )
-from raypipe.plan.sources import ColumnNames, list_shards, plan_units, read_unit
+from raypipe.plan.footers import plan_units
+from raypipe.plan.listing import list_shards
+from raypipe.plan.units import ColumnNames
+from raypipe.run.read import read_unit
 from tests.fakes import LABELS, ScriptedClient, fake_probs
 
 

@@ -25,8 +25,11 @@ from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import ClientConfig, ServiceConfig, load_config
 from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, ServiceUnavailable
-from raypipe.plan.sources import ColumnNames, list_shards, plan_units, read_unit
+from raypipe.plan.footers import plan_units
+from raypipe.plan.listing import list_shards
+from raypipe.plan.units import ColumnNames
 from raypipe.run.modes import _fatal_error
+from raypipe.run.read import read_unit
 from tests.fakes import LABELS, FakeServicer, fake_probs
 from tests.tls import Pki, TlsProxy
 

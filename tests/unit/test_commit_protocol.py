@@ -234,7 +234,7 @@ def test_an_attempts_statistics_fold_in_bounded_memory():
 
 
 def test_each_units_latest_updated_at_comes_from_the_logs_statistics_never_rounded_up(tmp_path):
-    """What a shard planned whole from its size was read up to (`modes._with_whole_file_maxima`):
+    """What a shard planned whole from its size was read up to (`raypipe.plan.inputs.with_whole_file_maxima`):
     Delta keeps timestamps to the millisecond, truncated, so a later rewrite is re-read from
     at most that millisecond and no row is skipped."""
     table = table_for(tmp_path)

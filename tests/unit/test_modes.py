@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypipe.api import build_config
-from raypipe.plan.sources import ColumnNames
-from raypipe.run import modes
+from raypipe.plan.inputs import plan_input
+from raypipe.plan.units import ColumnNames
 from raypipe.run.pipeline import _read_block
 from raypipe.run.state import RunState
 
@@ -42,5 +42,6 @@ def test_daily_since_reads_a_new_file_whole_whatever_its_rows_updated_at(tmp_pat
     """A late file whose rows are stamped before --since, some with no updated_at: all read."""
     write(tmp_path / "in" / "late.parquet", ["a", "b", "c"], [T - timedelta(days=3), None, T + timedelta(hours=1)])
     cfg = config(tmp_path)
-    plan = modes._input_plan(cfg, "daily", RunState(cfg, "daily", "d1"), since=T)
+    assert cfg.input is not None
+    plan = plan_input(cfg.input, "daily", RunState(cfg, "daily", "d1"), since=T)
     assert read_plan(plan) == ["a", "b", "c"]

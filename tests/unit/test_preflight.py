@@ -233,11 +233,11 @@ def test_the_api_refuses_what_the_cli_refuses(tmp_path, no_service):
 
 
 def test_a_good_run_passes_its_checks_and_reads_no_rows(tmp_path, no_service, monkeypatch):
-    from raypipe.plan import sources
+    from raypipe.run import read
 
     shard(tmp_path / "in" / "a.parquet")
     shard(tmp_path / "in" / "b.parquet")
-    monkeypatch.setattr(sources, "read_unit", lambda *a, **k: pytest.fail("preflight read rows"))
+    monkeypatch.setattr(read, "read_unit", lambda *a, **k: pytest.fail("preflight read rows"))
     assert api.backfill(str(tmp_path / "in"), str(tmp_path / "out")) == "started"
     assert [mode for mode, _ in no_service] == ["backfill"] and not (tmp_path / "out").exists()
 
@@ -266,7 +266,7 @@ def test_a_corrupt_first_shard_is_refused_by_a_backfill(tmp_path):
 
 
 def test_a_quarantined_first_shard_is_not_checked(tmp_path):
-    from raypipe.run.state import quarantine
+    from raypipe.plan.quarantine import quarantine
 
     bad = shard(tmp_path / "in" / "a.parquet", id=["1"], body=["x"])
     shard(tmp_path / "in" / "b.parquet")

@@ -78,8 +78,8 @@ def replay_state(out):
 
 
 def replay_plan(out, units: list[str]):
-    from raypipe.plan.sources import WorkUnit
-    from raypipe.run.state import Plan
+    from raypipe.plan.plan import Plan
+    from raypipe.plan.units import WorkUnit
 
     table = OutcomeTable(str(out))
     version = table.load().version()
@@ -125,7 +125,8 @@ def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(t
 
 
 def test_a_replay_unit_reads_its_own_dead_letters_only(tmp_path):
-    from raypipe.plan.sources import ColumnNames, WorkUnit, read_unit
+    from raypipe.plan.units import ColumnNames, WorkUnit
+    from raypipe.run.read import read_unit
 
     a, b = unit_names(2)
     original_run(tmp_path, [a, b])

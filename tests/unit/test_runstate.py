@@ -8,8 +8,9 @@ import pytest
 from raypipe.api import build_config
 from raypipe.commit.upkeep import finished_runs
 from raypipe.errors import LeaseLostError
-from raypipe.plan.sources import WorkUnit
-from raypipe.run.state import Plan, RunState
+from raypipe.plan.plan import Plan
+from raypipe.plan.units import WorkUnit
+from raypipe.run.state import RunState
 from tests.fakes import LABELS
 
 IN = "/data/in"

@@ -1,0 +1,124 @@
+"""The vocabulary of planning: a shard's format, the input's column names, a daily's window,
+and the work unit.
+
+A **work unit** is a contiguous row range of one shard (whole Parquet row groups where they
+are small enough; a whole file for JSON lines). It is the grain of everything that must be
+exact: a unit is read as one block (`raypipe.run.read`), inferred, and committed with its
+results and dead letters in one step (`raypipe.commit.table`), so a resumed run skips
+committed units and redoes only the ones that were in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+__all__ = ["ColumnNames", "DeltaWindow", "ShardFormat", "WorkUnit"]
+
+
+ShardFormat = Literal["parquet", "jsonl", "dead_letters"]
+
+
+@dataclass(frozen=True)
+class ColumnNames:
+    id: str = "id"
+    text: str = "text"
+    updated_at: str = "updated_at"
+
+
+@dataclass(frozen=True)
+class DeltaWindow:
+    """Selects rows with `after <= updated_at <= until` (daily runs).
+
+    `after` is inclusive: a file rewritten in place is read from the latest `updated_at` read
+    of it before, so rows appended at exactly that instant (a batch export stamps every row
+    with one time) are read; the rows re-read at that instant are answered from the table by
+    reuse.
+
+    A window applies only to a file a run has read before (a unit with its own `since`: a
+    daily's `--since`, a rewrite's newer rows); new files are read whole. Rows whose
+    `updated_at` is null are never in a window: they are read with the file that holds them,
+    when it is new.
+    """
+
+    after: datetime | None
+    until: datetime
+
+    @classmethod
+    def since(cls, after: datetime) -> DeltaWindow:
+        """Every row updated at or after `after` (a daily's `--since`; a rewritten file's newer rows)."""
+        return cls(after, datetime(9999, 12, 31, tzinfo=UTC))
+
+    def may_hold(self, lo: datetime | None, hi: datetime | None) -> bool:
+        """Can a row group whose updated_at spans [lo, hi] hold rows of the window?"""
+        if lo is None or hi is None:
+            return True  # no statistics: read it
+        if lo > self.until:
+            return False
+        return self.after is None or hi >= self.after
+
+
+@dataclass(frozen=True, order=True)
+class WorkUnit:
+    shard: str
+    """Full URI of the shard (s3://bucket/key or a local path)."""
+    format: ShardFormat
+    row_start: int
+    row_stop: int | None
+    """Exclusive end; None for 'to the end of the file' (JSON lines)."""
+    name: str | None = None
+    """Overrides the derived key (a replay's unit is the unit of the dead letters it redoes)."""
+    source_run: str | None = None
+    """Replays: the run whose dead letters the unit re-infers (`shard` is then the output URI)."""
+    fingerprint: str | None = None
+    """The shard's `fingerprint` at planning: a shard rewritten since is not read (re-planned)."""
+    since: str | None = None
+    """Only rows updated after this instant (ISO; a daily's `--since` over files read before)."""
+
+    @property
+    def key(self) -> str:
+        """Stable, file-name-safe identity: the same unit always gets the same output names."""
+        if self.name:
+            return self.name
+        digest = hashlib.sha1(f"{self.shard}|{self.row_start}|{self.row_stop}".encode()).hexdigest()[:12]
+        stem = posixpath.basename(self.shard).split(".")[0][:40] or "shard"
+        return f"{stem}-{self.row_start}-{digest}"
+
+    @property
+    def planned_whole(self) -> bool:
+        """A Parquet shard planned as one unit from its listed size (`plan_listing`): no footer
+        read at planning, the whole file read as it is when read."""
+        return self.format == "parquet" and self.row_stop is None
+
+    @property
+    def expected_rows(self) -> int | None:
+        return None if self.row_stop is None else self.row_stop - self.row_start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "format": self.format,
+            "row_start": self.row_start,
+            "row_stop": self.row_stop,
+            "name": self.name,
+            "source_run": self.source_run,
+            "fingerprint": self.fingerprint,
+            "since": self.since,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkUnit:
+        stop = None if d["row_stop"] is None else int(d["row_stop"])
+        return cls(
+            d["shard"],
+            d["format"],
+            int(d["row_start"]),
+            stop,
+            d.get("name"),
+            d.get("source_run"),
+            d.get("fingerprint"),
+            d.get("since"),
+        )
