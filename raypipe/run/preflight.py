@@ -10,9 +10,9 @@ with one line naming the fix (`ConfigError` or `InputError`: exit 2 in the CLI).
 
 What is checked, each as cheaply as it can be (a listing, one footer, no rows):
 - times: `since` is an ISO time with a zone, or a timezone-aware `datetime` (`parse_since`);
-- the input (backfill, daily): it exists, lists at least one shard (`sources.list_input`,
+- the input (backfill, daily): it exists, lists at least one shard (`raypipe.plan.listing.list_input`,
   quarantined shards left out), and its first shard has the id and text columns with usable
-  types (`sources.plan_units` on that one shard: its Parquet footer, or its first JSON line).
+  types (`raypipe.plan.footers.plan_units` on that one shard: its Parquet footer, or its first JSON line).
   A daily records bad shards and goes on (`input.on_bad_shard: record`), so a daily is
   refused only when its first and its last shard both lack the same column: that is a
   setting (`input.text_column`), not one bad file;
@@ -123,7 +123,9 @@ _INPUT_HINT = "set --input (input.uri) to a Parquet or JSON-lines file, a folder
 
 
 def _check_input(config: PipelineConfig, mode: Mode) -> None:
-    from raypipe.plan.sources import ColumnNames, ShardFormat, list_input, plan_units
+    from raypipe.plan.footers import plan_units
+    from raypipe.plan.listing import list_input
+    from raypipe.plan.units import ColumnNames, ShardFormat
 
     settings = config.input
     assert settings is not None
@@ -174,15 +176,14 @@ def _schema_hint(error: InputError, config: PipelineConfig) -> str:
 
 def _quarantined(config: PipelineConfig) -> frozenset[str]:
     """Shards set aside on this output (read only: a missing output has none)."""
-    from raypipe.run.state import QUARANTINE
+    from raypipe.plan.quarantine import quarantined
     from raypipe.store import OutputStore
 
     store = OutputStore(config.output.uri)
     try:
-        data = store.read_json_or_none(store.state(QUARANTINE)) or {}
+        return quarantined(store)
     except OSError:
         return frozenset()  # the output's own check reports an unreadable output
-    return frozenset(data.get("shards", {}))
 
 
 # -- output -----------------------------------------------------------------------------------
