@@ -7,6 +7,7 @@ The server's own counts say what was inferred.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -31,14 +32,24 @@ def _texts(prefix: str, n: int) -> list[str]:
     return [f"{prefix} paragraph number {i}: what a lovely, joyful day it was" for i in range(n)]
 
 
-def inferred(app: str) -> int:
-    return int(serve.get_app_handle(app).stats.remote().result()["paragraphs"].get("OK", 0))
+APP = "raypipe"  # the session's shared app: the tests run one at a time, so counts since a test began are its own
 
 
-def test_a_late_file_of_old_rows_is_inferred_by_the_next_daily(tmp_path, serve_address, deploy_app):
+def _answered() -> int:
+    return int(serve.get_app_handle(APP).stats.remote().result()["paragraphs"].get("OK", 0))
+
+
+@pytest.fixture
+def inferred(serve_address: str) -> Callable[[], int]:
+    """Paragraphs the shared app answered since the test began."""
+    start = _answered()
+    return lambda: _answered() - start
+
+
+def test_a_late_file_of_old_rows_is_inferred_by_the_next_daily(tmp_path, serve_address, inferred):
     """d1 reads up to T; a file of 50 rows updated before T lands afterwards (export lag, a
     producer clock behind): d2 infers all 50 and says it read a new file."""
-    app = deploy_app("late")
+    app = APP
     t = datetime.now(UTC) - timedelta(hours=1)
     in_dir = tmp_path / "in"
     in_dir.mkdir()
@@ -49,19 +60,19 @@ def test_a_late_file_of_old_rows_is_inferred_by_the_next_daily(tmp_path, serve_a
     assert d1.status == "completed" and d1.rows_in == 100
     late = [t - timedelta(minutes=40) + timedelta(seconds=i) for i in range(50)]
     pq.write_table(_table([f"late{i}" for i in range(50)], _texts("late", 50), late), in_dir / "late.parquet")
-    before = inferred(app)
+    before = inferred()
     d2 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", settings=cfg)
     assert d2.status == "completed" and d2.rows_in == 50
-    assert inferred(app) - before == 50
+    assert inferred() - before == 50
     assert d2.planning["files"] == {"new": 1, "unchanged": 1}
     assert "new 1" in d2.render()
     assert_nothing_lost(out, [*(f"a{i}" for i in range(100)), *(f"late{i}" for i in range(50))])
 
 
-def test_a_mended_bad_shard_costs_only_its_own_rows_and_blocks_nothing(tmp_path, serve_address, deploy_app):
+def test_a_mended_bad_shard_costs_only_its_own_rows_and_blocks_nothing(tmp_path, serve_address, inferred):
     """d1 over three shards, one corrupt: the two healthy ones are committed and recorded (exit 3,
     incomplete); d2 retries the bad one and reports it again; once mended, d3 infers only its rows."""
-    app = deploy_app("mended")
+    app = APP
     t = datetime.now(UTC) - timedelta(hours=2)
     in_dir = tmp_path / "in"
     in_dir.mkdir()
@@ -72,14 +83,14 @@ def test_a_mended_bad_shard_costs_only_its_own_rows_and_blocks_nothing(tmp_path,
     cfg = {"service": {"application": app}}
     d1 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", settings=cfg)
     assert d1.status == "incomplete" and [Path(b["shard"]).name for b in d1.bad_shards] == ["c.parquet"]
-    assert d1.rows_in == 2000 and inferred(app) == 2000
+    assert d1.rows_in == 2000 and inferred() == 2000
     d2 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", settings=cfg)
     assert d2.status == "incomplete" and [Path(b["shard"]).name for b in d2.bad_shards] == ["c.parquet"]
-    assert d2.rows_in == 0 and inferred(app) == 2000  # the healthy shards are not read again
+    assert d2.rows_in == 0 and inferred() == 2000  # the healthy shards are not read again
     pq.write_table(_table([f"c{i}" for i in range(30)], _texts("c", 30), t), in_dir / "c.parquet")
     d3 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d3", settings=cfg)
     assert d3.status == "completed" and d3.rows_in == 30
-    assert inferred(app) == 2030  # was 4,030: every healthy row inferred twice
+    assert inferred() == 2030  # was 4,030: every healthy row inferred twice
     # A shard that stays bad can be set aside by an operator: listed as skipped, the run completes.
     (in_dir / "d.parquet").write_bytes(b"PAR1 broken for good PAR1")
     quarantine(out, [str(in_dir / "d.parquet")], reason="vendor export broken")
@@ -89,8 +100,8 @@ def test_a_mended_bad_shard_costs_only_its_own_rows_and_blocks_nothing(tmp_path,
     assert "quarantined" in d4.skipped_files[0]["reason"]
 
 
-def test_a_future_dated_sentinel_neither_moves_the_watermark_nor_blocks_dailies(tmp_path, serve_address, deploy_app):
-    app = deploy_app("sentinel")
+def test_a_future_dated_sentinel_neither_moves_the_watermark_nor_blocks_dailies(tmp_path, serve_address, inferred):
+    app = APP
     now = datetime.now(UTC)
     in_dir = tmp_path / "in"
     in_dir.mkdir()
@@ -106,13 +117,13 @@ def test_a_future_dated_sentinel_neither_moves_the_watermark_nor_blocks_dailies(
     pq.write_table(_table([f"n{i}" for i in range(100)], _texts("n", 100), now), in_dir / "n.parquet")
     daily = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", settings=cfg)
     assert daily.status == "completed" and daily.rows_in == 100  # was: exit 2, 0 of 100 inferred
-    assert inferred(app) == 200
+    assert inferred() == 200
 
 
-def test_a_metadata_only_change_costs_no_call(tmp_path, serve_address, deploy_app):
+def test_a_metadata_only_change_costs_no_call(tmp_path, serve_address, inferred):
     """A backfill of 2,000 rows; 1,000 of them come back with a newer updated_at and the same
     text: the daily makes no call for them, and their results carry the new updated_at."""
-    app = deploy_app("metadata")
+    app = APP
     t = datetime.now(UTC) - timedelta(days=2)
     in_dir = tmp_path / "in"
     in_dir.mkdir()
@@ -121,13 +132,13 @@ def test_a_metadata_only_change_costs_no_call(tmp_path, serve_address, deploy_ap
     out = str(tmp_path / "out")
     cfg = {"service": {"application": app}}
     back = raypipe.backfill(str(in_dir), out, service=serve_address, run_id="bf", settings=cfg)
-    assert back.status == "completed" and inferred(app) == 2000
+    assert back.status == "completed" and inferred() == 2000
     touched = t + timedelta(days=1)
     pq.write_table(_table(all_ids[:1000], texts[:1000], touched), in_dir / "touched.parquet")
     daily = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", settings=cfg)
     assert daily.status == "completed" and daily.rows_in == 1000
     assert daily.rows_copied == 1000 and daily.calls == 0  # was 32 calls, 1,000 rows re-inferred
-    assert inferred(app) == 2000
+    assert inferred() == 2000
     latest = {r["id"]: r for r in raypipe.latest(out).to_pylist()}
     assert {latest[i]["run_id"] for i in all_ids[:1000]} == {"d1"}
     assert {latest[i]["updated_at"] for i in all_ids[:1000]} == {touched}
@@ -157,11 +168,11 @@ def test_invalid_utf8_in_one_text_is_a_dead_letter_and_the_rest_is_inferred(tmp_
     assert "unknown extension .txt" in report.render()
 
 
-def test_a_file_rewritten_in_place_is_read_for_its_rows_updated_since(tmp_path, serve_address, deploy_app):
+def test_a_file_rewritten_in_place_is_read_for_its_rows_updated_since(tmp_path, serve_address, inferred):
     """A producer rewrites a file with 10 rows changed among 200: the daily infers those 10 (the
     rows updated at or after what was read of the file before), not 200. The 190 rows stamped
     at exactly that instant are read again and answered from the table, not by the service."""
-    app = deploy_app("rewrite")
+    app = APP
     t = datetime.now(UTC) - timedelta(days=1)
     in_dir = tmp_path / "in"
     in_dir.mkdir()
@@ -176,16 +187,16 @@ def test_a_file_rewritten_in_place_is_read_for_its_rows_updated_since(tmp_path, 
     d2 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", settings=cfg)
     assert d2.status == "completed" and d2.planning["files"] == {"changed": 1}
     assert d2.rows_in == 200 and d2.rows_copied == 190
-    assert inferred(app) == 210
+    assert inferred() == 210
 
 
-def test_a_file_planned_whole_from_its_size_is_read_for_its_rows_updated_since(tmp_path, serve_address, deploy_app):
+def test_a_file_planned_whole_from_its_size_is_read_for_its_rows_updated_since(tmp_path, serve_address, inferred):
     """A backfill over more shards than `input.footer_sample` plans the unsampled ones whole,
     with no footer read; the latest updated_at read in each is taken from its committed rows,
     so a file rewritten in place afterwards costs the daily its changed rows only. Delta keeps
     that timestamp to the millisecond (truncated): the row at the file's last millisecond is
     read again, and its unchanged text is answered from the table, not by the service."""
-    app = deploy_app("whole")
+    app = APP
     t = (datetime.now(UTC) - timedelta(days=1)).replace(microsecond=123_456)
     in_dir = tmp_path / "in"
     in_dir.mkdir()
@@ -202,11 +213,11 @@ def test_a_file_planned_whole_from_its_size_is_read_for_its_rows_updated_since(t
     texts = [f"rewritten, a furious paragraph {i}" if i < 5 else x for i, x in enumerate(texts)]
     stamps = [t + timedelta(hours=3)] * 5 + [t + timedelta(seconds=i) for i in range(5, 40)]
     pq.write_table(_table(ids_, texts, stamps), in_dir / "part-2.parquet")
-    before = inferred(app)
+    before = inferred()
     d = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d", settings=cfg)
     assert d.status == "completed" and d.planning["files"] == {"changed": 1, "unchanged": 3}
     assert d.rows_in == 5 + 1 and d.rows_copied == 1, "the 5 changed rows, and the one of the last millisecond"
-    assert inferred(app) - before == 5
+    assert inferred() - before == 5
     newest = {r["id"]: r for r in raypipe.latest(out).to_pylist()}
     assert sorted(newest) == sorted(i for ids_, _ in files.values() for i in ids_)
     assert {i for i, r in newest.items() if r["run_id"] == "d"} == {f"f2-{i}" for i in (0, 1, 2, 3, 4, 39)}

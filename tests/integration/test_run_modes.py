@@ -72,8 +72,13 @@ def test_job_submission_without_the_token_is_refused(ray_cluster):
 
 
 @pytest.mark.timeout(420)
-def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cluster, serve_address, deploy_app):
-    app = deploy_app("resume")
+def _answered(app: str) -> int:
+    return int(serve.get_app_handle(app).stats.remote().result()["paragraphs"].get("OK", 0))
+
+
+def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cluster, serve_address):
+    app = "raypipe"  # the session's shared app: tests run one at a time, so its count since `start` is this test's
+    start = _answered(app)
     corpus = write_sample_corpus(str(tmp_path / "in"), rows=3000, parquet_shards=3, jsonl_shards=0,
                                  bad_fraction=0.0, row_group_size=50, seed=31)  # fmt: skip
     out = tmp_path / "out"
@@ -104,7 +109,7 @@ def test_killed_backfill_resumes_without_redoing_committed_work(tmp_path, ray_cl
     assert report.rows_skipped_committed == 50 * report.units_skipped_committed
     assert report.rows_in == len(corpus.ids)  # totals span both attempts
     # The server's own count: every paragraph inferred across both attempts, committed or not.
-    served = serve.get_app_handle(app).stats.remote().result()["paragraphs"]["OK"]
+    served = _answered(app) - start
     # (A unit sends a text once: the distinct texts are the least the server can have seen.)
     assert len(set(corpus.texts)) <= served <= 1.10 * len(corpus.ids), served
     print(
@@ -129,31 +134,31 @@ def _write_day2(input_dir: Path, day1_ids: list[str], when: datetime) -> tuple[l
 
 
 @pytest.mark.timeout(420)
-def test_daily_runs_send_only_new_and_changed_rows(tmp_path, serve_address, deploy_app):
-    app = deploy_app("daily")
+def test_daily_runs_send_only_new_and_changed_rows(tmp_path, serve_address):
+    app = "raypipe"  # shared: counts are taken from this test's start
+    start = _answered(app)
     day1 = datetime(2026, 1, 1, tzinfo=UTC)
     input_dir = tmp_path / "in"
     corpus = write_sample_corpus(str(input_dir), rows=500, parquet_shards=2, jsonl_shards=1, bad_fraction=0.0,
                                  updated_at=day1, seed=41)  # fmt: skip
     out = str(tmp_path / "out")
     cfg = {"service": {"application": app}, "input": {"unit_rows": 100}}
-    handle = serve.get_app_handle(app)
 
     r1 = raypipe.daily(input_dir.as_posix(), out, service=serve_address, settings=cfg)
     assert r1.status == "completed" and r1.rows_in == 500
-    after_day1 = handle.stats.remote().result()["paragraphs"]["OK"]
+    after_day1 = _answered(app) - start
     assert after_day1 == 500
 
     changed, new = _write_day2(input_dir, corpus.ids, day1 + timedelta(days=1, hours=12))
     r2 = raypipe.daily(input_dir.as_posix(), out, service=serve_address, settings=cfg)
-    sent_day2 = handle.stats.remote().result()["paragraphs"]["OK"] - after_day1
+    sent_day2 = _answered(app) - start - after_day1
     assert sent_day2 == len(changed) + len(new) == r2.rows_in
     assert r2.planning["files"] == {"new": 1, "unchanged": 3}
 
     # A third run with nothing new sends nothing and still commits (and moves the watermark).
     r3 = raypipe.daily(input_dir.as_posix(), out, service=serve_address, settings=cfg)
     assert r3.status == "completed" and r3.rows_in == 0
-    assert handle.stats.remote().result()["paragraphs"]["OK"] - after_day1 == sent_day2
+    assert _answered(app) - start - after_day1 == sent_day2
 
     latest = raypipe.latest(out)  # the README's SQL view, run by DuckDB over the committed files
     rows = {r["id"]: r for r in latest.to_pylist()}
