@@ -99,8 +99,8 @@ def _run(
     plan: Plan | None = None
     write_report = True
     try:
-        plan, todo = PlanRun(state, config.input, make_plan)(model.version, report)
-        executed = execute(plan, todo, model, rows_run_id=results_run_id(run_id, plan), report=report)
+        plan, todo = PlanRun(state, config.input, make_plan).plan(model.version, report)
+        executed = execute.execute(plan, todo, model, rows_run_id=results_run_id(run_id, plan), report=report)
         commit.commit(plan, todo, executed, report)
     except LeaseLostError:
         write_report = False  # the attempt that fenced us off owns the report now
@@ -111,7 +111,7 @@ def _run(
         commit.abort()
         raise
     finally:
-        ReportRun(state, config.core_hour_usd, metrics, t0=t0)(report, execute, plan, write=write_report)
+        ReportRun(state, config.core_hour_usd, metrics, t0=t0).write(report, execute, plan, write=write_report)
     return report
 
 

@@ -1,10 +1,10 @@
 """A run's steps, one object each, in the order `raypipe.run.modes` calls them:
 
-    ModelService.ask(service, client)      the service's labels, version and limits (nothing written)
-    PlanRun(state, input, make_plan)       the stored plan or a new one; the units still to do
-    ExecuteRun(state, settings)            the units through the actors, who commit each one
-    CommitRun(state, input, watermark_to)  files seen, the run's commit, the watermark; or abort
-    ReportRun(state, core_hour_usd, ...)   the report: rows from the table, calls of every attempt
+    ModelService.ask(service, client)   the service's labels, version and limits (nothing written)
+    PlanRun(...).plan                   the stored plan or a new one; the units still to do
+    ExecuteRun(...).execute             the units through the actors, who commit each one
+    CommitRun(...).commit / .abort      files seen, the run's commit, the watermark; or abort
+    ReportRun(...).write                the report: rows from the table, calls of every attempt
 
 Each takes the part of the config it needs (an `InputConfig`, a `ServiceConfig`, ...), never
 the whole `PipelineConfig`, and the run's `RunState` (lease, plan, table) for what it does on
@@ -93,7 +93,7 @@ class PlanRun:
         self.input = input
         self.make_plan = make_plan
 
-    def __call__(self, model_version: str, report: RunReport) -> tuple[Plan, list[WorkUnit]]:
+    def plan(self, model_version: str, report: RunReport) -> tuple[Plan, list[WorkUnit]]:
         state, input = self.state, self.input
         plan, resumed = state.plan(
             lambda: self.make_plan(state), input_uri=input.uri if input else None, model_version=model_version
@@ -156,7 +156,7 @@ class ExecuteRun:
         self.attempt = AttemptStats(attempt=state.attempt)
         self.meter: CpuMeter | None = None
 
-    def __call__(
+    def execute(
         self, plan: Plan, todo: list[WorkUnit], model: ModelService, *, rows_run_id: str, report: RunReport
     ) -> Executed:
         bad = list(plan.bad_shards)
@@ -322,7 +322,7 @@ class ReportRun:
         self.metrics = metrics
         self.t0 = t0
 
-    def __call__(self, report: RunReport, executed: ExecuteRun, plan: Plan | None, *, write: bool) -> None:
+    def write(self, report: RunReport, executed: ExecuteRun, plan: Plan | None, *, write: bool) -> None:
         state, attempt, meter = self.state, executed.attempt, executed.meter
         report.finished_at = datetime.now(UTC).isoformat()
         report.wall_s = round(time.monotonic() - self.t0, 3)
