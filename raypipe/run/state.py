@@ -1,8 +1,9 @@
 """One owner of a run's state on its output: table, plan, lease, watermark, report.
 
-`RunState` is what the run modes (`raypipe.run.modes._run`) call, once per step:
+`RunState` is what a run's steps (`raypipe.run.steps`, composed by `raypipe.run.modes._run`)
+call, once per step:
 
-    state = RunState(config, mode, run_id)
+    state = RunState(config.output, mode, run_id)
     state.committed_report()      # None, or the report of a run id already committed
     state.begin(labels)           # lease (one run id at a time), table ready, take over: fence
     plan = state.plan(make_plan)  # the stored plan, or a new one (stored once, fenced)
