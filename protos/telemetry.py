@@ -319,19 +319,6 @@ class MetricsSpec:
     tags: tuple[tuple[str, str], ...] = ()
     gauge_interval_s: float = 5.0
 
-    @classmethod
-    def from_config(cls, config: Any, tags: Tags | None = None) -> MetricsSpec:
-        """From a `raypipe.config.MetricsConfig` (or anything with its fields)."""
-        merged = {**config.tags, **(tags or {})}
-        return cls(
-            config.dogstatsd_host,
-            config.dogstatsd_port,
-            config.ray_metrics,
-            config.namespace,
-            tuple(sorted(merged.items())),
-            config.gauge_interval_s,
-        )
-
     @property
     def enabled(self) -> bool:
         return bool(self.dogstatsd_host) or self.ray_metrics

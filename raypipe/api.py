@@ -45,7 +45,7 @@ def connect(address: str | None = None) -> None:
 
     if ray.is_initialized():
         return
-    from raypipe.run.modes import start_local_ray  # Ray Data comes with it: only when asked
+    from raypipe.run.driver import start_local_ray  # Ray Data comes with it: only when asked
 
     start_local_ray(**({} if address is None else {"address": address}))
 

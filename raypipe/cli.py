@@ -398,7 +398,7 @@ def _serve(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, force_precision=True)
     import os
 
-    from raypipe.run.modes import start_local_ray
+    from raypipe.run.driver import start_local_ray
     from raypipe.run.preflight import check_ray_address
 
     check_ray_address(os.environ)  # a RAY_ADDRESS nobody answers at: ray.init would retry for minutes

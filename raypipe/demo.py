@@ -24,7 +24,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
 
     from raypipe import api
     from raypipe.commit.outcomes import latest
-    from raypipe.run.modes import start_local_ray
+    from raypipe.run.driver import start_local_ray
     from raypipe.samples import write_sample_corpus
     from serve_app.demo_model import build_demo_model, default_demo_model_dir
     from serve_app.deploy import DeploymentOptions, deploy, fit_replicas

@@ -89,6 +89,7 @@ __all__ = [
     "RunMetrics",
     "emit_progress",
     "emit_unit",
+    "metrics_spec",
 ]
 
 logger = logging.getLogger("raypipe.metrics")
@@ -310,6 +311,19 @@ def emit_progress(metrics: Metrics, units_left: int, eta_s: float | None) -> Non
         RUN_ETA_S.record(metrics, eta_s)
 
 
+def metrics_spec(config: MetricsConfig, tags: dict[str, str] | None = None) -> MetricsSpec:
+    """The spec of a `MetricsConfig`, with `tags` over its own (the run's: run id, mode, ...)."""
+    merged = {**config.tags, **(tags or {})}
+    return MetricsSpec(
+        config.dogstatsd_host,
+        config.dogstatsd_port,
+        config.ray_metrics,
+        config.namespace,
+        tuple(sorted(merged.items())),
+        config.gauge_interval_s,
+    )
+
+
 class RunMetrics:
     """A run's metrics in the driver: its tags, its sink, and its start and end events."""
 
@@ -322,7 +336,7 @@ class RunMetrics:
     def start(cls, config: MetricsConfig, report: RunReport, *, app: str) -> RunMetrics:
         """Builds the driver's sink with the run's tags and sends the "started" event."""
         tags = {"run_id": report.run_id, "mode": report.mode, "model_version": report.model_version, "app": app}
-        run = cls(MetricsSpec.from_config(config, tags), report)
+        run = cls(metrics_spec(config, tags), report)
         RUN_STARTED.record(run.metrics)
         run.metrics.event(
             f"raypipe {report.mode} {report.run_id} started",

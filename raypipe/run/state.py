@@ -1,8 +1,9 @@
 """One owner of a run's state on its output: table, plan, lease, watermark, report.
 
-`RunState` is what the run modes (`raypipe.run.modes._run`) call, once per step:
+`RunState` is what a run's steps (`raypipe.run.steps`, composed by `raypipe.run.modes._run`)
+call, once per step:
 
-    state = RunState(config, mode, run_id)
+    state = RunState(config.output, mode, run_id)
     state.committed_report()      # None, or the report of a run id already committed
     state.begin(labels)           # lease (one run id at a time), table ready, take over: fence
     plan = state.plan(make_plan)  # the stored plan, or a new one (stored once, fenced)
@@ -45,7 +46,7 @@ import pyarrow.compute as pc
 from raypipe.commit.outcomes import Ledger, ledger, ledger_of
 from raypipe.commit.protocol import LEGACY_FILES_SEEN, CommitProtocol, read_files_seen
 from raypipe.commit.table import TableFence
-from raypipe.config import PipelineConfig
+from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError
 from raypipe.plan.plan import Plan
 from raypipe.plan.quarantine import quarantined
@@ -73,15 +74,15 @@ def _parse(ts: str | None) -> datetime | None:
 class RunState:
     """A run's on-output state and the steps that change it (see the module docstring)."""
 
-    def __init__(self, config: PipelineConfig, mode: str, run_id: str) -> None:
-        self.config = config
+    def __init__(self, output: OutputConfig, mode: str, run_id: str) -> None:
+        self.output = output
         self.mode = mode
         self.run_id = run_id
-        self.store = OutputStore(config.output.uri)
+        self.store = OutputStore(output.uri)
         self.attempt = uuid.uuid4().hex[:8]
-        self.protocol = CommitProtocol(config.output.uri, run_id, holder=self.attempt)
+        self.protocol = CommitProtocol(output.uri, run_id, holder=self.attempt)
         self.table = self.protocol.table
-        self.lease = Lease(self.store, run_id, duration_s=config.output.lease_s, wait_s=config.output.lease_wait_s)
+        self.lease = Lease(self.store, run_id, duration_s=output.lease_s, wait_s=output.lease_wait_s)
 
     # -- steps ---------------------------------------------------------------------------------
     def committed_report(self) -> RunReport | None:
@@ -99,9 +100,9 @@ class RunState:
     def begin(self, labels: tuple[str, ...]) -> TableFence:
         """Takes the lease, makes the table ready for `labels`, and takes the run over: from
         here on no commit of an earlier attempt of this run id can land."""
-        if self.config.output.require_conditional_writes:
+        if self.output.require_conditional_writes:
             self.lease.check_conditional_writes()
-        self.lease.acquire(force=self.config.output.take_over_lease)
+        self.lease.acquire(force=self.output.take_over_lease)
         try:
             fence = self.protocol.setup_run(labels)
         except BaseException:
@@ -194,7 +195,7 @@ class RunState:
         self.store.write_json(self.store.run_state(self.run_id, "attempts", f"{self.attempt}.json"), stats.to_dict())
 
     def ledger(self) -> Ledger:
-        return ledger(self.config.output.uri, self.run_id)
+        return ledger(self.output.uri, self.run_id)
 
     def advance_watermark(self, to: datetime) -> None:
         """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps it)."""

@@ -28,8 +28,8 @@ from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, Servic
 from raypipe.plan.footers import plan_units
 from raypipe.plan.listing import list_shards
 from raypipe.plan.units import ColumnNames
-from raypipe.run.modes import _fatal_error
 from raypipe.run.read import read_unit
+from raypipe.run.steps import _fatal_error
 from tests.fakes import LABELS, FakeServicer, fake_probs
 from tests.tls import Pki, TlsProxy
 

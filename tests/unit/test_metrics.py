@@ -40,6 +40,7 @@ from raypipe.call.metrics import (
     NullMetrics,
     RayMetrics,
     RunMetrics,
+    metrics_spec,
 )
 from raypipe.config import load_config
 from raypipe.errors import ServiceUnavailable
@@ -184,7 +185,7 @@ def test_config_takes_the_agent_address_from_the_environment_only_when_built():
 
 def test_spec_from_config_carries_run_tags_and_extra_tags():
     cfg = load_config(overrides={"output": {"uri": "/tmp/o"}, "metrics": {"tags": {"env": "test"}}})
-    spec = MetricsSpec.from_config(cfg.metrics, {"run_id": "r1", "app": "raypipe"})
+    spec = metrics_spec(cfg.metrics, {"run_id": "r1", "app": "raypipe"})
     assert dict(spec.tags) == {"env": "test", "run_id": "r1", "app": "raypipe"}
 
 

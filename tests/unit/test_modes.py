@@ -43,5 +43,5 @@ def test_daily_since_reads_a_new_file_whole_whatever_its_rows_updated_at(tmp_pat
     write(tmp_path / "in" / "late.parquet", ["a", "b", "c"], [T - timedelta(days=3), None, T + timedelta(hours=1)])
     cfg = config(tmp_path)
     assert cfg.input is not None
-    plan = plan_input(cfg.input, "daily", RunState(cfg, "daily", "d1"), since=T)
+    plan = plan_input(cfg.input, "daily", RunState(cfg.output, "daily", "d1"), since=T)
     assert read_plan(plan) == ["a", "b", "c"]

@@ -74,7 +74,7 @@ def replay_state(out):
     from raypipe.run.state import RunState
 
     cfg = build_config(output=str(out), service="127.0.0.1:1", run_id=REPLAY)
-    return RunState(cfg, "replay", REPLAY)
+    return RunState(cfg.output, "replay", REPLAY)
 
 
 def replay_plan(out, units: list[str]):
@@ -111,7 +111,7 @@ def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(t
     """The killed attempt saved no statistics; the report's rows come from the table: what the
     dead letters of the replayed units became."""
     from raypipe.report import AttemptStats, RunReport
-    from raypipe.run.modes import _fold_report
+    from raypipe.run.steps import fold_report as _fold_report
 
     a, b = unit_names(2)
     original_run(tmp_path, [a, b])

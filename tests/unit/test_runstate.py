@@ -24,7 +24,7 @@ def state(tmp_path, run_id="r1", *, force=False) -> RunState:
         run_id=run_id,
         settings={"output": {"take_over_lease": force, "require_conditional_writes": False}},
     )
-    return RunState(cfg, "backfill", run_id)
+    return RunState(cfg.output, "backfill", run_id)
 
 
 def plan(*shards: str) -> Plan:

@@ -1,0 +1,115 @@
+"""The driver process around a run: Ray joined quietly, SIGTERM as a stop, native noise off stderr.
+
+A run's steps (`raypipe.run.steps`) call `ensure_ray` where they first need the cluster;
+`raypipe.run.modes` wraps each run in `quiet` and `sigterm_stops_the_run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from raypipe.errors import RunStopped
+
+if TYPE_CHECKING:
+    from raypipe.report import RunReport
+
+__all__ = ["ensure_ray", "quiet", "quiet_ray_loggers", "sigterm_stops_the_run", "start_local_ray"]
+
+logger = logging.getLogger("raypipe")
+
+
+def start_local_ray(**init_kwargs: Any) -> None:
+    """`ray.init` as raypipe's drivers want it: quiet, and the raypipe logging set up.
+
+    Without RAY_ADDRESS, `ray.init` starts a local cluster with token authentication on (Ray's
+    default, which raypipe keeps) and logs a WARNING that it did; that one line is dropped,
+    any other (token authentication *disabled*, say) still shows.
+    """
+    import ray
+
+    auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    auth_logger.addFilter(_drop_token_auth_enabled)
+    on_sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        ray.init(**{"logging_level": logging.WARNING, "log_to_driver": False, **init_kwargs})
+    finally:
+        auth_logger.removeFilter(_drop_token_auth_enabled)
+        if isinstance(on_sigterm, _StopOnSigterm):
+            signal.signal(signal.SIGTERM, on_sigterm)  # `ray.init` sets its own (`sys.exit`); a run's stays
+    quiet_ray_loggers()
+
+
+class _StopOnSigterm:
+    """The SIGTERM handler while a run is on: raises `RunStopped` in the driver, once."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            logger.warning("SIGTERM again: the run is already stopping (writing its report)")
+            return
+        self.stopping = True
+        raise RunStopped("stopped by SIGTERM")
+
+
+@contextlib.contextmanager
+def sigterm_stops_the_run() -> Iterator[None]:
+    """SIGTERM (a deleted pod, `ray job stop`, a scheduler's deadline) stops the run as Ctrl-C
+    would: `RunStopped` is raised where the driver is, so the run is aborted, writes its failed
+    report (with the calls its actors tallied) and releases the output lease. A second SIGTERM
+    while it does so is ignored. Only where Python delivers signals (the main thread); the
+    previous handler is back once the run returns."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _StopOnSigterm())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _drop_token_auth_enabled(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+def quiet_ray_loggers() -> None:
+    """Serve's and Ray Data's INFO lines (execution plans, controller namespaces, per-operator
+    progress every few seconds when stderr is no terminal) narrate their internals; raypipe's
+    own progress line shows rows, rate, ETA and dead letters. Their warnings and errors stay."""
+    from ray.data import DataContext
+
+    for name in ("ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Ray Data warns once that its bars are off: not news here.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    DataContext.get_current().enable_progress_bars = False
+
+
+def ensure_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        start_local_ray()
+
+
+def quiet(run: Callable[..., RunReport]) -> Callable[..., RunReport]:
+    """Runs `run` with the known native noise off fd 2 (`protos.quiet`): also for notebook and
+    script users of the API, whose cells would otherwise show Ray Data's actor-args ERROR."""
+
+    @functools.wraps(run)
+    def run_quietly(*args: Any, **kwargs: Any) -> RunReport:
+        from protos.quiet import filtered_stderr
+
+        with filtered_stderr():
+            return run(*args, **kwargs)
+
+    return run_quietly

@@ -1,0 +1,375 @@
+"""A run's steps, one object each, in the order `raypipe.run.modes` calls them:
+
+    ModelService.ask(service, client)   the service's labels, version and limits (nothing written)
+    PlanRun(...).plan                   the stored plan or a new one; the units still to do
+    ExecuteRun(...).execute             the units through the actors, who commit each one
+    CommitRun(...).commit / .abort      files seen, the run's commit, the watermark; or abort
+    ReportRun(...).write                the report: rows from the table, calls of every attempt
+
+Each takes the part of the config it needs (an `InputConfig`, a `ServiceConfig`, ...), never
+the whole `PipelineConfig`, and the run's `RunState` (lease, plan, table) for what it does on
+the output. Setting up the commit (lease, table ready, take-over) is `RunState.begin`, between
+the service check and the plan. The fence is the table's (`raypipe.commit.protocol`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from raypipe.call.actor import ActorSettings
+from raypipe.call.client import ChannelSecurity, check_service
+from raypipe.call.dedup import build_index
+from raypipe.call.metrics import RunMetrics
+from raypipe.commit.outcomes import Ledger
+from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig
+from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
+from raypipe.plan.inputs import columns_of, on_bad_shard, replan, with_whole_file_maxima
+from raypipe.plan.plan import Plan
+from raypipe.plan.units import ColumnNames, WorkUnit
+from raypipe.report import AttemptStats, RunReport
+from raypipe.run.cost import CpuMeter
+from raypipe.run.driver import ensure_ray
+from raypipe.run.pipeline import run_units
+from raypipe.run.progress import Progress
+from raypipe.run.state import RunState
+from raypipe.tally import fold_tallies, read_tallies
+
+__all__ = ["CommitRun", "ExecuteRun", "ExecuteSettings", "Executed", "ModelService", "PlanRun", "ReportRun"]
+
+logger = logging.getLogger("raypipe")
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return None if ts is None else ts.isoformat()
+
+
+# -- the model service ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelService:
+    """What the model service serves: its labels and model version, and the client settings
+    fitted to its limits (a micro-batch no larger than its maximum batch)."""
+
+    labels: tuple[str, ...]
+    version: str
+    client: ClientConfig
+
+    @classmethod
+    def ask(cls, service: ServiceConfig, client: ClientConfig) -> ModelService:
+        """Asks the service (before any data is read); raises `ServiceUnavailable` if it does not answer."""
+        info = check_service(
+            service.address,
+            application=service.application,
+            timeout_s=service.connect_timeout_s,
+            security=ChannelSecurity.of(service),
+        )
+        max_batch = info.max_batch_size
+        if max_batch and client.micro_batch_size > max_batch:
+            logger.warning(
+                "micro_batch_size %d is over the server's maximum %d: using %d",
+                client.micro_batch_size,
+                max_batch,
+                max_batch,
+            )
+            client = ClientConfig.model_validate({**client.model_dump(), "micro_batch_size": max_batch})
+        return cls(tuple(info.labels), info.model_version, client)
+
+
+# -- 1. plan the run -------------------------------------------------------------------------------
+class PlanRun:
+    """The run's plan, stored at its first start and read back on every later one (a resumed
+    run brings its bad shards and whole-file units up to date with the input); the units the
+    table does not hold committed yet. Runs after the take-over, so "committed" is final."""
+
+    def __init__(self, state: RunState, input: InputConfig | None, make_plan: Callable[[RunState], Plan]) -> None:
+        self.state = state
+        self.input = input
+        self.make_plan = make_plan
+
+    def plan(self, model_version: str, report: RunReport) -> tuple[Plan, list[WorkUnit]]:
+        state, input = self.state, self.input
+        plan, resumed = state.plan(
+            lambda: self.make_plan(state), input_uri=input.uri if input else None, model_version=model_version
+        )
+        if resumed and input is not None and (plan.bad_shards or any(u.planned_whole for u in plan.units)):
+            plan = replan(input, plan, state.pending(plan))
+            state.save_plan(plan)
+        report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
+        observations = plan.observations or {}
+        report.planning = {k: v for k, v in observations.items() if k not in ("skipped_files", "shard_max")}
+        report.skipped_files = list(observations.get("skipped_files") or [])
+        if plan.window is not None:
+            report.window = {"after": _iso(plan.window.after), "until": _iso(plan.window.until)}
+        report.units_total = len(plan.units)
+
+        todo = state.pending(plan)
+        report.units_skipped_committed = len(plan.units) - len(todo)
+        logger.info(
+            "run %s (generation %d): %d units to do, %d already committed",
+            state.run_id,
+            state.fence.generation,
+            len(todo),
+            report.units_skipped_committed,
+        )
+        return plan, todo
+
+
+# -- 2. execute the pipeline -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExecuteSettings:
+    """What executing a run takes from its config."""
+
+    service: ServiceConfig
+    actors: ActorPoolConfig
+    dedup: DedupConfig
+    progress_interval_s: float
+    input: InputConfig | None = None
+    """Column names and the bad-shard policy of the shards read (None for a replay)."""
+
+
+@dataclass
+class Executed:
+    """What executing the units did: the units committed now, and every bad shard so far."""
+
+    committed: set[str]
+    bad_shards: list[dict[str, Any]]
+
+
+class ExecuteRun:
+    """Streams the units still to do through the actor pool; the actors commit each unit
+    (results and dead letters in one fenced commit). Keeps this attempt's call statistics
+    (`attempt`) and what the run cost (`meter`) for the report, also when a unit fails: an
+    actor's fatal error (the breaker open, the lease lost) stops the run, raised as the typed
+    error it was."""
+
+    def __init__(self, state: RunState, settings: ExecuteSettings, metrics: RunMetrics) -> None:
+        self.state = state
+        self.settings = settings
+        self.metrics = metrics
+        self.attempt = AttemptStats(attempt=state.attempt)
+        self.meter: CpuMeter | None = None
+
+    def execute(
+        self, plan: Plan, todo: list[WorkUnit], model: ModelService, *, rows_run_id: str, report: RunReport
+    ) -> Executed:
+        bad = list(plan.bad_shards)
+        committed: set[str] = set()
+        if not todo:
+            return Executed(committed, bad)
+        actor_settings = ActorSettings(
+            fence=self.state.fence,
+            text_index=self._text_index(model, report),
+            run_id=rows_run_id,
+            attempt=self.state.attempt,
+            service=self.settings.service,
+            client=model.client,
+            labels=model.labels,
+            replay=plan.mode == "replay",
+            metrics=self.metrics.spec,
+        )
+        input = self.settings.input
+        ensure_ray()
+        self.meter = meter = CpuMeter.start()
+        progress = Progress(
+            len(todo),
+            None if any(u.expected_rows is None for u in todo) else sum(u.expected_rows or 0 for u in todo),
+            self.settings.progress_interval_s,
+            metrics=self.metrics.metrics,
+        )
+        units_by_key = {u.key: u for u in todo}
+        answered = 0
+        try:
+            for outcome in run_units(
+                todo,
+                columns=columns_of(input) if input else ColumnNames(),
+                on_bad_shard=on_bad_shard(input, self.state.mode) if input else "fail",
+                settings=actor_settings,
+                actors=self.settings.actors,
+            ):
+                if outcome.stats is not None:
+                    self.attempt.add(outcome.stats)
+                if outcome.fatal is not None:
+                    raise _fatal_error(outcome.fatal)
+                if self.state.lease.lost:
+                    self.state.lease.check()  # raises: the lease could not be renewed in time
+                progress.update(outcome.stats)
+                if outcome.error is not None:
+                    unit = units_by_key[outcome.unit]
+                    bad.append({"shard": unit.shard, "format": unit.format, "error": outcome.error})
+                elif outcome.stats is not None:
+                    committed.add(outcome.unit)
+                    report.rows_this_attempt += outcome.stats.rows
+                answered += 1
+                if answered == len(todo) and meter is not None:
+                    meter.stop()  # before Ray Data tears its actors down: their CPU is still there to read
+        except RaypipeError:
+            raise
+        except Exception as e:
+            cause = _raypipe_error(e)
+            if cause is e:
+                raise
+            raise cause from e
+        return Executed(committed, bad)
+
+    def _text_index(self, model: ModelService, report: RunReport) -> Any:
+        """The committed answers by text hash, put once into Ray's object store (every actor
+        maps it from there); None when reuse is off or the index would pass its cap."""
+        if not self.settings.dedup.enabled:
+            return None
+        # Ray first: the index is built by Ray tasks into the object store (shards by hash
+        # range), so the driver holds references, not 33 bytes per committed text.
+        ensure_ray()
+        index, index_stats = build_index(
+            self.state.output.uri, model.version, model.labels, max_rows=self.settings.dedup.max_index_rows
+        )
+        # Under planning until the report has a field of its own: a capped index is never silent.
+        report.planning = {**(report.planning or {}), "reuse_index": index_stats.to_dict()}
+        if index is None:
+            return None
+        import ray
+
+        return ray.put(index)
+
+
+def _raypipe_error(e: BaseException) -> BaseException:
+    """The raypipe error behind a Ray task failure (Ray wraps what an actor raised), else `e`."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, RaypipeError):
+            return cur
+        todo += [cur.__cause__, cur.__context__, getattr(cur, "cause", None)]
+    return e
+
+
+def _fatal_error(fatal: str) -> RaypipeError:
+    """The typed error an actor reported (`raypipe.call.actor.SUMMARY_SCHEMA`'s `fatal`)."""
+    d = json.loads(fatal)
+    if d["kind"] == "lease_lost":
+        return LeaseLostError(d["message"], holder="?", expires_at="?")
+    if d["kind"] == ConfigError.kind:
+        return ConfigError(d["message"])
+    return CircuitOpenError(d["message"], waited_s=d.get("waited_s", 0.0), retry_after_s=d.get("retry_after_s", 0.0))
+
+
+# -- 3. commit the run, or abort it -------------------------------------------------------------------
+class CommitRun:
+    """The run's end on its output. `commit`: the files every unit of which is committed are
+    recorded as seen (also in an incomplete run: its healthy files are not read again), and a
+    complete run is committed (`CommitProtocol.commit_run`) and moves the watermark forward
+    (never backwards). `abort`: this attempt is fenced off, so nothing of it lands after its
+    report."""
+
+    def __init__(
+        self, state: RunState, input: InputConfig | None, watermark_to: Callable[[Plan], datetime | None]
+    ) -> None:
+        self.state = state
+        self.input = input
+        self.watermark_to = watermark_to
+
+    def commit(self, plan: Plan, todo: list[WorkUnit], executed: Executed, report: RunReport) -> None:
+        state, bad = self.state, executed.bad_shards
+        report.bad_shards = bad
+        done_units = {u.key for u in plan.units} - {u.key for u in todo} | executed.committed
+        report.units_committed = len(done_units)
+        complete = len(done_units) == len(plan.units)
+        report.status = "completed" if complete and not bad else "incomplete"
+        if plan.mode != "replay" and self.input is not None:
+            plan = with_whole_file_maxima(
+                plan,
+                done_units,
+                self.input.max_future_skew_s,
+                lambda: state.table.max_updated_at_by_unit(state.run_id),
+            )
+            state.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
+        if complete and not bad:
+            state.protocol.commit_run()
+            mark = self.watermark_to(plan)
+            if mark is not None:
+                state.advance_watermark(mark)
+
+    def abort(self) -> None:
+        """Fences off this attempt's own writers, so the report the driver writes next is final."""
+        protocol = self.state.protocol
+        try:
+            if protocol.abort():
+                logger.info("run %s: this attempt is fenced off; its actors commit nothing more", protocol.run_id)
+        except Exception as e:  # the table unreachable: the next attempt's take-over fences us anyway
+            logger.warning("run %s: could not fence this attempt off: %s", protocol.run_id, e)
+
+
+# -- 4. report ---------------------------------------------------------------------------------------
+class ReportRun:
+    """The run's report, however the run ended: times, throughput and cost; rows from the
+    table (committed only) and calls from every attempt; the "finished" metrics; written to
+    `runs/<run_id>.json` unless another attempt fenced this one off (that one owns it now).
+    The output lease is released last, whatever happened before."""
+
+    def __init__(self, state: RunState, core_hour_usd: float, metrics: RunMetrics, *, t0: float) -> None:
+        self.state = state
+        self.core_hour_usd = core_hour_usd
+        self.metrics = metrics
+        self.t0 = t0
+
+    def write(self, report: RunReport, executed: ExecuteRun, plan: Plan | None, *, write: bool) -> None:
+        state, attempt, meter = self.state, executed.attempt, executed.meter
+        report.finished_at = datetime.now(UTC).isoformat()
+        report.wall_s = round(time.monotonic() - self.t0, 3)
+        report.throughput_rows_per_s = round(report.rows_this_attempt / report.wall_s, 2) if report.wall_s else 0.0
+        if meter is not None:
+            cost = meter.finish(
+                paragraphs=report.rows_this_attempt, model_cpu_s=attempt.model_cpu_s, core_hour_usd=self.core_hour_usd
+            )
+            report.cost = None if cost is None else cost.to_dict()
+        try:
+            if write:
+                attempt = fold_report(state, report, attempt, plan=plan)
+            self.metrics.finish(report)
+            if write and not state.lease.lost:
+                state.save_attempt(attempt)
+                state.write_report(report)
+        finally:
+            state.release()
+
+
+def fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, plan: Plan | None) -> AttemptStats:
+    """The report's figures: rows from the table (committed only), calls from every attempt.
+
+    An attempt's calls are its unit summaries', or its actors' own tallies where those count
+    more (`raypipe.tally`: a run stopped with units in flight; an attempt whose driver died
+    before saving its statistics has only those). Returns this attempt's statistics so folded.
+
+    A replay's rows replace another run's dead letters: its rows are what the dead letters of
+    its committed units became (`RunState.replay_ledger`, from the table, so an attempt killed
+    after committing counts too); for a plan stored without its table version, what its
+    attempts reported committing."""
+    tallies = read_tallies(state.store, state.run_id)
+    earlier = state.earlier_attempts()
+    saved = {a.attempt for a in earlier} | {attempt.attempt}
+    unsaved = [AttemptStats(attempt=a) for a in sorted(tallies) if a not in saved]
+    attempts = [fold_tallies(a, tallies.get(a.attempt, ())) for a in [*earlier, *unsaved, attempt]]
+    attempt = attempts[-1]
+    report.fold_attempts(attempts)
+    if state.mode == "replay":
+        replayed = state.replay_ledger(plan) if plan is not None else None
+        if replayed is None:
+            counts: Counter[str] = Counter()
+            for a in attempts:
+                counts.update(a.ledger())
+            replayed = Ledger(counts)
+        report.apply_ledger(dict(replayed))
+    else:
+        report.apply_ledger(state.ledger())
+    report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
+    return attempt
