@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from raypipe.config import PipelineConfig, load_config
 from raypipe.errors import RunNotFoundError
-from raypipe.run.preflight import check_run, parse_since
+from raypipe.run.preflight import check_input_run, check_replay, parse_since
 
 if TYPE_CHECKING:
     from raypipe.report import RunReport
@@ -116,7 +116,7 @@ def backfill(
     config = build_config(
         input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
     )
-    check_run(config, "backfill")
+    check_input_run(config, "backfill")
     from raypipe.run import modes  # after the checks: it brings Ray Data
 
     return modes.backfill(config)
@@ -139,7 +139,7 @@ def daily(
     config = build_config(
         input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
     )
-    check_run(config, "daily")
+    check_input_run(config, "daily")
     from raypipe.run import modes
 
     return modes.daily(config, since=after)
@@ -157,7 +157,7 @@ def replay(
     """Re-infers the dead letters of run `run_id` and merges them into its results; `replay_id`
     names the replay (default: resume the latest unfinished `<run_id>.replay-<n>`, else a new one)."""
     config = build_config(output=output, service=service, run_id=replay_id, config_file=config_file, settings=settings)
-    check_run(config, "replay", of_run=run_id)
+    check_replay(config, run_id)
     from raypipe.run import modes
 
     return modes.replay(config, of_run=run_id)

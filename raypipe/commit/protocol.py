@@ -4,7 +4,7 @@ In the manner of Spark's `FileCommitProtocol`, a run's output is set up, committ
 unit, committed as a whole, or aborted, each step one method, each commit one Delta commit
 that either happens or raises::
 
-    protocol = CommitProtocol(output_uri, run_id, holder=attempt)
+    protocol = CommitProtocol(OutputStore(output_uri), run_id, holder=attempt)
     protocol.is_committed()            # the one truth of "run committed": its commit in the table
     protocol.setup_run(labels)         # table ready; take-over: every older attempt fenced off
     protocol.save_plan(d) / stored_plan()    # the plan, fenced (a file the table names)
@@ -59,11 +59,13 @@ def _fresh_number() -> int:
 
 
 class CommitProtocol:
-    """Set up a run, commit its units, commit the run, or abort (see the module docstring)."""
+    """Set up a run, commit its units, commit the run, or abort (see the module docstring).
+
+    `store` is the run's output, opened once by its owner (`raypipe.run.state.RunState`)."""
 
     def __init__(
         self,
-        output_uri: str,
+        store: OutputStore,
         run_id: str,
         *,
         holder: str = "",
@@ -72,8 +74,8 @@ class CommitProtocol:
     ) -> None:
         self.run_id = run_id
         self.holder = holder
-        self.table = OutcomeTable(output_uri)
-        self.store = OutputStore(output_uri)
+        self.store = store
+        self.table = OutcomeTable(store.uri)
         self._clock = clock
         self._sleep = sleep
         self._fence: TableFence | None = None

@@ -96,14 +96,14 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
         "threads": input.planning_threads,
     }
     units, bad = plan_listing(whole, sizes=listing.sizes, footer_sample=input.footer_sample, **common)
-    for upto, shards in sorted(rewritten.items()):
-        after = upto if since is None else min(since, upto)
+    # Files read before, re-read for their rows updated after a time: each rewritten file after
+    # what was read of it (or `since`, if earlier), then the unchanged ones after `since`.
+    reread = [(upto if since is None else min(since, upto), shards) for upto, shards in sorted(rewritten.items())]
+    if since is not None and windowed:
+        reread.append((since, windowed))
+    for after, shards in reread:
         more, more_bad = plan_units(shards, need_updated_at=True, window=DeltaWindow.since(after), **common)
         units += [dataclasses.replace(u, since=after.isoformat()) for u in more]
-        bad += more_bad
-    if since is not None and windowed:
-        more, more_bad = plan_units(windowed, need_updated_at=True, window=DeltaWindow.since(since), **common)
-        units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
         bad += more_bad
     logger.info(
         "planned %d units: %d files new, %d changed, %d read before%s; %d skipped, %d bad",

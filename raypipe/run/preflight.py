@@ -5,7 +5,8 @@ A run's first steps have effects: it checks the model service (waiting up to
 an attempt and, when it fails, a "failed" report. Input, output and settings that are wrong
 should cost none of that: a typo in `--input` must not leave a table behind, nor be reported
 as a service that is down. So the public run functions (`raypipe.api`, which the CLI calls)
-run `check_run` first, and a wrong value ends the run in about a second, before Ray starts,
+run `check_run` first (`check_input_run` for a backfill or a daily, `check_replay` for a
+replay), and a wrong value ends the run in about a second, before Ray starts,
 with one line naming the fix (`ConfigError` or `InputError`: exit 2 in the CLI).
 
 What is checked, each as cheaply as it can be (a listing, one footer, no rows):
@@ -41,10 +42,10 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from raypipe.config import PipelineConfig
+from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, InputError, NoShardsError, SchemaError
 
-__all__ = ["check_ray_address", "check_run", "parse_since"]
+__all__ = ["check_input_run", "check_ray_address", "check_replay", "check_run", "parse_since"]
 
 Mode = Literal["backfill", "daily", "replay"]
 
@@ -76,15 +77,31 @@ def check_run(config: PipelineConfig, mode: Mode, *, of_run: str | None = None) 
     """Raises `ConfigError` or `InputError` if the run cannot start; reads, never writes.
 
     `of_run` is the run a replay re-infers."""
-    _check_output(config)
     if mode == "replay":
-        if of_run is None:
-            raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
-        _check_replay(config.output.uri, of_run)
+        check_replay(config, of_run)
     else:
-        if config.input is None:
-            raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
-        _check_input(config, mode)
+        check_input_run(config, mode)
+
+
+def check_input_run(config: PipelineConfig, mode: Literal["backfill", "daily"]) -> None:
+    """`check_run` of a backfill or a daily: the output, the input, the Ray address."""
+    _check_output(config)
+    if config.input is None:
+        raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
+    _check_input(config.input, mode, _quarantined(config.output.uri))
+    _check_ray()
+
+
+def check_replay(config: PipelineConfig, of_run: str | None) -> None:
+    """`check_run` of a replay of run `of_run`: the output holds it, the Ray address."""
+    _check_output(config)
+    if of_run is None:
+        raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
+    _check_replay(config.output.uri, of_run)
+    _check_ray()
+
+
+def _check_ray() -> None:
     if not _ray_initialized():
         check_ray_address(os.environ)
 
@@ -122,15 +139,13 @@ def check_ray_address(environ: Mapping[str, str], *, timeout_s: float = RAY_CONN
 _INPUT_HINT = "set --input (input.uri) to a Parquet or JSON-lines file, a folder of them, or a glob"
 
 
-def _check_input(config: PipelineConfig, mode: Mode) -> None:
+def _check_input(settings: InputConfig, mode: Mode, quarantined: frozenset[str]) -> None:
     from raypipe.plan.footers import plan_units
     from raypipe.plan.listing import list_input
     from raypipe.plan.units import ColumnNames, ShardFormat
 
-    settings = config.input
-    assert settings is not None
     try:
-        listing = list_input(settings.uri, format=settings.format, quarantined=_quarantined(config))
+        listing = list_input(settings.uri, format=settings.format, quarantined=quarantined)
     except NoShardsError as e:
         raise NoShardsError(f"{e}: {_INPUT_HINT}") from e
     except (OSError, ValueError) as e:  # a bucket that does not exist, a path we may not list
@@ -157,31 +172,29 @@ def _check_input(config: PipelineConfig, mode: Mode) -> None:
             if not (isinstance(last, SchemaError) and last.column == error.column):
                 return
     hinted = copy.copy(error)  # keeps its type and fields (shard, column)
-    hinted.args = (f"{error}: {_schema_hint(error, config)}",)
+    hinted.args = (f"{error}: {_schema_hint(error, settings)}",)
     raise hinted from error
 
 
-def _schema_hint(error: InputError, config: PipelineConfig) -> str:
-    assert config.input is not None
+def _schema_hint(error: InputError, settings: InputConfig) -> str:
     column = getattr(error, "column", None)
     setting = {
-        config.input.id_column: "input.id_column",
-        config.input.text_column: "input.text_column",
-        config.input.updated_at_column: "input.updated_at_column",
+        settings.id_column: "input.id_column",
+        settings.text_column: "input.text_column",
+        settings.updated_at_column: "input.updated_at_column",
     }.get(column or "")
     if setting is None:
         return "fix the shard, or quarantine it (raypipe shards quarantine)"
     return f"name the column with --set {setting}=NAME, or fix the shard"
 
 
-def _quarantined(config: PipelineConfig) -> frozenset[str]:
+def _quarantined(output: str) -> frozenset[str]:
     """Shards set aside on this output (read only: a missing output has none)."""
     from raypipe.plan.quarantine import quarantined
     from raypipe.store import OutputStore
 
-    store = OutputStore(config.output.uri)
     try:
-        return quarantined(store)
+        return quarantined(OutputStore(output))
     except OSError:
         return frozenset()  # the output's own check reports an unreadable output
 

@@ -80,7 +80,7 @@ class RunState:
         self.run_id = run_id
         self.store = OutputStore(output.uri)
         self.attempt = uuid.uuid4().hex[:8]
-        self.protocol = CommitProtocol(output.uri, run_id, holder=self.attempt)
+        self.protocol = CommitProtocol(self.store, run_id, holder=self.attempt)
         self.table = self.protocol.table
         self.lease = Lease(self.store, run_id, duration_s=output.lease_s, wait_s=output.lease_wait_s)
 

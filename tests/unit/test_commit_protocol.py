@@ -277,7 +277,7 @@ def test_unit_transactions_carry_last_updated_so_the_table_retention_prunes_them
 
 
 def protocol(tmp_path, holder: str, **kwargs) -> CommitProtocol:
-    return CommitProtocol(str(tmp_path / "out"), "r1", holder=holder, **kwargs)
+    return CommitProtocol(OutputStore(str(tmp_path / "out")), "r1", holder=holder, **kwargs)
 
 
 def test_protocol_steps_set_up_commit_units_commit_the_run(tmp_path):
