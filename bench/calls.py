@@ -18,28 +18,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import Cluster, run_measured
+from bench.cluster import Cluster, measured_backfill
 from bench.flops import cpu_info
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def backfill(cluster: Cluster, address: str, shards: Path, work: Path, name: str, size: int) -> dict[str, Any]:
-    output = work / f"out-{name}"
-    shutil.rmtree(output, ignore_errors=True)
-    cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", str(shards), "--output", str(output)]
-    cmd += ["--service", address, "--run-id", name, "--set", f"client.micro_batch_size={size}"]
-    wall, _, code = run_measured(cmd, env=cluster.env, marker=cluster.marker, timeout_s=1800, log=work / f"{name}.log")
-    report = json.loads((output / "runs" / f"{name}.json").read_text())
-    if code != 0 or report["status"] != "completed":
-        raise RuntimeError(f"{name}: exit {code}, status {report['status']}; see {work / name}.log")
+    flags = ["--set", f"client.micro_batch_size={size}"]
+    output, log = work / f"out-{name}", work / f"{name}.log"
+    wall, _, report = measured_backfill(cluster, address, shards, output, name, log, flags)
+    if report["status"] != "completed":
+        raise RuntimeError(f"{name}: status {report['status']}; see {work / name}.log")
     cost = report.get("cost") or {}
     return {
         "micro_batch_size": size,

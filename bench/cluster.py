@@ -13,11 +13,12 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,21 @@ def run_measured(
                 code = proc.wait()
         wall = time.perf_counter() - started
     return wall, sampler.usage(), code
+
+
+def measured_backfill(
+    cluster: Cluster, address: str, shards: Path, output: Path, name: str, log: Path, extra: Sequence[str] = ()
+) -> tuple[float, TreeUsage, dict[str, Any]]:
+    """`raypipe backfill` as a user runs it (plus `extra` flags) into a fresh `output`: the
+    command's wall time, the cluster's usage while it ran, and the run report."""
+    shutil.rmtree(output, ignore_errors=True)
+    cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", str(shards), "--output", str(output)]
+    cmd += ["--service", address, "--run-id", name, *extra]
+    wall, usage, code = run_measured(cmd, env=cluster.env, marker=cluster.marker, timeout_s=1800, log=log)
+    report_path = output / "runs" / f"{name}.json"
+    if code != 0 or not report_path.exists():
+        raise RuntimeError(f"raypipe backfill {name} failed (exit {code}); see {log}")
+    return wall, usage, json.loads(report_path.read_text())
 
 
 class Cluster:

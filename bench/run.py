@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench import corpus as corpus_mod
-from bench.cluster import Cluster, bench_env, heavy_lock, run_measured
+from bench.cluster import Cluster, bench_env, heavy_lock, measured_backfill, run_measured
 from bench.flops import Shape, cpu_info, useful_flops
 from bench.lines import parse_result
 from bench.models import SHAPES, ensure_model, ensure_real_weights_model
@@ -106,17 +106,9 @@ class Bench:
 
     def e2e(self, cluster: Cluster, address: str, shards: Path, name: str) -> dict[str, Any]:
         """`raypipe backfill` as a user runs it; wall time of the whole command."""
-        output = self.work / f"out-{name}"
-        shutil.rmtree(output, ignore_errors=True)
-        cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", str(shards), "--output", str(output)]
-        cmd += ["--service", address, "--run-id", name]
-        wall, usage, code = run_measured(
-            cmd, env=cluster.env, marker=cluster.marker, timeout_s=1800, log=self.logs / f"{name}.log"
+        wall, usage, report = measured_backfill(
+            cluster, address, shards, self.work / f"out-{name}", name, self.logs / f"{name}.log"
         )
-        report_path = output / "runs" / f"{name}.json"
-        if code != 0 or not report_path.exists():
-            raise RuntimeError(f"raypipe backfill {name} failed (exit {code}); see {self.logs / name}.log")
-        report = json.loads(report_path.read_text())
         return {
             "paragraphs": report["rows_in"],
             "ok": report["rows_ok"],
