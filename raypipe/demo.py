@@ -47,7 +47,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
         replicas, cpus = fit_replicas(2)  # the defaults `raypipe serve` picks on a 2-CPU cluster
         options = DeploymentOptions(num_replicas=replicas, num_cpus=cpus)
         address = deploy(model, grpc_port=grpc_port, options=options)
-        print(f"demo: Serve gRPC app up at {address}", flush=True)
+        print(f"demo: Serve gRPC app up at {address} after {time.monotonic() - t0:.1f} s", flush=True)
         report = api.backfill(str(work / "input"), str(work / "output"), service=address, run_id="demo")
     finally:
         # The cluster is the demo's own: shutting it down stops Serve too. (serve.shutdown()

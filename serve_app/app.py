@@ -216,11 +216,13 @@ class EmotionClassifier:
 
         self._settings = ServerSettings.from_dict(settings)
         self._threads = thread_layout(self._settings, _replica_cpus())
-        configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
         # The runtime x precision the settings, the measured record and this CPU allow (or a GateError).
         serving = resolve(model_dir, self._settings)
         if serving.runtime == "tensorflow":
-            # Before the model's graph first runs (warmup): Grappler rewrites it then.
+            # Before TensorFlow first runs a graph (warmup): its thread pools are fixed then, and
+            # Grappler rewrites the graph then. Other runtimes never import TensorFlow (~3 s and
+            # its memory off every replica's start).
+            configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
             configure_precision(serving.precision)
         self._precision = serving.precision
         threads_before = _ThreadCpu.thread_ids()

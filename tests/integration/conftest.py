@@ -156,13 +156,15 @@ def deploy_app(serve_address: str, demo_model_dir: Path, grpc_port: int) -> Iter
     names: list[str] = []
 
     def _deploy(name: str, settings=None, options=None) -> str:
+        # An earlier test's app of the same name may still be going (deleted without waiting).
+        wait_for(lambda: name not in serve.status().applications, 60, f"the earlier {name!r} app to go")
         deploy(demo_model_dir, app_name=name, grpc_port=grpc_port, settings=settings, options=options)
         names.append(name)
         return name
 
     yield _deploy
     for name in names:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)  # its replica goes while the next test starts
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
