@@ -117,9 +117,15 @@ def set_concurrent_batches(batch_method: Any, n: int) -> None:
 
 
 def _replica_cpus() -> float:
+    """The CPUs Serve gave this replica; 1 when constructed outside Ray (as `_app_name` says "")."""
     import ray
 
-    return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
+    if not ray.is_initialized():
+        return 1.0
+    try:
+        return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
+    except AssertionError:  # a driver, not a worker: nothing assigned
+        return 1.0
 
 
 class _ThreadCpu:

@@ -52,3 +52,31 @@ def test_serve_batch_concurrency_refuses_a_method_without_the_wrapper() -> None:
 
     with pytest.raises(RuntimeError, match="max_concurrent_batches"):
         set_concurrent_batches(NotBatched(), 2)
+
+
+REPLICA_IMPORTS = """
+import json, sys
+from serve_app.app import EmotionClassifier
+replica = EmotionClassifier.func_or_class(sys.argv[1], {"runtime": sys.argv[2], "precision": "fp32"})
+print(json.dumps({"setting": replica._setting, "tensorflow": "tensorflow" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize(("runtime", "imports_tensorflow"), [("openvino", False), ("tensorflow", True)])
+def test_a_replica_imports_tensorflow_only_to_serve_it(demo_model_dir, runtime, imports_tensorflow) -> None:
+    """TensorFlow's import is seconds of every replica's start and memory for its life: a replica
+    serving another runtime never pays it (in a fresh process, as a replica starts)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", REPLICA_IMPORTS, str(demo_model_dir), runtime],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["setting"].startswith(runtime), seen
+    assert seen["tensorflow"] is imports_tensorflow, seen
