@@ -226,8 +226,8 @@ class EmotionClassifier:
         serving = resolve(model_dir, self._settings)
         if serving.runtime == "tensorflow":
             # Before TensorFlow first runs a graph (warmup): its thread pools are fixed then, and
-            # Grappler rewrites the graph then. Other runtimes never import TensorFlow (~3 s and
-            # its memory off every replica's start).
+            # Grappler rewrites the graph then. Other runtimes never import TensorFlow (seconds
+            # of every replica's start).
             configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
             configure_precision(serving.precision)
         self._precision = serving.precision

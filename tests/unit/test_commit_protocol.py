@@ -14,12 +14,14 @@ import threading
 import tracemalloc
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import deltalake
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import raypipe
 from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable, UnitCommitter
@@ -219,6 +221,9 @@ def summaries(n: int):
         yield UnitStats.from_dict(json.loads(json.dumps(marker)))
 
 
+RAYPIPE_FILES = str(Path(raypipe.__file__).parent / "*")  # the package, not a checkout that happens to be named raypipe
+
+
 def test_an_attempts_statistics_fold_in_bounded_memory():
     """Summaries are folded as they stream in: what the fold holds does not grow with the units.
 
@@ -232,7 +237,7 @@ def test_an_attempts_statistics_fold_in_bounded_memory():
         for u in summaries(n):
             attempt.add(u)
         gc.collect()
-        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/raypipe/*", all_frames=True)])
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, RAYPIPE_FILES, all_frames=True)])
         tracemalloc.stop()
         held[n] = sum(stat.size for stat in snapshot.statistics("filename"))
         assert attempt.units == n and attempt.rows == 2000 * n and len(attempt.actors) == 4
