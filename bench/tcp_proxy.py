@@ -91,14 +91,18 @@ class TcpProxy:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.listen_port)
 
     async def _cut(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        # Stop listening, reset every live connection, and only then wait for the server: since
+        # Python 3.12 `wait_closed` waits for the server's connections to close, so waiting
+        # first would hang the cut (and every connection with it) until the clients' deadlines.
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
         for w in list(self._writers):
             with contextlib.suppress(Exception):
                 w.transport.abort()
         self._writers.clear()
+        if server is not None:
+            await server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
