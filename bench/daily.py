@@ -86,9 +86,9 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from raypipe.commit.protocol import LEGACY_FILES_SEEN as FILES_SEEN
     from raypipe.commit.table import OutcomeTable, UnitCommitter, text_hashes
-    from raypipe.plan.listing import fingerprint
-    from raypipe.run.state import FILES_SEEN
+    from raypipe.plan.planning import fingerprint
     from raypipe.store import OutputStore
 
     card = json.loads((demo / "model.json").read_text())

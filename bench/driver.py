@@ -23,7 +23,7 @@ def run_driver_memory(units: int = 50_000) -> dict[str, Any]:
     from deltalake.transaction import AddAction
 
     from raypipe.commit.table import OutcomeTable
-    from raypipe.plan.plan import Plan
+    from raypipe.plan.planning import Plan
     from raypipe.plan.units import WorkUnit
     from raypipe.report import AttemptStats, UnitStats
 

@@ -4,14 +4,14 @@ Issue #20 asks what a 95M-row, ~50k-shard backfill waits before its first result
 N shards of a few rows each (id, text, updated_at) in one bucket of moto's server (its own
 process), uploaded once per section. Each step runs in a child process, as a driver would:
 
-1. **plan**: `list_input` and `plan_listing` as a backfill's `raypipe.plan.inputs.plan_input` calls them, on the
+1. **plan**: `list_input` and `plan_listing` as a backfill's `raypipe.plan.planning.plan_input` calls them, on the
    same listing: every footer read one shard at a time (`planning_threads=1`,
    `footer_sample=None`), every footer read with the default threads, and the defaults (a
    sample of footers read, the other small shards planned whole from their listed sizes): wall
    time, driver CPU, moto's CPU, peak RSS (`getrusage`), and the S3 requests by operation
    (botocore's `before-call` events);
 2. **requests**: on a sample of shards, the requests per footer of the read planning made
-   before (`fs.open(..., cache_type="none")` + `pq.ParquetFile`) and of `raypipe.plan.footers._read_footer`,
+   before (`fs.open(..., cache_type="none")` + `pq.ParquetFile`) and of `raypipe.plan.planning._read_footer`,
    with s3fs's listing cache warm (after `list_input`, as in a run) and cold, and the driver's
    CPU per footer (also of Arrow's C++ S3 client, which raypipe does not use, for comparison);
 3. **latency**: plan on the same sample one at a time and in parallel through a proxy that
@@ -128,10 +128,8 @@ def child_plan(payload: dict[str, Any]) -> dict[str, Any]:
     import fsspec
 
     from raypipe.config import InputConfig
-    from raypipe.plan.listing import list_input
-    from raypipe.plan.plan import PlanObservations
+    from raypipe.plan.planning import PlanObservations, list_input, plan_listing
     from raypipe.plan.units import ColumnNames
-    from raypipe.plan.whole_files import plan_listing
 
     overrides: dict[str, Any] = {"planning_threads": payload["threads"]} if payload.get("threads") else {}
     if payload.get("every_footer"):
@@ -181,7 +179,7 @@ def child_plan(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _footer_before(fs: Any, path: str) -> Any:
-    """How planning read a footer before `raypipe.plan.footers._read_footer` (`raypipe.run.read._open_parquet`)."""
+    """How planning read a footer before `raypipe.plan.planning._read_footer` (`raypipe.run.read._open_parquet`)."""
     import pyarrow.parquet as pq
 
     with fs.open(path, "rb", cache_type="none") as f:
@@ -192,8 +190,7 @@ def child_requests(payload: dict[str, Any]) -> dict[str, Any]:
     """Requests per footer, before and now, with s3fs's listing cache warm and cold."""
     import fsspec
 
-    from raypipe.plan.footers import _read_footer
-    from raypipe.plan.listing import list_input
+    from raypipe.plan.planning import _read_footer, list_input
 
     fs = fsspec.filesystem("s3")
     counts = _count_requests(fs)

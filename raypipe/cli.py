@@ -472,7 +472,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _lease(args: argparse.Namespace) -> int:
-    from raypipe.run.lease import Lease
+    from raypipe.commit.lease import Lease
     from raypipe.store import OutputStore
 
     lease = Lease(OutputStore(args.output), "raypipe-cli")
@@ -529,7 +529,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "report":
             return _report(args)
         if args.command == "shards":
-            from raypipe.plan.quarantine import quarantine
+            from raypipe.plan.planning import quarantine
 
             release = args.shards_command == "release"
             done = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)

@@ -289,7 +289,7 @@ class InputConfig(_Frozen):
     """With more Parquet shards to read whole than this, planning reads this many footers
     (spread over the listing: schema checked, bytes per row measured) and plans each other
     shard of up to about 2 x `unit_rows` rows as one unit from its listed size; its footer is
-    read with its rows (`raypipe.plan.whole_files.plan_listing`). Null reads every footer at planning."""
+    read with its rows (`raypipe.plan.planning.plan_listing`). Null reads every footer at planning."""
 
     @field_validator("uri")
     @classmethod

@@ -3,14 +3,15 @@
     OUTPUT/
       outcomes/                                   the Delta table: results and dead letters (raypipe.commit.table)
       runs/<run_id>.json                          the run report
-      _raypipe/lease.json                         who runs here now (raypipe.run.lease; liveness only)
+      _raypipe/lease.json                         who runs here now (raypipe.commit.lease; liveness only)
       _raypipe/watermark.json                     what the input was read as of (informational)
       _raypipe/files_seen/<n>.parquet             input files read whole; the table names the current n
       _raypipe/quarantine.json                    shards an operator set aside
       _raypipe/runs/<run_id>/plan/<n>.json        the run's units; the table names the current n
       _raypipe/runs/<run_id>/attempts/<a>.json    each attempt's call statistics
+      _raypipe/runs/<run_id>/attempts/<a>/actors/*.json   its actors' call tallies (raypipe.tally)
 
-Whether a run or a unit is committed is the table's to say, never a file's (`raypipe.run.state`).
+Whether a run or a unit is committed is the table's to say, never a file's (`raypipe.commit.protocol`).
 An earlier release's `results/`, `dead_letters/`, `plan.json`, `files_seen.parquet` and
 `COMMITTED.json` are still read (`raypipe migrate`, and where the table names nothing).
 

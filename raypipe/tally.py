@@ -97,7 +97,7 @@ def tally_files(store: OutputStore, run_id: str) -> dict[str, list[str]]:
     for folder in store.list_files(store.run_state(run_id, "attempts")):
         attempt = posixpath.basename(folder)
         if attempt.endswith(".json"):
-            continue  # an attempt's own statistics (`RunState.save_attempt`), not a folder
+            continue  # an attempt's own statistics (`CommitProtocol.save_attempt`), not a folder
         found[attempt] = store.list_files(posixpath.join(folder, "actors"), ".json")
     return found
 

@@ -1,6 +1,7 @@
 """The results table and the story of a run's output in it.
 
-`table` (the Delta table: schema, output rows, fenced unit commits), `protocol` (set up a
-run, commit a unit, commit the run, abort), `outcomes` (`read_outcomes`, `latest`, the
-ledger) and `upkeep` (compact, vacuum, migrate).
+`protocol` (one owner of a run's output: set up a run, commit a unit, commit the run, abort;
+the plan, the files seen and the watermark beside them), `lease` (liveness: one run id at a
+time per output), `table` (the Delta table: schema, output rows, fenced unit commits),
+`outcomes` (`read_outcomes`, `latest`, the ledger) and `upkeep` (compact, vacuum, migrate).
 """

@@ -1,56 +1,70 @@
-"""The commit protocol: one object owns a run's story in the outcomes table.
+"""The commit protocol: one object owns the story of a run's output, step by step.
 
 In the manner of Spark's `FileCommitProtocol`, a run's output is set up, committed unit by
 unit, committed as a whole, or aborted, each step one method, each commit one Delta commit
-that either happens or raises::
+that either happens or raises. The run modes (`raypipe.run.modes._run`, through the steps of
+`raypipe.run.steps`) call it in this order::
 
-    protocol = CommitProtocol(OutputStore(output_uri), run_id, holder=attempt)
-    protocol.is_committed()            # the one truth of "run committed": its commit in the table
-    protocol.setup_run(labels)         # table ready; take-over: every older attempt fenced off
-    protocol.save_plan(d) / stored_plan()    # the plan, fenced (a file the table names)
-    protocol.committed(units, replay=...)    # which units are committed already
-    protocol.unit_committer()          # picklable: what the actors commit units through
-    protocol.commit_unit(unit, rows)   # one unit's results and dead letters, one commit
-    protocol.files_seen() / record_files_seen(update)   # the files read, fenced the same way
-    protocol.commit_run(metadata)      # the run committed, fenced
-    protocol.abort()                   # nothing of this attempt lands after it returns
+    protocol = CommitProtocol(config.output, mode, run_id)
+    protocol.committed_report()        # None, or the report of a run id already committed
+    protocol.setup_run(labels)         # lease (one run id at a time), table ready, take-over: fence
+    protocol.plan(make_plan, ...)      # the stored plan, or a new one (stored once, fenced)
+    protocol.pending(plan)             # units not committed in the table
+    ... the actors commit units through `protocol.unit_committer()` (one Delta commit each) ...
+    protocol.record_files_seen(...)    # the files every unit of which is committed (fenced)
+    protocol.commit_run()              # the run committed (fenced), or protocol.abort()
+    protocol.advance_watermark(...)    # informational, never backwards
+    protocol.write_report(...)         # the report; then protocol.release() (the lease)
 
-**The fence** is the table's concurrency control (`raypipe.commit.table`): `setup_run` commits a new
-generation of the run id to its slots; every later commit of this attempt (units, plan, files
-seen, run) carries the run's slots at that generation and is built on a snapshot where they
-still hold it, so once a newer attempt took over, none can land (`LeaseLostError`), however
-long it was stalled. `abort` fences off this attempt's own writers the same way (a take-over
-by nobody), unless a newer attempt already holds the run: the report a driver writes after
-a failure is then final, and files an actor writes afterwards stay invisible (`raypipe
-vacuum` removes them). What the lease does (`raypipe.run.lease`) is liveness only.
+**The fence** is the table's concurrency control (`raypipe.commit.table`): `setup_run` commits a
+new generation of the run id to its slots; every later commit of this attempt (units, plan,
+files seen, run) carries the run's slots at that generation and is built on a snapshot where
+they still hold it, so once a newer attempt took over, none can land (`LeaseLostError`),
+however long it was stalled. `abort` fences off this attempt's own writers the same way (a
+take-over by nobody), unless a newer attempt already holds the run: the report a driver
+writes after a failure is then final, and files an actor writes afterwards stay invisible
+(`raypipe vacuum` removes them). "Committed" has one truth: the run's commit in the table.
+The lease (`raypipe.commit.lease`) is liveness only: it keeps a second run id from starting on
+the same output and lets a retried attempt wait for a live one to expire; it fences nothing.
 
 State beside the table is never a truth on its own: the plan and the files seen are new
 immutable files under numbers no other writer uses, and the table names the current one (an
 app transaction); an earlier release's `plan.json`, `files_seen.parquet` and `COMMITTED.json`
-are read where the table names nothing.
+are read where the table names nothing. What lives where under OUTPUT: `raypipe.store`.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any
+from datetime import datetime
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from raypipe.commit.lease import Lease
+from raypipe.commit.outcomes import Ledger, ledger, ledger_of
 from raypipe.commit.table import FILES_SEEN_APP, OutcomeTable, TableFence, UnitCommitter, plan_app
-from raypipe.errors import SinkError
+from raypipe.config import OutputConfig
+from raypipe.errors import ConfigError, SinkError
+from raypipe.plan.planning import Plan, quarantined
+from raypipe.plan.units import WorkUnit
+from raypipe.report import AttemptStats, RunReport
 from raypipe.store import OutputStore
 
-__all__ = ["CommitProtocol", "FilesSeen"]
+__all__ = ["CommitProtocol", "FilesSeen", "read_files_seen"]
+
+logger = logging.getLogger("raypipe")
 
 FilesSeen = dict[str, tuple[str, str | None]]
 """Input file URI -> (fingerprint, the latest `updated_at` read in it, ISO, if known)."""
 
 FILES_SEEN_DIR = "files_seen"
 LEGACY_FILES_SEEN = "files_seen.parquet"
-LEGACY_COMMITTED = "COMMITTED.json"
+WATERMARK = "watermark.json"
 
 
 def _fresh_number() -> int:
@@ -59,23 +73,27 @@ def _fresh_number() -> int:
 
 
 class CommitProtocol:
-    """Set up a run, commit its units, commit the run, or abort (see the module docstring).
-
-    `store` is the run's output, opened once by its owner (`raypipe.run.state.RunState`)."""
+    """Set up a run, commit its units, commit the run, or abort; and everything else the run
+    knows about its output (plan, files seen, watermark, attempts, report). See the module
+    docstring for the order of the steps and the fence."""
 
     def __init__(
         self,
-        store: OutputStore,
+        output: OutputConfig,
+        mode: str,
         run_id: str,
         *,
-        holder: str = "",
+        attempt: str | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        self.output = output
+        self.mode = mode
         self.run_id = run_id
-        self.holder = holder
-        self.store = store
-        self.table = OutcomeTable(store.uri)
+        self.attempt = attempt or uuid.uuid4().hex[:8]
+        self.store = OutputStore(output.uri)
+        self.table = OutcomeTable(output.uri)
+        self.lease = Lease(self.store, run_id, duration_s=output.lease_s, wait_s=output.lease_wait_s)
         self._clock = clock
         self._sleep = sleep
         self._fence: TableFence | None = None
@@ -85,12 +103,34 @@ class CommitProtocol:
         """Is the run committed? Its run commit in the table says so, nothing else."""
         return self.table.is_committed(self.run_id)
 
+    def committed_report(self) -> RunReport | None:
+        """The stored report if this run id is committed already (then there is nothing to do)."""
+        if not self.is_committed():
+            return None
+        stored = self.store.read_json_or_none(self.store.report_file(self.run_id))
+        report = RunReport.from_dict(stored) if stored else RunReport(run_id=self.run_id, mode=self.mode)
+        report.status = "completed"
+        logger.info(
+            "run %s is already committed: nothing to do (report %s)", self.run_id, self.store.report_file(self.run_id)
+        )
+        return report
+
     # -- set up --------------------------------------------------------------------------------
     def setup_run(self, labels: tuple[str, ...]) -> TableFence:
-        """Makes the table ready for `labels` and takes the run over: from here on no commit of
-        an earlier attempt of this run id can land."""
-        self.table.ensure(labels)
-        self._fence = self.table.take_over(self.run_id, holder=self.holder)
+        """Takes the lease (a live attempt of this run id is waited out, or taken over with
+        `output.take_over_lease`), makes the table ready for `labels` and takes the run over:
+        from here on no commit of an earlier attempt of this run id can land."""
+        if self.output.require_conditional_writes:
+            self.lease.check_conditional_writes()
+        self.lease.acquire(force=self.output.take_over_lease)
+        try:
+            self.table.ensure(labels)
+            self._fence = self.table.take_over(self.run_id, holder=self.attempt)
+        except BaseException:
+            self.lease.release()
+            raise
+        self.lease.generation = self._fence.generation
+        logger.info("run %s: attempt %s holds generation %d", self.run_id, self.attempt, self._fence.generation)
         return self._fence
 
     @property
@@ -99,20 +139,46 @@ class CommitProtocol:
         return self._fence
 
     # -- the plan ------------------------------------------------------------------------------
-    def stored_plan(self) -> dict[str, Any] | None:
+    def plan(self, make_plan: Callable[[], Plan], *, input_uri: str | None, model_version: str) -> tuple[Plan, bool]:
+        """The run's plan: stored at its first start, read back on every later one.
+
+        Returns (plan, resumed). A run id cannot be resumed as another mode or input.
+        """
+        plan = self.stored_plan()
+        if plan is not None:
+            if plan.mode != self.mode or plan.input != input_uri:
+                raise ConfigError(
+                    f"run {self.run_id} was started as a {plan.mode} of {plan.input}; "
+                    f"it cannot be resumed as a {self.mode} of {input_uri}"
+                )
+            if plan.model_version not in (None, model_version):
+                logger.warning(
+                    "run %s was started with model %s and resumes with %s: its rows will carry both versions",
+                    self.run_id,
+                    plan.model_version,
+                    model_version,
+                )
+            return plan, True
+        plan = make_plan()
+        plan.model_version = model_version
+        self.save_plan(plan)
+        return plan, False
+
+    def stored_plan(self) -> Plan | None:
         """The plan the table names, else one an earlier release stored as `plan.json`."""
         number = self.table.pointer(plan_app(self.run_id))
         if number is not None:
-            return dict(self.store.read_json(self.store.run_state(self.run_id, "plan", f"{number}.json")))
+            return Plan.from_dict(self.store.read_json(self.store.run_state(self.run_id, "plan", f"{number}.json")))
         legacy = self.store.read_json_or_none(self.store.run_state(self.run_id, "plan.json"))
-        return None if legacy is None else dict(legacy)
+        return None if legacy is None else Plan.from_dict(legacy)
 
-    def save_plan(self, plan: dict[str, Any]) -> None:
+    def save_plan(self, plan: Plan) -> None:
         """Stores the plan as a new file and points the table at it, fenced."""
+        self.lease.check()
 
         def write(current: int | None) -> int:
             number = _fresh_number()
-            self.store.write_json(self.store.run_state(self.run_id, "plan", f"{number}.json"), plan)
+            self.store.write_json(self.store.run_state(self.run_id, "plan", f"{number}.json"), plan.to_dict())
             return number
 
         self.table.set_pointer(self.fence, plan_app(self.run_id), write, operation="plan")
@@ -128,6 +194,11 @@ class CommitProtocol:
             return self.table.units_with_transaction(self.run_id, units)
         return self.table.committed_units(self.run_id) & set(units)
 
+    def pending(self, plan: Plan) -> list[WorkUnit]:
+        """Units of the plan not committed yet (read after the take-over, so final)."""
+        done = self.committed([u.key for u in plan.units], replay=plan.mode == "replay")
+        return [u for u in plan.units if u.key not in done]
+
     def unit_committer(self) -> UnitCommitter:
         """What commits units of this attempt (picklable: the actors get one each)."""
         return UnitCommitter(self.fence, sleep=self._sleep, clock=self._clock)
@@ -137,22 +208,39 @@ class CommitProtocol:
         return self.unit_committer().commit(unit, rows, replace_dead_letters=replace_dead_letters)
 
     # -- files seen ----------------------------------------------------------------------------
+    def quarantined(self) -> frozenset[str]:
+        """The shards an operator set aside on this output (`raypipe.plan.planning.quarantine`)."""
+        return quarantined(self.store)
+
     def files_seen(self) -> FilesSeen:
-        """The input files runs of this output read whole (the state the table names)."""
+        """Input files a run of this output read (every unit committed): the state the table names."""
         return read_files_seen(self.store, self.table.pointer(FILES_SEEN_APP))
 
-    def record_files_seen(self, update: Callable[[FilesSeen], FilesSeen]) -> int:
-        """Applies `update` (the entries to add or change, given the current state) and stores
-        the result as a new file the table names, fenced; a concurrent change by another run
-        makes it read and apply again. Returns how many entries changed."""
-        if not update(self.files_seen()):
+    def record_files_seen(self, plan: Plan, committed: set[str]) -> int:
+        """Adds the plan's files whose every unit is committed (also in an incomplete run: its
+        healthy files are not read again), fenced; returns how many were added or updated.
+
+        The files seen are stored as a new file the table names; a concurrent change by another
+        run makes it read and apply again."""
+        by_shard: dict[str, list[WorkUnit]] = {}
+        for u in plan.units:
+            by_shard.setdefault(u.shard, []).append(u)
+        bad = {b["shard"] for b in plan.bad_shards}
+        latest = (plan.observations or {}).get("shard_max") or {}
+        done = {
+            shard: units[0].fingerprint
+            for shard, units in by_shard.items()
+            if shard not in bad and units[0].fingerprint and all(u.key in committed for u in units)
+        }
+        if not done or not _changes(done, latest, self.files_seen()):
             return 0
+        self.lease.check()
         changed: FilesSeen = {}
 
         def write(current: int | None) -> int:
             seen = read_files_seen(self.store, current)
             changed.clear()
-            changed.update(update(seen))
+            changed.update(_changes(done, latest, seen))
             seen.update(changed)
             files = sorted(seen)
             number = _fresh_number()
@@ -172,7 +260,7 @@ class CommitProtocol:
     # -- the run -------------------------------------------------------------------------------
     def commit_run(self, metadata: dict[str, str] | None = None) -> None:
         """Records, fenced, that every unit of the run is committed: the run is committed."""
-        self.table.mark_committed(self.fence, {"raypipe.attempt": self.holder, **(metadata or {})})
+        self.table.mark_committed(self.fence, {"raypipe.attempt": self.attempt, **(metadata or {})})
 
     def abort(self) -> bool:
         """Fences off this attempt's own writers, unless a newer attempt holds the run already.
@@ -182,6 +270,67 @@ class CommitProtocol:
         if self._fence is None:
             return False
         return self.table.retire(self._fence)
+
+    def watermark(self) -> datetime | None:
+        mark = self.store.read_json_or_none(self.store.state(WATERMARK))
+        return None if not mark else datetime.fromisoformat(mark["updated_at"])
+
+    def advance_watermark(self, to: datetime) -> None:
+        """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps it)."""
+        current = self.watermark()
+        if current is not None and to <= current:
+            logger.info("watermark stays at %s (this run reached %s)", current.isoformat(), to.isoformat())
+            return
+        self.lease.check()
+        self.store.write_json(self.store.state(WATERMARK), {"updated_at": to.isoformat(), "run_id": self.run_id})
+        logger.info("watermark advanced to %s", to.isoformat())
+
+    # -- what the report counts ----------------------------------------------------------------
+    def ledger(self) -> Ledger:
+        """The run's committed rows by outcome (the report's row counts)."""
+        return ledger(self.output.uri, self.run_id)
+
+    def replay_ledger(self, plan: Plan) -> Ledger | None:
+        """What a replay's committed units made of the dead letters it was planned on, from the
+        table (so rows an attempt converted before it was killed or fenced off count): the rows
+        that were dead letters at the plan's table version, as they are now. None for a plan
+        stored without its table version."""
+        version = (plan.observations or {}).get("table_version")
+        if plan.replay_of is None or version is None:
+            return None
+        units = sorted(self.committed([u.key for u in plan.units], replay=True))
+        if not units:
+            return Ledger()
+        key = ["id", "unit", "source", "row"]
+        in_units = (pc.field("run_id") == plan.replay_of) & pc.field("unit").isin(units)
+        before = (
+            self.table.load_version(int(version))
+            .to_pyarrow_dataset()
+            .to_table(filter=in_units & (pc.field("outcome") == "dead_letter"), columns=key)
+        )
+        now = (
+            self.table.load()
+            .to_pyarrow_dataset()
+            .to_table(filter=in_units, columns=[*key, "outcome", "status", "error_kind"])
+        )
+        return ledger_of(before.join(now, key, join_type="inner"))
+
+    def earlier_attempts(self) -> list[AttemptStats]:
+        """The call statistics other attempts of this run saved."""
+        folder = self.store.run_state(self.run_id, "attempts")
+        paths = [p for p in self.store.list_files(folder, ".json") if not p.endswith(f"/{self.attempt}.json")]
+        return [AttemptStats.from_dict(d) for _, d in self.store.read_many_json(paths)]
+
+    def save_attempt(self, stats: AttemptStats) -> None:
+        """This attempt's call statistics, so a later attempt's report still counts them."""
+        self.store.write_json(self.store.run_state(self.run_id, "attempts", f"{self.attempt}.json"), stats.to_dict())
+
+    def write_report(self, report: RunReport) -> None:
+        self.store.write_json(self.store.report_file(self.run_id), report.to_dict())
+
+    def release(self) -> None:
+        """Releases the output lease (the run's last step, however it ended)."""
+        self.lease.release()
 
 
 def read_files_seen(store: OutputStore, number: int | None) -> FilesSeen:
@@ -198,3 +347,17 @@ def read_files_seen(store: OutputStore, number: int | None) -> FilesSeen:
         p: (fp, m)
         for p, fp, m in zip(t.column("path").to_pylist(), t.column("fingerprint").to_pylist(), latest, strict=True)
     }
+
+
+def _changes(done: dict[str, str], latest: dict[str, str], seen: FilesSeen) -> FilesSeen:
+    """The files-seen entries `done` (file -> fingerprint) adds or updates in `seen`."""
+    out: FilesSeen = {}
+    for shard, fingerprint in done.items():
+        value = (fingerprint, _later(latest.get(shard), seen.get(shard, (None, None))[1]))
+        if seen.get(shard) != value:
+            out[shard] = value
+    return out
+
+
+def _later(a: str | None, b: str | None) -> str | None:
+    return max((x for x in (a, b) if x is not None), default=None)

@@ -158,12 +158,12 @@ def _done_app(run_id: str) -> str:
 
 
 def plan_app(run_id: str) -> str:
-    """The app transaction naming a run's current plan file (`raypipe.run.state`)."""
+    """The app transaction naming a run's current plan file (`raypipe.commit.protocol`)."""
     return f"raypipe/{run_id}/plan"
 
 
 FILES_SEEN_APP = "raypipe/files-seen"
-"""The app transaction naming the output's current files-seen file (`raypipe.run.state`)."""
+"""The app transaction naming the output's current files-seen file (`raypipe.commit.protocol`)."""
 
 
 def unit_slot(unit: str) -> int:

@@ -1,5 +1,5 @@
 """The input columns raypipe needs, checked where a shard is first opened: at planning (its
-footer or first JSON line, `raypipe.plan.footers`) or where its rows are read
+footer or first JSON line, `raypipe.plan.planning`) or where its rows are read
 (`raypipe.run.read`, for a shard planned whole from its listed size)."""
 
 from __future__ import annotations

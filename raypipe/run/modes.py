@@ -1,16 +1,16 @@
 """Run modes: backfill, daily delta and replay, over one shared run protocol.
 
 `_run` is the whole story of a run, a step at a time (`raypipe.run.steps`), each step given
-the part of the config it needs:
-1. `RunState(output).committed_report()`: a run id already committed (`CommitProtocol.is_committed`,
-   the one truth) returns at once, with its stored report;
+the part of the config it needs, over one `CommitProtocol` that owns the run's output (its
+steps and the fence: `raypipe.commit.protocol`):
+1. `CommitProtocol.committed_report`: a run id already committed (the one truth: its run commit
+   in the table) returns at once, with its stored report;
 2. `ModelService.ask`: the model service is checked (labels, version, limits) before any data is read;
-3. `RunState.begin`, setting up the commit: the output lease (one run id at a time; a live
-   attempt of the same run id is waited out, or taken over with `force`), then
-   `CommitProtocol.setup_run`: the table made ready and the takeover commit that fences every
-   earlier attempt of this run id off;
-4. `PlanRun`: the units, planned once and stored (fenced), so a restart does the same units;
-   those the protocol does not find committed are still to do;
+3. `CommitProtocol.setup_run`: the output lease (one run id at a time; a live attempt of the same
+   run id is waited out, or taken over with `output.take_over_lease`), the table made ready and
+   the take-over commit that fences every earlier attempt of this run id off;
+4. `PlanRun`: the units, planned once (`raypipe.plan.planning`) and stored (fenced), so a
+   restart does the same units; those the protocol does not find committed are still to do;
 5. `ExecuteRun`: the pipeline streams them through the actors, which commit each unit through
    the protocol's `UnitCommitter` (results and dead letters in one Delta commit); if the service
    stays down the run stops with `CircuitOpenError`, its rows still to do;
@@ -22,7 +22,7 @@ the part of the config it needs:
 
 A daily reads the input files no run has read whole yet (new files, and files whose size or
 ETag changed), whole, whatever their rows' `updated_at`: it selects by the files seen
-(`RunState.files_seen`), not by a watermark. A file rewritten in place is read for its rows
+(`CommitProtocol.files_seen`), not by a watermark. A file rewritten in place is read for its rows
 updated at or after the latest `updated_at` read of it before (rows at that instant are
 re-read and answered from the table by reuse); `--since` also re-reads the files read
 before, for their rows updated after it. A backfill records what its input was read as of
@@ -42,15 +42,14 @@ from datetime import UTC, datetime
 import pyarrow.compute as pc
 
 from raypipe.call.metrics import RunMetrics
+from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError
-from raypipe.plan.inputs import plan_input
-from raypipe.plan.plan import Plan
+from raypipe.plan.planning import Plan, plan_input
 from raypipe.plan.units import WorkUnit
 from raypipe.report import RunReport
 from raypipe.run.driver import quiet, sigterm_stops_the_run
-from raypipe.run.state import RunState
 from raypipe.run.steps import CommitRun, ExecuteRun, ExecuteSettings, ModelService, PlanRun, ReportRun
 from raypipe.store import STATE_DIR, OutputStore
 
@@ -70,7 +69,7 @@ def _parse(ts: str | None) -> datetime | None:
 def _run(
     config: PipelineConfig,
     mode: str,
-    make_plan: Callable[[RunState], Plan],
+    make_plan: Callable[[CommitProtocol], Plan],
     *,
     results_run_id: Callable[[str, Plan], str] = lambda run_id, plan: run_id,
     watermark_to: Callable[[Plan], datetime | None] = lambda plan: None,
@@ -78,8 +77,8 @@ def _run(
     # A default id names a new run: two runs started in the same second must not share one (the
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
-    state = RunState(config.output, mode, run_id)
-    done = state.committed_report()
+    protocol = CommitProtocol(config.output, mode, run_id)
+    done = protocol.committed_report()
     if done is not None:
         return done
     started_at = datetime.now(UTC)
@@ -88,18 +87,16 @@ def _run(
 
     model = ModelService.ask(config.service, config.client)
     report.labels, report.model_version = list(model.labels), model.version
-    state.begin(model.labels)
+    protocol.setup_run(model.labels)
     metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
     execute = ExecuteRun(
-        state,
-        ExecuteSettings(config.service, config.actors, config.dedup, config.progress_interval_s, config.input),
-        metrics,
+        protocol, ExecuteSettings(config.service, config.actors, config.dedup, config.progress_interval_s), metrics
     )
-    commit = CommitRun(state, config.input, watermark_to)
+    commit = CommitRun(protocol, watermark_to)
     plan: Plan | None = None
     write_report = True
     try:
-        plan, todo = PlanRun(state, config.input, make_plan).plan(model.version, report)
+        plan, todo = PlanRun(protocol, config.input, make_plan).plan(model.version, report)
         executed = execute.execute(plan, todo, model, rows_run_id=results_run_id(run_id, plan), report=report)
         commit.commit(plan, todo, executed, report)
     except LeaseLostError:
@@ -111,7 +108,7 @@ def _run(
         commit.abort()
         raise
     finally:
-        ReportRun(state, config.core_hour_usd, metrics, t0=t0).write(report, execute, plan, write=write_report)
+        ReportRun(protocol, config.core_hour_usd, metrics, t0=t0).write(report, execute, plan, write=write_report)
     return report
 
 
@@ -130,7 +127,7 @@ def backfill(config: PipelineConfig) -> RunReport:
     return _run(
         config,
         "backfill",
-        lambda state: plan_input(_input(config, "backfill"), "backfill", state),
+        lambda protocol: plan_input(_input(config, "backfill"), "backfill", protocol),
         watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
     )
 
@@ -148,7 +145,7 @@ def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport
     return _run(
         config,
         "daily",
-        lambda state: plan_input(_input(config, "daily"), "daily", state, since=since),
+        lambda protocol: plan_input(_input(config, "daily"), "daily", protocol, since=since),
         watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
     )
 
@@ -181,7 +178,7 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
         config = config.model_copy(update={"run_id": replay_run_id(store, of_run)})
     assert config.run_id is not None
 
-    def make_plan(state: RunState) -> Plan:
+    def make_plan(protocol: CommitProtocol) -> Plan:
         table = OutcomeTable(config.output.uri)
         if not table.exists():
             raise ConfigError(f"no run {of_run!r} at {config.output.uri}")

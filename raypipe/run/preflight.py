@@ -11,12 +11,10 @@ with one line naming the fix (`ConfigError` or `InputError`: exit 2 in the CLI).
 
 What is checked, each as cheaply as it can be (a listing, one footer, no rows):
 - times: `since` is an ISO time with a zone, or a timezone-aware `datetime` (`parse_since`);
-- the input (backfill, daily): it exists, lists at least one shard (`raypipe.plan.listing.list_input`,
-  quarantined shards left out), and its first shard has the id and text columns with usable
-  types (`raypipe.plan.footers.plan_units` on that one shard: its Parquet footer, or its first JSON line).
-  A daily records bad shards and goes on (`input.on_bad_shard: record`), so a daily is
-  refused only when its first and its last shard both lack the same column: that is a
-  setting (`input.text_column`), not one bad file;
+- the input (backfill, daily), as planning would read it (`raypipe.plan.planning.check_input`):
+  it exists, lists at least one shard (quarantined shards left out), and its first shard has
+  the id and text columns with usable types (its Parquet footer, or its first JSON line); a
+  daily is refused only when its first and its last shard both lack the same column;
 - the output: a local path that is a folder or can be made one, not inside the input folder
   (the next run would read its own results as input); an S3 bucket that exists;
 - a replay: the output holds an outcomes table and the run to replay;
@@ -30,7 +28,6 @@ they rely on, later (a shard can change between this look and the run).
 
 from __future__ import annotations
 
-import copy
 import difflib
 import os
 import posixpath
@@ -42,8 +39,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from raypipe.config import InputConfig, PipelineConfig
-from raypipe.errors import ConfigError, InputError, NoShardsError, SchemaError
+from raypipe.config import PipelineConfig
+from raypipe.errors import ConfigError
 
 __all__ = ["check_input_run", "check_ray_address", "check_replay", "check_run", "parse_since"]
 
@@ -88,7 +85,9 @@ def check_input_run(config: PipelineConfig, mode: Literal["backfill", "daily"]) 
     _check_output(config)
     if config.input is None:
         raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
-    _check_input(config.input, mode, _quarantined(config.output.uri))
+    from raypipe.plan.planning import check_input
+
+    check_input(config.input, mode, config.output.uri)
     _check_ray()
 
 
@@ -133,70 +132,6 @@ def check_ray_address(environ: Mapping[str, str], *, timeout_s: float = RAY_CONN
             f"RAY_ADDRESS={address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
             "start one (`ray start --head`), point RAY_ADDRESS at yours, or unset it to start a local one"
         ) from None
-
-
-# -- input ------------------------------------------------------------------------------------
-_INPUT_HINT = "set --input (input.uri) to a Parquet or JSON-lines file, a folder of them, or a glob"
-
-
-def _check_input(settings: InputConfig, mode: Mode, quarantined: frozenset[str]) -> None:
-    from raypipe.plan.footers import plan_units
-    from raypipe.plan.listing import list_input
-    from raypipe.plan.units import ColumnNames, ShardFormat
-
-    try:
-        listing = list_input(settings.uri, format=settings.format, quarantined=quarantined)
-    except NoShardsError as e:
-        raise NoShardsError(f"{e}: {_INPUT_HINT}") from e
-    except (OSError, ValueError) as e:  # a bucket that does not exist, a path we may not list
-        raise InputError(f"cannot list input {settings.uri}: {type(e).__name__}: {e}: {_INPUT_HINT}") from e
-    columns = ColumnNames(settings.id_column, settings.text_column, settings.updated_at_column)
-
-    def first_error(shard: tuple[str, ShardFormat]) -> InputError | None:
-        try:
-            plan_units([shard], unit_rows=settings.unit_rows, columns=columns, threads=1)
-        except InputError as e:
-            return e
-        return None
-
-    error = first_error(listing.shards[0])
-    if error is None:
-        return
-    policy = settings.on_bad_shard or ("record" if mode == "daily" else "fail")
-    if policy == "record":
-        # One bad file is the daily's to record; the same column missing at both ends is a setting.
-        if not isinstance(error, SchemaError):
-            return
-        if len(listing.shards) > 1:
-            last = first_error(listing.shards[-1])
-            if not (isinstance(last, SchemaError) and last.column == error.column):
-                return
-    hinted = copy.copy(error)  # keeps its type and fields (shard, column)
-    hinted.args = (f"{error}: {_schema_hint(error, settings)}",)
-    raise hinted from error
-
-
-def _schema_hint(error: InputError, settings: InputConfig) -> str:
-    column = getattr(error, "column", None)
-    setting = {
-        settings.id_column: "input.id_column",
-        settings.text_column: "input.text_column",
-        settings.updated_at_column: "input.updated_at_column",
-    }.get(column or "")
-    if setting is None:
-        return "fix the shard, or quarantine it (raypipe shards quarantine)"
-    return f"name the column with --set {setting}=NAME, or fix the shard"
-
-
-def _quarantined(output: str) -> frozenset[str]:
-    """Shards set aside on this output (read only: a missing output has none)."""
-    from raypipe.plan.quarantine import quarantined
-    from raypipe.store import OutputStore
-
-    try:
-        return quarantined(OutputStore(output))
-    except OSError:
-        return frozenset()  # the output's own check reports an unreadable output
 
 
 # -- output -----------------------------------------------------------------------------------

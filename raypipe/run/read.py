@@ -21,7 +21,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from raypipe.errors import SchemaError, ShardChangedError
-from raypipe.plan.listing import filesystem, fingerprint
+from raypipe.plan.planning import filesystem, fingerprint
 from raypipe.plan.schema import check_columns, check_types
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 

@@ -7,9 +7,11 @@
     ReportRun(...).write                the report: rows from the table, calls of every attempt
 
 Each takes the part of the config it needs (an `InputConfig`, a `ServiceConfig`, ...), never
-the whole `PipelineConfig`, and the run's `RunState` (lease, plan, table) for what it does on
-the output. Setting up the commit (lease, table ready, take-over) is `RunState.begin`, between
-the service check and the plan. The fence is the table's (`raypipe.commit.protocol`).
+the whole `PipelineConfig`, and the run's `CommitProtocol` for what it does on the output.
+Setting up the commit (lease, table ready, take-over) is `CommitProtocol.setup_run`, between
+the service check and the plan; the order of the protocol's steps and the fence are told once,
+in `raypipe.commit.protocol`. After planning, what a step needs of the input (its columns, the
+bad-shard policy) comes with the `Plan`.
 """
 
 from __future__ import annotations
@@ -29,17 +31,16 @@ from raypipe.call.client import ChannelSecurity, check_service
 from raypipe.call.dedup import build_index
 from raypipe.call.metrics import RunMetrics
 from raypipe.commit.outcomes import Ledger
+from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
-from raypipe.plan.inputs import columns_of, on_bad_shard, replan, with_whole_file_maxima
-from raypipe.plan.plan import Plan
-from raypipe.plan.units import ColumnNames, WorkUnit
+from raypipe.plan.planning import Plan, resume, with_whole_file_maxima
+from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.run.cost import CpuMeter
 from raypipe.run.driver import ensure_ray
 from raypipe.run.pipeline import run_units
 from raypipe.run.progress import Progress
-from raypipe.run.state import RunState
 from raypipe.tally import fold_tallies, read_tallies
 
 __all__ = ["CommitRun", "ExecuteRun", "ExecuteSettings", "Executed", "ModelService", "PlanRun", "ReportRun"]
@@ -88,19 +89,22 @@ class PlanRun:
     run brings its bad shards and whole-file units up to date with the input); the units the
     table does not hold committed yet. Runs after the take-over, so "committed" is final."""
 
-    def __init__(self, state: RunState, input: InputConfig | None, make_plan: Callable[[RunState], Plan]) -> None:
-        self.state = state
+    def __init__(
+        self, protocol: CommitProtocol, input: InputConfig | None, make_plan: Callable[[CommitProtocol], Plan]
+    ) -> None:
+        self.protocol = protocol
         self.input = input
         self.make_plan = make_plan
 
     def plan(self, model_version: str, report: RunReport) -> tuple[Plan, list[WorkUnit]]:
-        state, input = self.state, self.input
-        plan, resumed = state.plan(
-            lambda: self.make_plan(state), input_uri=input.uri if input else None, model_version=model_version
+        protocol, input = self.protocol, self.input
+        plan, resumed = protocol.plan(
+            lambda: self.make_plan(protocol), input_uri=input.uri if input else None, model_version=model_version
         )
-        if resumed and input is not None and (plan.bad_shards or any(u.planned_whole for u in plan.units)):
-            plan = replan(input, plan, state.pending(plan))
-            state.save_plan(plan)
+        if resumed and input is not None:
+            plan, changed = resume(input, plan, protocol.pending(plan))
+            if changed:
+                protocol.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
         observations = plan.observations or {}
         report.planning = {k: v for k, v in observations.items() if k not in ("skipped_files", "shard_max")}
@@ -109,12 +113,12 @@ class PlanRun:
             report.window = {"after": _iso(plan.window.after), "until": _iso(plan.window.until)}
         report.units_total = len(plan.units)
 
-        todo = state.pending(plan)
+        todo = protocol.pending(plan)
         report.units_skipped_committed = len(plan.units) - len(todo)
         logger.info(
             "run %s (generation %d): %d units to do, %d already committed",
-            state.run_id,
-            state.fence.generation,
+            protocol.run_id,
+            protocol.fence.generation,
             len(todo),
             report.units_skipped_committed,
         )
@@ -130,8 +134,6 @@ class ExecuteSettings:
     actors: ActorPoolConfig
     dedup: DedupConfig
     progress_interval_s: float
-    input: InputConfig | None = None
-    """Column names and the bad-shard policy of the shards read (None for a replay)."""
 
 
 @dataclass
@@ -149,11 +151,11 @@ class ExecuteRun:
     actor's fatal error (the breaker open, the lease lost) stops the run, raised as the typed
     error it was."""
 
-    def __init__(self, state: RunState, settings: ExecuteSettings, metrics: RunMetrics) -> None:
-        self.state = state
+    def __init__(self, protocol: CommitProtocol, settings: ExecuteSettings, metrics: RunMetrics) -> None:
+        self.protocol = protocol
         self.settings = settings
         self.metrics = metrics
-        self.attempt = AttemptStats(attempt=state.attempt)
+        self.attempt = AttemptStats(attempt=protocol.attempt)
         self.meter: CpuMeter | None = None
 
     def execute(
@@ -164,17 +166,16 @@ class ExecuteRun:
         if not todo:
             return Executed(committed, bad)
         actor_settings = ActorSettings(
-            fence=self.state.fence,
+            fence=self.protocol.fence,
             text_index=self._text_index(model, report),
             run_id=rows_run_id,
-            attempt=self.state.attempt,
+            attempt=self.protocol.attempt,
             service=self.settings.service,
             client=model.client,
             labels=model.labels,
             replay=plan.mode == "replay",
             metrics=self.metrics.spec,
         )
-        input = self.settings.input
         ensure_ray()
         self.meter = meter = CpuMeter.start()
         progress = Progress(
@@ -188,8 +189,8 @@ class ExecuteRun:
         try:
             for outcome in run_units(
                 todo,
-                columns=columns_of(input) if input else ColumnNames(),
-                on_bad_shard=on_bad_shard(input, self.state.mode) if input else "fail",
+                columns=plan.columns,
+                on_bad_shard=plan.on_bad_shard,
                 settings=actor_settings,
                 actors=self.settings.actors,
             ):
@@ -197,8 +198,8 @@ class ExecuteRun:
                     self.attempt.add(outcome.stats)
                 if outcome.fatal is not None:
                     raise _fatal_error(outcome.fatal)
-                if self.state.lease.lost:
-                    self.state.lease.check()  # raises: the lease could not be renewed in time
+                if self.protocol.lease.lost:
+                    self.protocol.lease.check()  # raises: the lease could not be renewed in time
                 progress.update(outcome.stats)
                 if outcome.error is not None:
                     unit = units_by_key[outcome.unit]
@@ -227,7 +228,7 @@ class ExecuteRun:
         # range), so the driver holds references, not 33 bytes per committed text.
         ensure_ray()
         index, index_stats = build_index(
-            self.state.output.uri, model.version, model.labels, max_rows=self.settings.dedup.max_index_rows
+            self.protocol.output.uri, model.version, model.labels, max_rows=self.settings.dedup.max_index_rows
         )
         # Under planning until the report has a field of its own: a capped index is never silent.
         report.planning = {**(report.planning or {}), "reuse_index": index_stats.to_dict()}
@@ -271,37 +272,31 @@ class CommitRun:
     (never backwards). `abort`: this attempt is fenced off, so nothing of it lands after its
     report."""
 
-    def __init__(
-        self, state: RunState, input: InputConfig | None, watermark_to: Callable[[Plan], datetime | None]
-    ) -> None:
-        self.state = state
-        self.input = input
+    def __init__(self, protocol: CommitProtocol, watermark_to: Callable[[Plan], datetime | None]) -> None:
+        self.protocol = protocol
         self.watermark_to = watermark_to
 
     def commit(self, plan: Plan, todo: list[WorkUnit], executed: Executed, report: RunReport) -> None:
-        state, bad = self.state, executed.bad_shards
+        protocol, bad = self.protocol, executed.bad_shards
         report.bad_shards = bad
         done_units = {u.key for u in plan.units} - {u.key for u in todo} | executed.committed
         report.units_committed = len(done_units)
         complete = len(done_units) == len(plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
-        if plan.mode != "replay" and self.input is not None:
+        if plan.mode != "replay":
             plan = with_whole_file_maxima(
-                plan,
-                done_units,
-                self.input.max_future_skew_s,
-                lambda: state.table.max_updated_at_by_unit(state.run_id),
+                plan, done_units, lambda: protocol.table.max_updated_at_by_unit(protocol.run_id)
             )
-            state.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
+            protocol.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
-            state.protocol.commit_run()
+            protocol.commit_run()
             mark = self.watermark_to(plan)
             if mark is not None:
-                state.advance_watermark(mark)
+                protocol.advance_watermark(mark)
 
     def abort(self) -> None:
         """Fences off this attempt's own writers, so the report the driver writes next is final."""
-        protocol = self.state.protocol
+        protocol = self.protocol
         try:
             if protocol.abort():
                 logger.info("run %s: this attempt is fenced off; its actors commit nothing more", protocol.run_id)
@@ -316,14 +311,14 @@ class ReportRun:
     `runs/<run_id>.json` unless another attempt fenced this one off (that one owns it now).
     The output lease is released last, whatever happened before."""
 
-    def __init__(self, state: RunState, core_hour_usd: float, metrics: RunMetrics, *, t0: float) -> None:
-        self.state = state
+    def __init__(self, protocol: CommitProtocol, core_hour_usd: float, metrics: RunMetrics, *, t0: float) -> None:
+        self.protocol = protocol
         self.core_hour_usd = core_hour_usd
         self.metrics = metrics
         self.t0 = t0
 
     def write(self, report: RunReport, executed: ExecuteRun, plan: Plan | None, *, write: bool) -> None:
-        state, attempt, meter = self.state, executed.attempt, executed.meter
+        protocol, attempt, meter = self.protocol, executed.attempt, executed.meter
         report.finished_at = datetime.now(UTC).isoformat()
         report.wall_s = round(time.monotonic() - self.t0, 3)
         report.throughput_rows_per_s = round(report.rows_this_attempt / report.wall_s, 2) if report.wall_s else 0.0
@@ -334,16 +329,18 @@ class ReportRun:
             report.cost = None if cost is None else cost.to_dict()
         try:
             if write:
-                attempt = fold_report(state, report, attempt, plan=plan)
+                attempt = fold_report(protocol, report, attempt, plan=plan)
             self.metrics.finish(report)
-            if write and not state.lease.lost:
-                state.save_attempt(attempt)
-                state.write_report(report)
+            if write and not protocol.lease.lost:
+                protocol.save_attempt(attempt)
+                protocol.write_report(report)
         finally:
-            state.release()
+            protocol.release()
 
 
-def fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, plan: Plan | None) -> AttemptStats:
+def fold_report(
+    protocol: CommitProtocol, report: RunReport, attempt: AttemptStats, *, plan: Plan | None
+) -> AttemptStats:
     """The report's figures: rows from the table (committed only), calls from every attempt.
 
     An attempt's calls are its unit summaries', or its actors' own tallies where those count
@@ -351,18 +348,18 @@ def fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, pl
     before saving its statistics has only those). Returns this attempt's statistics so folded.
 
     A replay's rows replace another run's dead letters: its rows are what the dead letters of
-    its committed units became (`RunState.replay_ledger`, from the table, so an attempt killed
+    its committed units became (`CommitProtocol.replay_ledger`, from the table, so an attempt killed
     after committing counts too); for a plan stored without its table version, what its
     attempts reported committing."""
-    tallies = read_tallies(state.store, state.run_id)
-    earlier = state.earlier_attempts()
+    tallies = read_tallies(protocol.store, protocol.run_id)
+    earlier = protocol.earlier_attempts()
     saved = {a.attempt for a in earlier} | {attempt.attempt}
     unsaved = [AttemptStats(attempt=a) for a in sorted(tallies) if a not in saved]
     attempts = [fold_tallies(a, tallies.get(a.attempt, ())) for a in [*earlier, *unsaved, attempt]]
     attempt = attempts[-1]
     report.fold_attempts(attempts)
-    if state.mode == "replay":
-        replayed = state.replay_ledger(plan) if plan is not None else None
+    if protocol.mode == "replay":
+        replayed = protocol.replay_ledger(plan) if plan is not None else None
         if replayed is None:
             counts: Counter[str] = Counter()
             for a in attempts:
@@ -370,6 +367,6 @@ def fold_report(state: RunState, report: RunReport, attempt: AttemptStats, *, pl
             replayed = Ledger(counts)
         report.apply_ledger(dict(replayed))
     else:
-        report.apply_ledger(state.ledger())
+        report.apply_ledger(protocol.ledger())
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
     return attempt

@@ -17,7 +17,7 @@ import pytest
 from ray import serve
 
 import raypipe
-from raypipe.plan.quarantine import quarantine
+from raypipe.plan.planning import quarantine
 from tests.integration.helpers import assert_nothing_lost, dead_letters, ids, results
 
 pytestmark = pytest.mark.timeout(420)

@@ -20,9 +20,9 @@ import pytest
 from ray import serve
 
 import raypipe
+from raypipe.commit.lease import Lease
 from raypipe.commit.table import OutcomeTable
 from raypipe.errors import LeaseLostError, OutputPermissionError, UnsafeOutputError
-from raypipe.run.lease import Lease
 from raypipe.samples import write_sample_corpus
 from raypipe.store import OutputStore
 from serve_app.settings import FaultInjection, ServerSettings

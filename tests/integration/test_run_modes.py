@@ -17,8 +17,8 @@ import pytest
 from ray import serve
 
 import raypipe
+from raypipe.commit.lease import Lease
 from raypipe.errors import InputError, OutputLockedError, SchemaError
-from raypipe.run.lease import Lease
 from raypipe.samples import write_sample_corpus
 from raypipe.store import OutputStore
 from tests.integration.conftest import wait_for

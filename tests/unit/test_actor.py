@@ -23,8 +23,7 @@ from raypipe.errors import (
     ServiceOverloaded,
     ServiceUnavailable,
 )
-from raypipe.plan.footers import plan_units
-from raypipe.plan.listing import list_shards
+from raypipe.plan.planning import list_shards, plan_units
 from raypipe.plan.units import ColumnNames
 from raypipe.run.read import read_unit
 from tests.fakes import LABELS, ScriptedClient, fake_probs

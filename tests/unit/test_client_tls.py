@@ -25,8 +25,7 @@ from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import ClientConfig, ServiceConfig, load_config
 from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, ServiceUnavailable
-from raypipe.plan.footers import plan_units
-from raypipe.plan.listing import list_shards
+from raypipe.plan.planning import list_shards, plan_units
 from raypipe.plan.units import ColumnNames
 from raypipe.run.read import read_unit
 from raypipe.run.steps import _fatal_error

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from raypipe.commit.lease import Lease
 from raypipe.errors import LeaseLostError, OutputLockedError
-from raypipe.run.lease import Lease
 from raypipe.store import OutputStore
 
 

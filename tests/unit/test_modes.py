@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypipe.api import build_config
-from raypipe.plan.inputs import plan_input
+from raypipe.commit.protocol import CommitProtocol
+from raypipe.plan.planning import plan_input
 from raypipe.plan.units import ColumnNames
 from raypipe.run.pipeline import _read_block
-from raypipe.run.state import RunState
 
 T = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -43,7 +43,7 @@ def test_daily_since_reads_a_new_file_whole_whatever_its_rows_updated_at(tmp_pat
     write(tmp_path / "in" / "late.parquet", ["a", "b", "c"], [T - timedelta(days=3), None, T + timedelta(hours=1)])
     cfg = config(tmp_path)
     assert cfg.input is not None
-    plan = plan_input(cfg.input, "daily", RunState(cfg.output, "daily", "d1"), since=T)
+    plan = plan_input(cfg.input, "daily", CommitProtocol(cfg.output, "daily", "d1"), since=T)
     assert read_plan(plan) == ["a", "b", "c"]
 
 
@@ -63,7 +63,7 @@ class _History:
 def test_daily_since_rereads_a_rewritten_file_after_the_earlier_time_then_the_unchanged_ones(tmp_path):
     """A rewritten file is re-read after what was read of it or `since`, whichever is earlier;
     an unchanged one after `since`; in that order, after the new files."""
-    from raypipe.plan.listing import list_input
+    from raypipe.plan.planning import list_input
 
     write(tmp_path / "in" / "a_new.parquet", ["n"], [T])
     write(tmp_path / "in" / "b_rewritten.parquet", ["r"], [T])

@@ -266,7 +266,7 @@ def test_a_corrupt_first_shard_is_refused_by_a_backfill(tmp_path):
 
 
 def test_a_quarantined_first_shard_is_not_checked(tmp_path):
-    from raypipe.plan.quarantine import quarantine
+    from raypipe.plan.planning import quarantine
 
     bad = shard(tmp_path / "in" / "a.parquet", id=["1"], body=["x"])
     shard(tmp_path / "in" / "b.parquet")

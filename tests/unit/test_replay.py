@@ -69,16 +69,16 @@ def test_replays_of_different_units_do_not_conflict(tmp_path):
     assert sorted(outcome.values()).count("dead_letter") == 1 and len(outcome) == 6
 
 
-def replay_state(out):
+def replay_protocol(out):
     from raypipe.api import build_config
-    from raypipe.run.state import RunState
+    from raypipe.commit.protocol import CommitProtocol
 
     cfg = build_config(output=str(out), service="127.0.0.1:1", run_id=REPLAY)
-    return RunState(cfg.output, "replay", REPLAY)
+    return CommitProtocol(cfg.output, "replay", REPLAY)
 
 
 def replay_plan(out, units: list[str]):
-    from raypipe.plan.plan import Plan
+    from raypipe.plan.planning import Plan
     from raypipe.plan.units import WorkUnit
 
     table = OutcomeTable(str(out))
@@ -103,8 +103,8 @@ def test_a_resumed_replay_does_not_infer_units_an_earlier_attempt_committed(tmp_
     killed = UnitCommitter(OutcomeTable(str(tmp_path)).take_over(REPLAY))
     again = {f"{a}-d1": "dead_letter", f"{a}-d2": "dead_letter"}
     assert killed.commit(a, unit_rows(a, again, kind="rejected"), replace_dead_letters=True)
-    state = replay_state(tmp_path)
-    assert [u.key for u in state.pending(plan)] == [b]
+    protocol = replay_protocol(tmp_path)
+    assert [u.key for u in protocol.pending(plan)] == [b]
 
 
 def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(tmp_path):
@@ -118,9 +118,9 @@ def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(t
     plan = replay_plan(tmp_path, [a, b])
     killed = UnitCommitter(OutcomeTable(str(tmp_path)).take_over(REPLAY))
     assert killed.commit(a, unit_rows(a, {f"{a}-d1": "result", f"{a}-d2": "dead_letter"}), replace_dead_letters=True)
-    state = replay_state(tmp_path)
+    protocol = replay_protocol(tmp_path)
     report = RunReport(run_id=REPLAY, mode="replay")
-    _fold_report(state, report, AttemptStats(attempt=state.attempt), plan=plan)
+    _fold_report(protocol, report, AttemptStats(attempt=protocol.attempt), plan=plan)
     assert (report.rows_ok, report.rows_dead_letters) == (1, 1)
 
 

@@ -13,10 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedError
-from raypipe.plan import footers, whole_files
-from raypipe.plan.footers import plan_units
-from raypipe.plan.listing import list_input, list_shards
-from raypipe.plan.plan import PlanObservations
+from raypipe.plan import planning
+from raypipe.plan.planning import PlanObservations, list_input, list_shards, plan_units
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 from raypipe.run.read import read_unit
 
@@ -90,7 +88,7 @@ def test_a_large_row_group_of_small_rows_stays_one_unit(tmp_path):
 
 
 def test_huge_row_group_is_cut_by_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr("raypipe.plan.footers.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
+    monkeypatch.setattr("raypipe.plan.planning.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
     write_parquet(tmp_path / "a.parquet", [str(i) for i in range(100)], ["t"] * 100, row_group_size=100)
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, columns=COLS)
     assert [(u.row_start, u.row_stop) for u in units] == [(0, 30), (30, 60), (60, 90), (90, 100)]
@@ -220,7 +218,7 @@ def test_parallel_planning_gives_the_sequential_plan(tmp_path, window):
 def test_parallel_planning_fails_with_the_first_bad_shard_in_shard_order(tmp_path, monkeypatch):
     """The later bad shard fails first; the error is still the earlier one's."""
     _mixed_corpus(tmp_path)
-    read = footers._read_footer
+    read = planning._read_footer
     later_failed = threading.Event()
 
     def footer(fs, path):
@@ -232,7 +230,7 @@ def test_parallel_planning_fails_with_the_first_bad_shard_in_shard_order(tmp_pat
             if path.endswith("s4.parquet"):
                 later_failed.set()
 
-    monkeypatch.setattr(footers, "_read_footer", footer)
+    monkeypatch.setattr(planning, "_read_footer", footer)
     shards = list_shards(str(tmp_path))
     with pytest.raises(InputError, match=r"s2\.parquet") as info:
         plan_units(shards, unit_rows=10, columns=COLS, on_bad_shard="fail", threads=4)
@@ -258,10 +256,10 @@ def test_a_footer_is_one_read_of_the_tail_and_a_larger_one_two(tmp_path):
     write_parquet(small, [str(i) for i in range(100)], ["t"] * 100, row_group_size=10)
     n = 3000  # a row group per row: a footer over 64 KiB
     write_parquet(large, [str(i) for i in range(n)], ["t"] * n, row_group_size=1)
-    assert pq.read_metadata(large).serialized_size > footers.FOOTER_TAIL_BYTES > small.stat().st_size
-    for path, reads in ((small, [-footers.FOOTER_TAIL_BYTES]), (large, None)):
+    assert pq.read_metadata(large).serialized_size > planning.FOOTER_TAIL_BYTES > small.stat().st_size
+    for path, reads in ((small, [-planning.FOOTER_TAIL_BYTES]), (large, None)):
         fs = _CountingFs()
-        meta = footers._read_footer(fs, str(path))
+        meta = planning._read_footer(fs, str(path))
         assert meta.equals(pq.read_metadata(path))
         if reads is not None:
             assert fs.reads == reads
@@ -277,9 +275,9 @@ def test_a_footer_exactly_the_tail_read_long_or_longer_than_its_file(tmp_path, m
     size = path.stat().st_size
     footer = pq.read_metadata(path).serialized_size + 8
     for tail in (footer, footer - 1, 12, size, size + 1):
-        monkeypatch.setattr(footers, "FOOTER_TAIL_BYTES", tail)
+        monkeypatch.setattr(planning, "FOOTER_TAIL_BYTES", tail)
         fs = _CountingFs()
-        assert footers._read_footer(fs, str(path)).equals(pq.read_metadata(path))
+        assert planning._read_footer(fs, str(path)).equals(pq.read_metadata(path))
         assert len(fs.reads) == (1 if tail >= footer else 2)
     path.write_bytes(path.read_bytes()[:-20] + path.read_bytes()[-8:])  # the footer cut short
     _, bad = plan_units(list_shards(str(path)), unit_rows=10, columns=COLS, on_bad_shard="record")
@@ -299,7 +297,7 @@ def _small_shards(tmp_path, n, rows=8):
 def test_up_to_footer_sample_shards_every_footer_is_read_as_before(tmp_path):
     listing = _small_shards(tmp_path, 6)
     seen = PlanObservations()
-    units, bad = whole_files.plan_listing(
+    units, bad = planning.plan_listing(
         listing.shards, sizes=listing.sizes, footer_sample=6, unit_rows=100, columns=COLS, observations=seen
     )
     assert (units, bad) == plan_units(listing.shards, unit_rows=100, columns=COLS)
@@ -314,7 +312,7 @@ def test_beyond_the_sample_small_shards_are_whole_file_units_read_in_full(tmp_pa
     write_parquet(big, [f"big{i}" for i in range(400)], noise, 50)
     listing = list_input(str(tmp_path))
     seen = PlanObservations()
-    units, bad = whole_files.plan_listing(
+    units, bad = planning.plan_listing(
         listing.shards,
         sizes=listing.sizes,
         footer_sample=5,
@@ -342,7 +340,7 @@ def test_a_bad_shard_planned_whole_is_found_when_read_naming_it_and_the_column(t
     bad_path = tmp_path / "part-007.parquet"
     pq.write_table(pa.table({"id": [f"b{i}" for i in range(8)], "body": ["x"] * 8}), bad_path)
     listing = list_input(str(tmp_path))
-    units, bad = whole_files.plan_listing(
+    units, bad = planning.plan_listing(
         listing.shards, sizes=listing.sizes, footer_sample=3, unit_rows=100, columns=COLS
     )
     assert bad == [], "not in the sample: not opened at planning"
@@ -353,7 +351,7 @@ def test_a_bad_shard_planned_whole_is_found_when_read_naming_it_and_the_column(t
     assert info.value.shard == unit.shard
     # In the sample, it fails planning before any inference, as every footer planning reads does.
     with pytest.raises(SchemaError, match="'text' is missing"):
-        whole_files.plan_listing(listing.shards, sizes=listing.sizes, footer_sample=12 - 1, unit_rows=100, columns=COLS)
+        planning.plan_listing(listing.shards, sizes=listing.sizes, footer_sample=12 - 1, unit_rows=100, columns=COLS)
 
 
 def test_a_sample_with_no_rows_to_measure_plans_every_shard_from_its_footer(tmp_path):
@@ -361,7 +359,7 @@ def test_a_sample_with_no_rows_to_measure_plans_every_shard_from_its_footer(tmp_
         write_parquet(tmp_path / f"e{k}.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
     listing = list_input(str(tmp_path))
     seen = PlanObservations()
-    units, _ = whole_files.plan_listing(
+    units, _ = planning.plan_listing(
         listing.shards, sizes=listing.sizes, footer_sample=2, unit_rows=100, columns=COLS, observations=seen
     )
     assert seen.whole_files == 0 and seen.footers_read == 10 and all(u.row_stop == 0 for u in units)

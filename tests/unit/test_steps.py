@@ -1,4 +1,4 @@
-"""A run's steps (`raypipe.run.steps`), each against a fake run state: no Ray, no table, no service."""
+"""A run's steps (`raypipe.run.steps`), each against a fake commit protocol: no Ray, no table, no service."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig
-from raypipe.plan.plan import Plan
+from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.run import steps
@@ -44,31 +44,18 @@ class FakeLease:
 
 
 class FakeProtocol:
-    run_id = "r1"
+    """What the steps ask of `CommitProtocol`, recorded."""
 
-    def __init__(self, abort: Any = True) -> None:
-        self.committed_runs = 0
-        self._abort = abort
-
-    def commit_run(self) -> None:
-        self.committed_runs += 1
-
-    def abort(self) -> bool:
-        if isinstance(self._abort, BaseException):
-            raise self._abort
-        return bool(self._abort)
-
-
-class FakeState:
-    """What the steps ask of `RunState`, recorded."""
-
-    def __init__(self, *, mode: str = "backfill", stored: Plan | None = None, done: set[str] = frozenset()) -> None:
+    def __init__(
+        self, *, mode: str = "backfill", stored: Plan | None = None, done: set[str] = frozenset(), abort: Any = True
+    ) -> None:
         self.mode, self.run_id, self.attempt = mode, "r1", "a1"
         self.output = SimpleNamespace(uri="/nowhere")
         self.fence = SimpleNamespace(generation=3)
         self.lease = FakeLease()
-        self.protocol = FakeProtocol()
         self.table = SimpleNamespace(max_updated_at_by_unit=lambda run_id: {})
+        self.committed_runs = 0
+        self._abort = abort
         self.stored, self.done = stored, set(done)
         self.saved: list[Plan] = []
         self.files_seen: list[tuple[Plan, set[str]]] = []
@@ -102,6 +89,14 @@ class FakeState:
     def release(self) -> None:
         self.lease.release()
 
+    def commit_run(self) -> None:
+        self.committed_runs += 1
+
+    def abort(self) -> bool:
+        if isinstance(self._abort, BaseException):
+            raise self._abort
+        return bool(self._abort)
+
 
 def _plan(*units: WorkUnit, mode: str = "backfill", bad: list[dict[str, str]] | None = None) -> Plan:
     return Plan(mode, "/in", list(units), list(bad or []), observations={"read_as_of": T.isoformat(), "n": 2})
@@ -126,10 +121,10 @@ def test_the_service_keeps_a_micro_batch_within_its_maximum(monkeypatch):
 # -- PlanRun ----------------------------------------------------------------------------------------
 def test_planning_a_new_run_stores_its_plan_and_reports_it():
     a, b = _unit("/in/a"), _unit("/in/b")
-    state = FakeState(done={a.key})
+    protocol = FakeProtocol(done={a.key})
     report = RunReport(run_id="r1", mode="backfill")
-    plan, todo = PlanRun(state, InputConfig(uri="/in"), lambda s: _plan(a, b)).plan("m1", report)  # type: ignore[arg-type]
-    assert state.saved == [plan] and plan.model_version == "m1"
+    plan, todo = PlanRun(protocol, InputConfig(uri="/in"), lambda s: _plan(a, b)).plan("m1", report)  # type: ignore[arg-type]
+    assert protocol.saved == [plan] and plan.model_version == "m1"
     assert todo == [b]
     assert (report.units_total, report.units_skipped_committed, report.input) == (2, 1, "/in")
     assert report.planning == {"read_as_of": T.isoformat(), "n": 2}
@@ -137,9 +132,9 @@ def test_planning_a_new_run_stores_its_plan_and_reports_it():
 
 def test_a_resumed_run_takes_its_stored_plan():
     stored = _plan(_unit("/in/a"))
-    state = FakeState(stored=stored)
-    plan, todo = PlanRun(state, None, lambda s: pytest.fail("planned anew")).plan("m1", RunReport("r1", "backfill"))  # type: ignore[arg-type]
-    assert plan is stored and todo == stored.units and state.saved == []
+    protocol = FakeProtocol(stored=stored)
+    plan, todo = PlanRun(protocol, None, lambda s: pytest.fail("planned anew")).plan("m1", RunReport("r1", "backfill"))  # type: ignore[arg-type]
+    assert plan is stored and todo == stored.units and protocol.saved == []
 
 
 # -- ExecuteRun -------------------------------------------------------------------------------------
@@ -147,7 +142,7 @@ def test_nothing_to_do_executes_nothing_and_keeps_the_plans_bad_shards():
     bad = [{"shard": "/in/x", "format": "parquet", "error": "boom"}]
     settings = ExecuteSettings(ServiceConfig(), ActorPoolConfig(), DedupConfig(), 10.0)
     metrics = SimpleNamespace(spec=None, metrics=None)
-    execute = ExecuteRun(FakeState(), settings, metrics)  # type: ignore[arg-type]
+    execute = ExecuteRun(FakeProtocol(), settings, metrics)  # type: ignore[arg-type]
     model = ModelService(("joy",), "m1", ClientConfig())
     done = execute.execute(_plan(bad=bad), [], model, rows_run_id="r1", report=RunReport("r1", "backfill"))
     assert done == Executed(set(), bad) and execute.meter is None
@@ -164,40 +159,39 @@ def test_an_actors_fatal_error_comes_back_typed():
 # -- CommitRun --------------------------------------------------------------------------------------
 def test_a_complete_run_records_its_files_commits_and_moves_the_watermark():
     a, b = _unit("/in/a"), _unit("/in/b")
-    state = FakeState(done={a.key})
+    protocol = FakeProtocol(done={a.key})
     report = RunReport("r1", "backfill")
-    commit = CommitRun(state, InputConfig(uri="/in"), lambda plan: T)  # type: ignore[arg-type]
+    commit = CommitRun(protocol, lambda plan: T)  # type: ignore[arg-type]
     commit.commit(_plan(a, b), [b], Executed({b.key}, []), report)
     assert (report.status, report.units_committed) == ("completed", 2)
-    assert [c for _, c in state.files_seen] == [{a.key, b.key}]
-    assert state.protocol.committed_runs == 1 and state.watermarks == [T]
+    assert [c for _, c in protocol.files_seen] == [{a.key, b.key}]
+    assert protocol.committed_runs == 1 and protocol.watermarks == [T]
 
 
 def test_a_run_with_a_bad_shard_records_its_healthy_files_but_is_not_committed():
     a, b = _unit("/in/a"), _unit("/in/b")
     bad = [{"shard": b.shard, "format": "parquet", "error": "boom"}]
-    state = FakeState()
+    protocol = FakeProtocol()
     report = RunReport("r1", "backfill")
-    CommitRun(state, InputConfig(uri="/in"), lambda plan: T).commit(  # type: ignore[arg-type]
+    CommitRun(protocol, lambda plan: T).commit(  # type: ignore[arg-type]
         _plan(a, b), [a, b], Executed({a.key}, bad), report
     )
     assert (report.status, report.bad_shards) == ("incomplete", bad)
-    assert [p.bad_shards for p, _ in state.files_seen] == [bad]
-    assert state.protocol.committed_runs == 0 and state.watermarks == []
+    assert [p.bad_shards for p, _ in protocol.files_seen] == [bad]
+    assert protocol.committed_runs == 0 and protocol.watermarks == []
 
 
 def test_a_replay_records_no_files_seen():
     u = WorkUnit("/out", "dead_letters", 0, 3, name="u1", source_run="r0")
-    state = FakeState(mode="replay")
-    commit = CommitRun(state, None, lambda plan: None)  # type: ignore[arg-type]
+    protocol = FakeProtocol(mode="replay")
+    commit = CommitRun(protocol, lambda plan: None)  # type: ignore[arg-type]
     commit.commit(_plan(u, mode="replay"), [u], Executed({u.key}, []), RunReport("r1", "replay"))
-    assert state.files_seen == [] and state.protocol.committed_runs == 1
+    assert protocol.files_seen == [] and protocol.committed_runs == 1
 
 
 def test_abort_never_raises(caplog):
-    state = FakeState()
-    state.protocol = FakeProtocol(abort=OSError("table unreachable"))
-    CommitRun(state, None, lambda plan: None).abort()  # type: ignore[arg-type]
+    protocol = FakeProtocol(abort=OSError("table unreachable"))
+    CommitRun(protocol, lambda plan: None).abort()  # type: ignore[arg-type]
     assert "could not fence this attempt off: table unreachable" in caplog.text
 
 
@@ -214,18 +208,18 @@ class FakeMetrics:
 
 
 def test_a_fenced_off_attempt_writes_no_report_and_releases_its_lease():
-    state, metrics = FakeState(), FakeMetrics()
+    protocol, metrics = FakeProtocol(), FakeMetrics()
     execute = SimpleNamespace(attempt=AttemptStats(attempt="a1"), meter=None)
     report = RunReport("r1", "backfill", status="failed", rows_this_attempt=50)
-    ReportRun(state, 0.04, metrics, t0=0.0).write(report, execute, None, write=False)  # type: ignore[arg-type]
-    assert state.reports == [] and state.lease.released == 1 and metrics.finished == ["failed"]
+    ReportRun(protocol, 0.04, metrics, t0=0.0).write(report, execute, None, write=False)  # type: ignore[arg-type]
+    assert protocol.reports == [] and protocol.lease.released == 1 and metrics.finished == ["failed"]
     assert report.wall_s > 0 and report.finished_at
 
 
 def test_the_lease_is_released_even_when_the_metrics_fail():
-    state = FakeState()
+    protocol = FakeProtocol()
     execute = SimpleNamespace(attempt=AttemptStats(attempt="a1"), meter=None)
     with pytest.raises(RuntimeError, match="sink down"):
-        reporting = ReportRun(state, 0.04, FakeMetrics(fail=True), t0=0.0)  # type: ignore[arg-type]
+        reporting = ReportRun(protocol, 0.04, FakeMetrics(fail=True), t0=0.0)  # type: ignore[arg-type]
         reporting.write(RunReport("r1", "backfill"), execute, None, write=False)  # type: ignore[arg-type]
-    assert state.lease.released == 1
+    assert protocol.lease.released == 1

@@ -16,7 +16,7 @@ renews it from a heartbeat thread, and deletes it at the end.
   a superseded driver stops at its next step. That is a courtesy, not the fence: a check
   passes and a write lands later. **The fence is the table's** (`raypipe.commit.table`: the takeover
   commit; unit commits, the plan, the files seen and the run commit are Delta commits that
-  fail once a newer generation took over); see `raypipe.run.state`.
+  fail once a newer generation took over); see `raypipe.commit.protocol`.
 - Where the lease itself cannot be trusted it refuses to start: an S3 endpoint that ignores
   conditional writes (probed at start: a second create-only PUT of the same key must fail)
   raises `UnsafeOutputError` unless the operator opts out; a 403 raises
