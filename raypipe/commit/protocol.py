@@ -93,7 +93,7 @@ class CommitProtocol:
         self.attempt = attempt or uuid.uuid4().hex[:8]
         self.store = OutputStore(output.uri)
         self.table = OutcomeTable(output.uri)
-        self.lease = Lease(self.store, run_id, duration_s=output.lease_s, wait_s=output.lease_wait_s)
+        self._lease: Lease | None = None
         self._clock = clock
         self._sleep = sleep
         self._fence: TableFence | None = None
@@ -120,16 +120,18 @@ class CommitProtocol:
         """Takes the lease (a live attempt of this run id is waited out, or taken over with
         `output.take_over_lease`), makes the table ready for `labels` and takes the run over:
         from here on no commit of an earlier attempt of this run id can land."""
+        lease = Lease(self.store, self.run_id, duration_s=self.output.lease_s, wait_s=self.output.lease_wait_s)
         if self.output.require_conditional_writes:
-            self.lease.check_conditional_writes()
-        self.lease.acquire(force=self.output.take_over_lease)
+            lease.check_conditional_writes()
+        lease.acquire(force=self.output.take_over_lease)
+        self._lease = lease
         try:
             self.table.ensure(labels)
             self._fence = self.table.take_over(self.run_id, holder=self.attempt)
         except BaseException:
-            self.lease.release()
+            self.release()
             raise
-        self.lease.generation = self._fence.generation
+        lease.generation = self._fence.generation
         logger.info("run %s: attempt %s holds generation %d", self.run_id, self.attempt, self._fence.generation)
         return self._fence
 
@@ -137,6 +139,17 @@ class CommitProtocol:
     def fence(self) -> TableFence:
         assert self._fence is not None, "setup_run() first"
         return self._fence
+
+    @property
+    def lease_lost(self) -> bool:
+        """Has another attempt taken this attempt's output lease (or could it not be renewed)?"""
+        return self._lease is not None and self._lease.lost
+
+    def check_lease(self) -> None:
+        """Raises `LeaseLostError` if another attempt took the output lease: a courtesy before a
+        write, so a superseded driver stops at its next step (the fence is the table's)."""
+        if self._lease is not None:
+            self._lease.check()
 
     # -- the plan ------------------------------------------------------------------------------
     def plan(self, make_plan: Callable[[], Plan], *, input_uri: str | None, model_version: str) -> tuple[Plan, bool]:
@@ -174,7 +187,7 @@ class CommitProtocol:
 
     def save_plan(self, plan: Plan) -> None:
         """Stores the plan as a new file and points the table at it, fenced."""
-        self.lease.check()
+        self.check_lease()
 
         def write(current: int | None) -> int:
             number = _fresh_number()
@@ -234,7 +247,7 @@ class CommitProtocol:
         }
         if not done or not _changes(done, latest, self.files_seen()):
             return 0
-        self.lease.check()
+        self.check_lease()
         changed: FilesSeen = {}
 
         def write(current: int | None) -> int:
@@ -281,7 +294,7 @@ class CommitProtocol:
         if current is not None and to <= current:
             logger.info("watermark stays at %s (this run reached %s)", current.isoformat(), to.isoformat())
             return
-        self.lease.check()
+        self.check_lease()
         self.store.write_json(self.store.state(WATERMARK), {"updated_at": to.isoformat(), "run_id": self.run_id})
         logger.info("watermark advanced to %s", to.isoformat())
 
@@ -330,7 +343,8 @@ class CommitProtocol:
 
     def release(self) -> None:
         """Releases the output lease (the run's last step, however it ended)."""
-        self.lease.release()
+        if self._lease is not None:
+            self._lease.release()
 
 
 def read_files_seen(store: OutputStore, number: int | None) -> FilesSeen:

@@ -124,10 +124,11 @@ def backfill(config: PipelineConfig) -> RunReport:
     Once complete, the files it read are recorded as seen (a daily after it reads only new and
     changed files) and the watermark moves to the point its input was read as of.
     """
+    input = _input(config, "backfill")
     return _run(
         config,
         "backfill",
-        lambda protocol: plan_input(_input(config, "backfill"), "backfill", protocol),
+        lambda protocol: plan_input(input, "backfill", protocol),
         watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
     )
 
@@ -142,10 +143,11 @@ def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport
     """
     if since is not None and since.tzinfo is None:
         raise ConfigError("daily: `since` must be timezone-aware")
+    input = _input(config, "daily")
     return _run(
         config,
         "daily",
-        lambda protocol: plan_input(_input(config, "daily"), "daily", protocol, since=since),
+        lambda protocol: plan_input(input, "daily", protocol, since=since),
         watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
     )
 

@@ -198,8 +198,8 @@ class ExecuteRun:
                     self.attempt.add(outcome.stats)
                 if outcome.fatal is not None:
                     raise _fatal_error(outcome.fatal)
-                if self.protocol.lease.lost:
-                    self.protocol.lease.check()  # raises: the lease could not be renewed in time
+                if self.protocol.lease_lost:
+                    self.protocol.check_lease()  # raises: the lease could not be renewed in time
                 progress.update(outcome.stats)
                 if outcome.error is not None:
                     unit = units_by_key[outcome.unit]
@@ -331,7 +331,7 @@ class ReportRun:
             if write:
                 attempt = fold_report(protocol, report, attempt, plan=plan)
             self.metrics.finish(report)
-            if write and not protocol.lease.lost:
+            if write and not protocol.lease_lost:
                 protocol.save_attempt(attempt)
                 protocol.write_report(report)
         finally:

@@ -320,7 +320,7 @@ def plan(*shards: str) -> Plan:
 
 def zombie(p: CommitProtocol) -> CommitProtocol:
     """An attempt whose lease check passed just before it stalled: its writes come later."""
-    p.lease.check = lambda: None  # type: ignore[method-assign]
+    p.check_lease = lambda: None  # type: ignore[method-assign]
     return p
 
 

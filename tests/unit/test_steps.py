@@ -86,6 +86,13 @@ class FakeProtocol:
     def write_report(self, report: RunReport) -> None:
         self.reports.append(report)
 
+    @property
+    def lease_lost(self) -> bool:
+        return self.lease.lost
+
+    def check_lease(self) -> None:
+        self.lease.check()
+
     def release(self) -> None:
         self.lease.release()
 
