@@ -5,10 +5,13 @@ and warmed in the constructor, so the replica only reports healthy once it can a
 `Classify` validates the request (malformed ones get INVALID_ARGUMENT and the replica stays
 up), applies server-side fault injection if the deployer switched it on, tokenizes the texts
 on a tokenizer thread, then hands them to `_infer`, which `@serve.batch` merges across
-concurrent callers up to a token budget, and which runs the forward passes on a model
-thread. `model_threads` batches compute at once (by default one per replica core, each pass
-single-threaded: see `ServerSettings.model_threads`). Tokenizing the next calls overlaps the
-current forward passes, so a busy replica's model threads run passes back to back.
+concurrent callers up to a token budget. A merged batch is cut into length-sorted forward
+passes (`EmotionModel.chunks`), and its passes go to the `model_threads` model threads at once
+(by default one per replica core, each pass single-threaded: see
+`ServerSettings.model_threads`), longest first, so one batch keeps every core busy however
+many calls it merged; a second batch may form meanwhile and its passes queue behind. Tokenizing
+the next calls overlaps the current passes, so a busy replica's model threads run passes back
+to back.
 
 Every answer carries the replica's view of the call in its trailing metadata (`TIMING_KEYS`):
 how long it waited in the replica, how long its batch computed, and how many batches started
@@ -41,7 +44,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from protos.raypipe.v1 import emotion_pb2
 from protos.wire import TIMING_KEYS
 from serve_app.metrics import ServerMetrics
-from serve_app.model import Predictions, Tokenized
+from serve_app.model import Chunk, Tokenized
 from serve_app.settings import ServerSettings
 
 __all__ = [
@@ -337,26 +340,37 @@ class EmotionClassifier:
         merged = Tokenized.concat([j.tokenized for j in jobs])
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        predictions = await loop.run_in_executor(self._model_executor, self._infer_here, merged)
+        # The batch's forward passes go to the model threads at once, longest first, so the
+        # threads finish together; a second batch's passes queue behind them (FIFO).
+        chunks = sorted(self._model.chunks(merged), key=lambda c: -c.padded_tokens)
+        outputs = await asyncio.gather(
+            *(loop.run_in_executor(self._model_executor, self._run_chunk, merged, c) for c in chunks)
+        )
+        probabilities = np.empty((len(merged), len(self._labels)), dtype=np.float32)
+        for chunk, answer in zip(chunks, outputs, strict=True):
+            probabilities[chunk.rows] = answer
+        padded = sum(c.padded_tokens for c in chunks)
         compute_s = time.monotonic() - started
         self._model_counts["batches"] += 1
+        self._model_counts["passes"] += len(chunks)
         self._model_counts["tokens"] += merged.tokens
         self._model_counts["busy_ms"] += round(compute_s * 1000)
-        self._model_counts["padded_tokens"] += predictions.padded_tokens
+        self._model_counts["padded_tokens"] += padded
         self._metrics.batch(calls=len(jobs), rows=len(merged), tokens=merged.tokens, compute_s=compute_s)
         # Core-seconds the runtime's threads spent since the last batch ended, shared by rows
         # (batches running side by side share them in the order they end: the sum is exact).
         spent = self._model_cpu.spent()
         if spent is None:  # no per-thread figures here: a pass runs on `intra_op` threads
-            spent = compute_s * self._threads.intra_op
+            spent = compute_s * self._threads.intra_op * min(len(chunks), self._threads.model)
         per_row = spent / max(1, len(merged))
-        out, start = [], 0
+        out: list[_Done] = []
+        start = 0
         for job in jobs:
             stop = start + len(job.tokenized)
             out.append(
                 _Done(
-                    predictions.probabilities[start:stop],
-                    predictions.truncated[start:stop],
+                    probabilities[start:stop],
+                    merged.truncated[start:stop],
                     started,
                     compute_s,
                     index,
@@ -366,11 +380,11 @@ class EmotionClassifier:
             start = stop
         return out
 
-    def _infer_here(self, tokenized: Tokenized) -> Predictions:
-        """`EmotionModel.infer` on a model thread, which counts as the model's CPU: a runtime on
+    def _run_chunk(self, tokenized: Tokenized, chunk: Chunk) -> np.ndarray:
+        """One forward pass on a model thread, which counts as the model's CPU: a runtime on
         one thread (one OpenVINO stream, say) computes on the thread that calls it."""
         self._model_cpu.add_current_thread()
-        return self._model.infer(tokenized)
+        return self._model.run_chunk(tokenized, chunk)
 
     def ModelInfo(self, request: emotion_pb2.ModelInfoRequest) -> emotion_pb2.ModelInfoResponse:
         return emotion_pb2.ModelInfoResponse(

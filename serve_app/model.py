@@ -48,6 +48,7 @@ __all__ = [
     "MODEL_FORMAT",
     "PRECISIONS",
     "RUNTIMES",
+    "Chunk",
     "EmotionModel",
     "ModelCard",
     "ModelDirError",
@@ -275,6 +276,20 @@ class Tokenized:
         return Tokenized(ids=ids, truncated=truncated)
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One forward pass of a batch: which rows (indices into the batch), padded to what length."""
+
+    rows: np.ndarray
+    """int64 indices of the batch's rows, shortest first."""
+    length: int
+    """The padded length: the longest row's, rounded up to a multiple of 8."""
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.rows) * self.length
+
+
 # (input_ids, attention_mask) -> probabilities, both int32 [rows, length].
 _Runner = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -376,23 +391,42 @@ class EmotionModel:
         return Tokenized(ids=ids, truncated=truncated)
 
     def infer(self, tokenized: Tokenized) -> Predictions:
-        """Runs the model on tokenized texts: length-sorted chunks under the token budget."""
-        ids, truncated = tokenized.ids, tokenized.truncated
-        n = len(ids)
-        n_labels = len(self.card.labels)
-        probabilities = np.empty((n, n_labels), dtype=np.float32)
-        if n == 0:
-            return Predictions(probabilities=probabilities, truncated=np.zeros((0,), dtype=bool))
-        padded = 0
-        for rows, length in self._chunks([len(x) for x in ids]):
-            padded += len(rows) * length
-            input_ids = np.full((len(rows), length), self._pad_id, dtype=np.int32)
-            attention_mask = np.zeros((len(rows), length), dtype=np.int32)
-            for r, i in enumerate(rows):
-                input_ids[r, : len(ids[i])] = ids[i]
-                attention_mask[r, : len(ids[i])] = 1
-            probabilities[rows] = self._run(input_ids, attention_mask)
-        return Predictions(probabilities=probabilities, truncated=truncated, padded_tokens=padded)
+        """Runs the model on tokenized texts: length-sorted chunks under the token budget, one
+        after the other (a replica runs a batch's chunks on its model threads at once)."""
+        chunks = self.chunks(tokenized)
+        probabilities = np.empty((len(tokenized), len(self.card.labels)), dtype=np.float32)
+        for chunk in chunks:
+            probabilities[chunk.rows] = self.run_chunk(tokenized, chunk)
+        padded = sum(c.padded_tokens for c in chunks)
+        return Predictions(probabilities=probabilities, truncated=tokenized.truncated, padded_tokens=padded)
+
+    def chunks(self, tokenized: Tokenized) -> list[Chunk]:
+        """The forward passes for `tokenized`: its rows sorted by length, cut into chunks padded
+        to their longest row (rounded up to a multiple of 8) whose rows x padded length stays
+        within the token budget. Each is one `run_chunk`; they may run in any order, at once."""
+        max_len = self.card.max_sequence_length
+        lengths = np.fromiter((len(x) for x in tokenized.ids), dtype=np.int64, count=len(tokenized))
+        order = np.argsort(lengths, kind="stable")
+        chunks: list[Chunk] = []
+        start = 0
+        padded = [padded_length(int(n), max_len) for n in lengths[order]]
+        for stop in range(1, len(order) + 1):
+            # Sorted ascending: the row joining [start, stop) would be its longest.
+            if stop == len(order) or (stop - start + 1) * padded[stop] > self.token_budget:
+                chunks.append(Chunk(rows=order[start:stop], length=padded[stop - 1]))
+                start = stop
+        return chunks
+
+    def run_chunk(self, tokenized: Tokenized, chunk: Chunk) -> np.ndarray:
+        """One forward pass: the chunk's rows, padded, through the runtime; float32 ``[rows, labels]``."""
+        input_ids = np.full((len(chunk.rows), chunk.length), self._pad_id, dtype=np.int32)
+        attention_mask = np.zeros((len(chunk.rows), chunk.length), dtype=np.int32)
+        ids = tokenized.ids
+        for r, i in enumerate(chunk.rows.tolist()):
+            row = ids[i]
+            input_ids[r, : len(row)] = row
+            attention_mask[r, : len(row)] = 1
+        return np.asarray(self._run(input_ids, attention_mask), dtype=np.float32)
 
     def warmup(self) -> None:
         """Run one full chunk at a spread of lengths, so no real request pays first-run cost."""
@@ -429,23 +463,6 @@ class EmotionModel:
             else:
                 truncated[sample] = True
         return [x if x is not None else [] for x in ids], truncated
-
-    def _chunks(self, lengths: list[int]) -> list[tuple[list[int], int]]:
-        """Cut the rows, sorted by length, into chunks padded to their longest row (rounded up
-        to a multiple of 8) whose rows x padded length stays within the token budget."""
-        max_len = self.card.max_sequence_length
-        order = sorted(range(len(lengths)), key=lengths.__getitem__)
-        chunks: list[tuple[list[int], int]] = []
-        current: list[int] = []
-        for i in order:
-            # Sorted ascending, so row i is the longest of the chunk if it joins.
-            if current and (len(current) + 1) * padded_length(lengths[i], max_len) > self.token_budget:
-                chunks.append((current, padded_length(lengths[current[-1]], max_len)))
-                current = []
-            current.append(i)
-        if current:
-            chunks.append((current, padded_length(lengths[current[-1]], max_len)))
-        return chunks
 
 
 def _check_token_budget(token_budget: int, max_sequence_length: int) -> None:

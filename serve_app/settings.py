@@ -71,8 +71,9 @@ class ServerSettings:
     batch_wait_timeout_s: float = 0.005
     """How long the first call of a batch waits for others to join it."""
     model_threads: int | None = None
-    """Batches computed at once, each on its own model thread. Default: the replica's CPUs,
-    rounded up. Measured on 2 cores (MiniLM shape, length-sorted calls of 32): two
+    """Forward passes computed at once, each on its own model thread: a batch's passes (its
+    length-sorted chunks) spread over them, and a next batch's passes queue behind. Default:
+    the replica's CPUs, rounded up. Measured on 2 cores (MiniLM shape, length-sorted calls of 32): two
     single-threaded forward passes side by side ran 15% faster than one pass on two
     threads, and 22-30% faster while another process took 30% of a core (as Serve's proxy
     and the Ray Data actors do on a small node): a preempted thread stalls every barrier of

@@ -306,16 +306,24 @@ def test_padded_length_rounds_up_to_a_multiple_of_8_within_the_maximum() -> None
 def test_chunks_pad_to_their_longest_row_and_keep_the_budget(demo_model_dir: Path) -> None:
     small = EmotionModel.load(demo_model_dir, token_budget=512)
     lengths = [5, 300, 17, 60, 61, 9, 512, 40, 33, 120] * 7
-    chunks = small._chunks(lengths)
-    assert sorted(i for rows, _ in chunks for i in rows) == list(range(len(lengths)))
-    for rows, length in chunks:
-        longest = max(lengths[i] for i in rows)
-        assert length == padded_length(longest, 512)
-        assert len(rows) * length <= 512
+    tokenized = Tokenized(ids=[[1] * n for n in lengths], truncated=np.zeros(len(lengths), dtype=bool))
+    chunks = small.chunks(tokenized)
+    assert sorted(i for c in chunks for i in c.rows.tolist()) == list(range(len(lengths)))
+    for c in chunks:
+        longest = max(lengths[i] for i in c.rows)
+        assert c.length == padded_length(longest, 512)
+        assert c.padded_tokens <= 512
     # Sorted by length: a chunk never mixes a short row with a much longer one when the
     # budget would have let the short row go with rows like it.
-    padded = sum(len(rows) * length for rows, length in chunks)
-    assert padded <= 1.35 * sum(lengths)
+    assert sum(c.padded_tokens for c in chunks) <= 1.35 * sum(lengths)
+
+
+def test_a_batchs_chunks_run_in_any_order_give_infers_answers(model: EmotionModel) -> None:
+    tokenized = model.tokenize(MIXED_LENGTHS * 3)
+    probabilities = np.empty((len(tokenized), len(model.card.labels)), dtype=np.float32)
+    for chunk in reversed(model.chunks(tokenized)):
+        probabilities[chunk.rows] = model.run_chunk(tokenized, chunk)
+    np.testing.assert_allclose(probabilities, model.infer(tokenized).probabilities, atol=1e-6)
 
 
 def test_tokenize_then_infer_is_predict(model: EmotionModel) -> None:
