@@ -14,7 +14,7 @@ TIMING_KEYS = {
     "queue_s": "raypipe-queue-ms",  # arrival in the replica -> its batch started
     "compute_s": "raypipe-compute-ms",  # the forward passes of its batch
     "replica_s": "raypipe-replica-ms",  # arrival in the replica -> answer
-    "batches_ahead": "raypipe-batches-ahead",  # batches started after its arrival, before its own
+    "batches_ahead": "raypipe-batches-ahead",  # other batches with passes waiting when its batch queued
     "model_cpu_s": "raypipe-model-cpu-ms",  # its rows' share of its batch's forward passes, core-ms
 }
 """Trailing metadata of a successful Classify answer (values are decimal strings): the

@@ -14,8 +14,9 @@ the next calls overlaps the current passes, so a busy replica's model threads ru
 to back.
 
 Every answer carries the replica's view of the call in its trailing metadata (`TIMING_KEYS`):
-how long it waited in the replica, how long its batch computed, and how many batches started
-between its arrival and its own. A client throttles on these (a call that waited behind
+how long it waited in the replica, how long its batch computed, and how many other batches
+still had passes waiting for a model thread when its batch queued its own (`_WaitingBatches`).
+A client throttles on these (a call that waited behind
 more than the next batch means the replica holds more work than it can use), not on raw
 latency, which is mostly batching wait on a busy, healthy replica.
 
@@ -49,32 +50,57 @@ from serve_app.settings import ServerSettings
 
 __all__ = [
     "TIMING_KEYS",
+    "Batch",
     "EmotionClassifier",
     "ThreadLayout",
     "batch_weight",
+    "concurrent_batches",
     "set_concurrent_batches",
     "thread_layout",
-    "validate_request",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-def validate_request(request: emotion_pb2.ClassifyRequest, *, max_batch_size: int) -> str | None:
-    """Returns why the request is malformed, or None when it may be served."""
-    n = len(request.paragraphs)
-    if n == 0:
-        return "empty batch: send at least one paragraph"
-    if n > max_batch_size:
-        return f"batch of {n} paragraphs is over the server's maximum of {max_batch_size}"
-    seen: set[str] = set()
-    for i, p in enumerate(request.paragraphs):
-        if not p.id:
-            return f"paragraph {i} has an empty id"
-        if p.id in seen:
-            return f"id {p.id!r} appears more than once in the batch"
-        seen.add(p.id)
-    return None
+@dataclass(frozen=True)
+class Batch:
+    """A Classify request's paragraphs, in either form (`protos/raypipe/v1/emotion.proto`)."""
+
+    ids: list[str]
+    texts: list[str]
+    columns: bool
+    """It came in the column form, and is answered in it."""
+    mixed: bool = False
+    """It held paragraphs in both forms (malformed)."""
+
+    @classmethod
+    def of(cls, request: emotion_pb2.ClassifyRequest) -> Batch:
+        if request.ids or request.texts:
+            return cls(list(request.ids), list(request.texts), columns=True, mixed=bool(request.paragraphs))
+        return cls([p.id for p in request.paragraphs], [p.text for p in request.paragraphs], columns=False)
+
+    def problem(self, *, max_batch_size: int) -> str | None:
+        """Why the request is malformed, or None when it may be served."""
+        n = len(self.ids)
+        if self.mixed:
+            return "a request holds paragraphs in one form: `paragraphs`, or `ids` with `texts`"
+        if len(self.texts) != n:
+            return f"{n} ids but {len(self.texts)} texts: send one text per id"
+        if n == 0:
+            return "empty batch: send at least one paragraph"
+        if n > max_batch_size:
+            return f"batch of {n} paragraphs is over the server's maximum of {max_batch_size}"
+        distinct = set(self.ids)
+        if len(distinct) == n and "" not in distinct:
+            return None
+        seen: set[str] = set()
+        for i, id_ in enumerate(self.ids):
+            if not id_:
+                return f"paragraph {i} has an empty id"
+            if id_ in seen:
+                return f"id {id_!r} appears more than once in the batch"
+            seen.add(id_)
+        return None
 
 
 def _app_name() -> str:
@@ -103,6 +129,15 @@ def thread_layout(settings: ServerSettings, cpus: float) -> ThreadLayout:
     model = settings.model_threads or cores
     intra = settings.intra_op_threads or max(1, math.ceil(cores / model))
     return ThreadLayout(model=model, intra_op=intra, inter_op=settings.inter_op_threads or model)
+
+
+def concurrent_batches(threads: ThreadLayout) -> int:
+    """Batches a replica runs at once: two per model thread. Their passes share the model
+    threads through one FIFO queue, so more batches cost no extra compute; what matters is that
+    a thread done with its pass finds the next one queued. With one batch per thread, a thread
+    that ended its pass while its neighbour's batch still ran stayed idle until a batch ended
+    (Serve starts a batch only when one ends): measured on 2 cores, a third of the model's time."""
+    return 2 * threads.model
 
 
 def set_concurrent_batches(batch_method: Any, n: int) -> None:
@@ -192,7 +227,6 @@ class _Job:
     tokenized: Tokenized
     weight: float
     """Its share of a batch, in calls: max(1 call, its tokens in units of budget / max calls)."""
-    batches_at_arrival: int
 
 
 @dataclass(frozen=True)
@@ -201,9 +235,39 @@ class _Done:
     truncated: np.ndarray
     started: float
     compute_s: float
-    batch_index: int
+    batches_ahead: int
+    """Other batches with passes still waiting for a model thread when this one queued its own."""
     model_cpu_s: float
     """This call's rows' share of the batch's forward passes, in core-seconds (wall x threads)."""
+
+
+class _WaitingBatches:
+    """Which batches have forward passes waiting in the model threads' queue (FIFO), so a batch
+    can say how many wait ahead of it: the replica's measure of work it holds but cannot use yet.
+    `queued` runs on the event loop, `started` on the model threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._unstarted: dict[int, int] = {}
+        self._next = 0
+
+    def queued(self, passes: int) -> tuple[int, int]:
+        """A batch of `passes` passes goes into the queue: (its key, batches waiting ahead of it)."""
+        with self._lock:
+            self._next += 1
+            ahead = len(self._unstarted)
+            if passes:
+                self._unstarted[self._next] = passes
+            return self._next, ahead
+
+    def started(self, key: int) -> None:
+        """One of batch `key`'s passes left the queue for a model thread."""
+        with self._lock:
+            left = self._unstarted.get(key, 0) - 1
+            if left > 0:
+                self._unstarted[key] = left
+            else:
+                self._unstarted.pop(key, None)
 
 
 def batch_weight(jobs: list[_Job]) -> int:
@@ -266,9 +330,9 @@ class EmotionClassifier:
         # @serve.batch's wrapper carries these setters; its type stubs do not say so.
         self._infer.set_max_batch_size(self._settings.batch_max_calls)  # type: ignore[attr-defined]
         self._infer.set_batch_wait_timeout_s(self._settings.batch_wait_timeout_s)  # type: ignore[attr-defined]
-        set_concurrent_batches(self._infer, self._threads.model)
+        set_concurrent_batches(self._infer, concurrent_batches(self._threads))
         self._tokens_per_call = self._settings.batch_max_tokens / self._settings.batch_max_calls
-        self._batches_started = 0
+        self._waiting = _WaitingBatches()
         self._fault = self._settings.fault
         self._rng = random.Random(self._fault.seed)
         self._calls: Counter[str] = Counter()
@@ -289,24 +353,23 @@ class EmotionClassifier:
         self, request: emotion_pb2.ClassifyRequest, grpc_context: RayServegRPCContext
     ) -> emotion_pb2.ClassifyResponse:
         arrived = time.monotonic()
-        problem = validate_request(request, max_batch_size=self._settings.max_batch_size)
+        batch = Batch.of(request)
+        problem = batch.problem(max_batch_size=self._settings.max_batch_size)
         if problem is not None:
-            return self._fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, problem, len(request.paragraphs))
+            return self._fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, problem, len(batch.ids))
+        texts = batch.texts
         if self._fault.extra_latency_s:
             await asyncio.sleep(self._fault.extra_latency_s)
-        poisoned = self._fault.poison_text is not None and any(
-            self._fault.poison_text in p.text for p in request.paragraphs
-        )
+        poisoned = self._fault.poison_text is not None and any(self._fault.poison_text in t for t in texts)
         if poisoned or (self._fault.fail_fraction and self._rng.random() < self._fault.fail_fraction):
             code = grpc.StatusCode[self._fault.status]
-            return self._fail(grpc_context, code, "injected fault", len(request.paragraphs))
-        texts = [p.text for p in request.paragraphs]
+            return self._fail(grpc_context, code, "injected fault", len(texts))
         loop = asyncio.get_running_loop()
         tokenize_started = time.monotonic()
         tokenized = await loop.run_in_executor(self._tokenize_executor, self._model.tokenize, texts)
         tokenize_s = time.monotonic() - tokenize_started
         tokens = min(tokenized.tokens, self._settings.batch_max_tokens)
-        job = _Job(tokenized, max(1.0, tokens / self._tokens_per_call), self._batches_started)
+        job = _Job(tokenized, max(1.0, tokens / self._tokens_per_call))
         done: _Done = await self._infer(job)
         self._count("OK", len(texts))
         timing = {
@@ -316,17 +379,29 @@ class EmotionClassifier:
             "model_cpu_s": done.model_cpu_s,
         }
         metadata = [(TIMING_KEYS[k], f"{v * 1000:.1f}") for k, v in timing.items()]
-        metadata.append((TIMING_KEYS["batches_ahead"], str(done.batch_index - job.batches_at_arrival - 1)))
+        metadata.append((TIMING_KEYS["batches_ahead"], str(done.batches_ahead)))
         grpc_context.set_trailing_metadata(metadata)
         # Sums over answered calls, for the bench's profile of where a call's time goes.
         self._timing_us.update(
             calls=1, tokenize=round(tokenize_s * 1e6), **{k: round(v * 1e6) for k, v in timing.items()}
         )
         self._metrics.timing(queue_s=timing["queue_s"], replica_s=timing["replica_s"])
+        return self._answer(batch, done)
+
+    def _answer(self, batch: Batch, done: _Done) -> emotion_pb2.ClassifyResponse:
+        """The response in the request's form: packed columns, or one Prediction per paragraph."""
+        if batch.columns:
+            return emotion_pb2.ClassifyResponse(
+                probabilities=np.ascontiguousarray(done.probabilities, dtype="<f4").tobytes(),
+                truncated=done.truncated.tolist(),
+                labels=self._labels,
+                model_version=self._version,
+                setting=self._setting,
+            )
         return emotion_pb2.ClassifyResponse(
             predictions=[
-                emotion_pb2.Prediction(id=p.id, probabilities=row.tolist(), truncated=bool(cut))
-                for p, row, cut in zip(request.paragraphs, done.probabilities, done.truncated, strict=True)
+                emotion_pb2.Prediction(id=i, probabilities=row.tolist(), truncated=bool(cut))
+                for i, row, cut in zip(batch.ids, done.probabilities, done.truncated, strict=True)
             ],
             labels=self._labels,
             model_version=self._version,
@@ -335,16 +410,15 @@ class EmotionClassifier:
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, batch_size_fn=batch_weight)
     async def _infer(self, jobs: list[_Job]) -> list[_Done]:
-        self._batches_started += 1
-        index = self._batches_started
         merged = Tokenized.concat([j.tokenized for j in jobs])
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         # The batch's forward passes go to the model threads at once, longest first, so the
-        # threads finish together; a second batch's passes queue behind them (FIFO).
+        # threads finish together; the next batch's passes queue behind them (FIFO).
         chunks = sorted(self._model.chunks(merged), key=lambda c: -c.padded_tokens)
+        key, ahead = self._waiting.queued(len(chunks))
         outputs = await asyncio.gather(
-            *(loop.run_in_executor(self._model_executor, self._run_chunk, merged, c) for c in chunks)
+            *(loop.run_in_executor(self._model_executor, self._run_chunk, merged, c, key) for c in chunks)
         )
         probabilities = np.empty((len(merged), len(self._labels)), dtype=np.float32)
         for chunk, answer in zip(chunks, outputs, strict=True):
@@ -373,16 +447,17 @@ class EmotionClassifier:
                     merged.truncated[start:stop],
                     started,
                     compute_s,
-                    index,
+                    ahead,
                     per_row * (stop - start),
                 )
             )
             start = stop
         return out
 
-    def _run_chunk(self, tokenized: Tokenized, chunk: Chunk) -> np.ndarray:
-        """One forward pass on a model thread, which counts as the model's CPU: a runtime on
-        one thread (one OpenVINO stream, say) computes on the thread that calls it."""
+    def _run_chunk(self, tokenized: Tokenized, chunk: Chunk, batch: int) -> np.ndarray:
+        """One forward pass of `batch` on a model thread, which counts as the model's CPU: a
+        runtime on one thread (one OpenVINO stream, say) computes on the thread that calls it."""
+        self._waiting.started(batch)
         self._model_cpu.add_current_thread()
         return self._model.run_chunk(tokenized, chunk)
 
@@ -393,6 +468,7 @@ class EmotionClassifier:
             max_sequence_length=self._model.card.max_sequence_length,
             max_batch_size=self._settings.max_batch_size,
             setting=self._setting,
+            columns=True,
         )
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -65,9 +65,10 @@ class ServerSettings:
     """Tokens merged across callers into one @serve.batch (cut into `token_budget` chunks).
     A busy replica runs batches back to back, so this sets the latency of one batch, not the
     throughput; a call larger than this runs alone."""
-    batch_max_calls: int = 32
-    """Most calls merged into one @serve.batch (the deployment's max_ongoing_requests should
-    be at least this)."""
+    batch_max_calls: int = 16
+    """Most calls merged into one @serve.batch. A replica runs up to two batches per model
+    thread at once (`serve_app.app.concurrent_batches`), so the deployment's
+    max_ongoing_requests should be at least this x 2 x model_threads (Serve warns otherwise)."""
     batch_wait_timeout_s: float = 0.005
     """How long the first call of a batch waits for others to join it."""
     model_threads: int | None = None

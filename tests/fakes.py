@@ -29,12 +29,19 @@ def fake_probs(text: str) -> list[float]:
 
 
 class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
-    def __init__(self) -> None:
+    """Answers both request forms of the proto; `columns=False` is a server of the row form only
+    (it says so in ModelInfo, as an older server does)."""
+
+    def __init__(self, *, columns: bool = True) -> None:
+        self.columns = columns
         self.fail_next: list[grpc.StatusCode] = []
         self.delay_s = 0.0
         self.metadata_seen: list[dict[str, str]] = []
         self.calls: Counter[str] = Counter()
+        self.forms: Counter[str] = Counter()
         self.poison = "POISON"
+        self.answer_fewer = 0
+        """Rows left out of each answer (a broken server)."""
 
     async def Classify(self, request, context):
         self.metadata_seen.append(dict(context.invocation_metadata()))
@@ -44,14 +51,28 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
             code = self.fail_next.pop(0)
             self.calls[code.name] += 1
             await context.abort(code, f"fake {code.name}")
-        if any(p.text == self.poison for p in request.paragraphs):
+        columns = bool(request.ids)
+        self.forms["columns" if columns else "rows"] += 1
+        ids = list(request.ids) if columns else [p.id for p in request.paragraphs]
+        texts = list(request.texts) if columns else [p.text for p in request.paragraphs]
+        if self.poison in texts:
             self.calls["INVALID_ARGUMENT"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "poison paragraph")
         self.calls["OK"] += 1
+        kept = len(texts) - self.answer_fewer
+        probs = [fake_probs(t) for t in texts][:kept]
+        truncated = [len(t) > 1000 for t in texts][:kept]
+        if columns:
+            return emotion_pb2.ClassifyResponse(
+                probabilities=np.asarray(probs, dtype="<f4").tobytes(),
+                truncated=truncated,
+                labels=LABELS,
+                model_version="fake-1",
+            )
         return emotion_pb2.ClassifyResponse(
             predictions=[
-                emotion_pb2.Prediction(id=p.id, probabilities=fake_probs(p.text), truncated=len(p.text) > 1000)
-                for p in request.paragraphs
+                emotion_pb2.Prediction(id=i, probabilities=p, truncated=cut)
+                for i, p, cut in zip(ids, probs, truncated, strict=True)
             ],
             labels=LABELS,
             model_version="fake-1",
@@ -59,13 +80,13 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
 
     async def ModelInfo(self, request, context):
         return emotion_pb2.ModelInfoResponse(
-            labels=LABELS, model_version="fake-1", max_sequence_length=128, max_batch_size=64
+            labels=LABELS, model_version="fake-1", max_sequence_length=128, max_batch_size=64, columns=self.columns
         )
 
 
-async def start_fake_server() -> tuple[grpc.aio.Server, FakeServicer, str]:
+async def start_fake_server(*, columns: bool = True) -> tuple[grpc.aio.Server, FakeServicer, str]:
     server = grpc.aio.server()
-    servicer = FakeServicer()
+    servicer = FakeServicer(columns=columns)
     emotion_pb2_grpc.add_EmotionClassifierServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -77,7 +77,8 @@ class ServerTiming:
     replica_s: float
     """Arrival in the replica to the answer."""
     batches_ahead: int
-    """Batches the replica started after the call arrived and before the call's own."""
+    """Other batches whose forward passes still waited for a model thread when the call's batch
+    queued its own: work the replica held but could not use yet (0: its passes were next)."""
     model_cpu_s: float = 0.0
     """The call's share (by rows) of its batch's forward passes, in core-seconds (0 from older servers)."""
 
@@ -171,6 +172,19 @@ class ModelInfo:
     max_batch_size: int
     setting: str = ""
     """The runtime x precision the answering replica computes with."""
+    columns: bool = False
+    """The service answers column-form Classify requests (`protos/raypipe/v1/emotion.proto`)."""
+
+    @classmethod
+    def of(cls, info: emotion_pb2.ModelInfoResponse) -> ModelInfo:
+        return cls(
+            tuple(info.labels),
+            info.model_version,
+            info.max_sequence_length,
+            info.max_batch_size,
+            info.setting,
+            info.columns,
+        )
 
 
 class ModelClient(Protocol):
@@ -224,6 +238,7 @@ class GrpcModelClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: emotion_pb2_grpc.EmotionClassifierStub | None = None
         self._interceptors = list(interceptors)
+        self._columns: bool | None = None
 
     def _get_stub(self) -> emotion_pb2_grpc.EmotionClassifierStub:
         if self._stub is None:
@@ -232,9 +247,14 @@ class GrpcModelClient:
         return self._stub
 
     async def classify(self, ids: Sequence[str], texts: Sequence[str]) -> BatchResult:
-        request = emotion_pb2.ClassifyRequest(
-            paragraphs=[emotion_pb2.Paragraph(id=i, text=t) for i, t in zip(ids, texts, strict=True)]
-        )
+        if self._columns is None:
+            self._columns = await self._answers_columns()
+        if self._columns:
+            request = emotion_pb2.ClassifyRequest(ids=ids, texts=texts)
+        else:
+            request = emotion_pb2.ClassifyRequest(
+                paragraphs=[emotion_pb2.Paragraph(id=i, text=t) for i, t in zip(ids, texts, strict=True)]
+            )
         work = float(sum(map(len, texts)))
         timeout = self.deadlines.start(work)
         answered = False
@@ -249,21 +269,38 @@ class GrpcModelClient:
             self.deadlines.finish(work, answered=answered)
         return self._decode(ids, response, ServerTiming.from_metadata(list(trailing or ())))
 
+    async def _answers_columns(self) -> bool:
+        """Does the server answer the column form? Asked once per client; a server that does
+        not implement ModelInfo speaks the row form (a failure to reach it raises, as a call would)."""
+        try:
+            return (await self.model_info()).columns
+        except RequestRejected as e:
+            if e.status_code == grpc.StatusCode.UNIMPLEMENTED.name:
+                return False
+            raise
+
     def _decode(
         self, ids: Sequence[str], response: emotion_pb2.ClassifyResponse, server: ServerTiming | None = None
     ) -> BatchResult:
         labels = tuple(response.labels)
-        preds = response.predictions
-        answered = [p.id for p in preds]
-        if answered != list(ids):
+        n, width = len(ids), len(labels)
+        if self._columns:
+            probs = np.frombuffer(response.probabilities, dtype="<f4")
+            truncated = np.array(response.truncated, dtype=bool)
+            answered = len(truncated) if probs.size == len(truncated) * width else -1
+        else:
+            preds = response.predictions
+            answered = len(preds) if [p.id for p in preds] == list(ids) else -1
+            probs = np.array([list(p.probabilities) for p in preds], dtype=np.float32)
+            truncated = np.array([p.truncated for p in preds], dtype=bool)
+        if answered != n:
             raise RequestRejected(
-                f"model service at {self.address} answered {len(answered)} predictions for {len(ids)} "
-                "paragraphs, or in another order",
+                f"model service at {self.address} answered {answered if answered >= 0 else 'malformed'} "
+                f"predictions for {n} paragraphs, or in another order",
                 status_code="DATA_LOSS",
                 address=self.address,
             )
-        probs = np.array([list(p.probabilities) for p in preds], dtype=np.float32).reshape(len(preds), len(labels))
-        truncated = np.array([p.truncated for p in preds], dtype=bool)
+        probs = probs.astype(np.float32, copy=False).reshape(n, width)
         return BatchResult(labels, response.model_version, probs, truncated, server, response.setting)
 
     async def model_info(self) -> ModelInfo:
@@ -273,9 +310,7 @@ class GrpcModelClient:
             )
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, address=self.address) from e
-        return ModelInfo(
-            tuple(info.labels), info.model_version, info.max_sequence_length, info.max_batch_size, info.setting
-        )
+        return ModelInfo.of(info)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -329,9 +364,7 @@ def check_service(
                 status_code=err.status_code,
                 address=address,
             ) from e
-    return ModelInfo(
-        tuple(info.labels), info.model_version, info.max_sequence_length, info.max_batch_size, info.setting
-    )
+    return ModelInfo.of(info)
 
 
 def _raise_if_tls(address: str, security: ChannelSecurity, error: grpc.RpcError, *, timeout_s: float) -> None:

@@ -21,7 +21,8 @@ call's latency is waiting for the batch ahead of it to finish. That wait is what
 model fed; a latency rule reads it as overload and throttles until the model idles between
 small batches (measured: down to 1 in flight and 36% of the ceiling). What does mean
 overload is work the replica cannot use soon: a call that waited behind more than the next
-batch (the server reports how many batches started between its arrival and its own), time
+batch (the server reports how many other batches still had passes waiting for a model thread
+when the call's batch queued its own), time
 spent queued in front of the replica (the call's latency minus the time the replica says it
 held it: Serve's proxy queues calls beyond a replica's `max_ongoing_requests`), and calls
 refused or timed out (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED).
@@ -87,8 +88,8 @@ class Limiter(Protocol):
         `latency_s` is how long the call took, as the client saw it; `dropped` says it
         failed with an overload signal (RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED). From a
         server that reports them: `replica_s`, how long the replica held the call, and
-        `batches_ahead`, how many batches it started after the call arrived and before
-        the call's own (0 when the call made the next batch).
+        `batches_ahead`, how many other batches still had forward passes waiting for a
+        model thread when the call's batch queued its own (0 when its passes were next).
         """
         ...
 

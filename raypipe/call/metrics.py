@@ -229,7 +229,8 @@ class MetricsInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         tags = {"method": _method(details.method), "status": status}
         CLIENT_CALLS.record(self._metrics, 1, tags)
         CLIENT_LATENCY_MS.record(self._metrics, (self._clock() - started) * 1000, tags)
-        paragraphs = len(getattr(request, "paragraphs", ()))
+        # A Classify request's paragraphs, in either form (ids + texts, or Paragraph messages).
+        paragraphs = len(getattr(request, "ids", ())) or len(getattr(request, "paragraphs", ()))
         if paragraphs:
             CLIENT_PARAGRAPHS.record(self._metrics, paragraphs, tags)
 

@@ -25,12 +25,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_classify_round_trip_keeps_order_labels_and_metadata():
+@pytest.mark.parametrize("columns", [True, False], ids=["column form", "row form (an older server)"])
+def test_classify_round_trip_keeps_order_labels_and_metadata(columns: bool) -> None:
     async def scenario():
-        server, servicer, address = await start_fake_server()
+        server, servicer, address = await start_fake_server(columns=columns)
         client = GrpcModelClient(address, application="emotions", timeout_s=5)
         try:
             result = await client.classify(["b", "a", "c"], ["second", "first", "x" * 1001])
+            await client.classify(["d"], ["again"])
         finally:
             await client.close()
             await server.stop(None)
@@ -41,8 +43,28 @@ def test_classify_round_trip_keeps_order_labels_and_metadata():
     assert result.model_version == "fake-1"
     np.testing.assert_allclose(result.probabilities[0], fake_probs("second"))
     np.testing.assert_allclose(result.probabilities[1], fake_probs("first"))
+    assert result.probabilities.dtype == np.float32 and result.probabilities.shape == (3, len(LABELS))
     assert result.truncated.tolist() == [False, False, True]
     assert servicer.metadata_seen[0]["application"] == "emotions"
+    # The form the server said it answers, for every call.
+    assert servicer.forms == {("columns" if columns else "rows"): 2}
+
+
+def test_an_answer_with_fewer_probabilities_than_paragraphs_is_data_loss() -> None:
+    async def scenario():
+        server, servicer, address = await start_fake_server()
+        servicer.answer_fewer = 1
+        client = GrpcModelClient(address, timeout_s=5)
+        try:
+            with pytest.raises(RequestRejected) as info:
+                await client.classify(["a", "b"], ["one", "two"])
+        finally:
+            await client.close()
+            await server.stop(None)
+        return info.value
+
+    err = run(scenario())
+    assert err.status_code == "DATA_LOSS" and "answered 1 predictions for 2" in str(err)
 
 
 @pytest.mark.parametrize(

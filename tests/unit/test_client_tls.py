@@ -281,7 +281,8 @@ def test_token_arrives_as_bearer_metadata_on_every_call(pki, monkeypatch):
             return servicer
 
     servicer = run(scenario())
-    assert [m["authorization"] for m in servicer.info_metadata + servicer.metadata_seen] == [f"Bearer {TOKEN}"] * 3
+    # check_service's ModelInfo, the client's own (which form the server answers), two Classify calls.
+    assert [m["authorization"] for m in servicer.info_metadata + servicer.metadata_seen] == [f"Bearer {TOKEN}"] * 4
     assert servicer.metadata_seen[0]["application"] == "emotions"
 
 

@@ -212,12 +212,14 @@ def test_interceptor_counts_each_attempt_with_its_status(agent):
 
     result = asyncio.run(scenario())
     assert result.probabilities.shape == (3, 6), "the interceptor must hand the answer through untouched"
-    assert agent.wait_for(lambda a: a.total("raypipe.client.calls") == 4)
-    assert agent.by_tag("raypipe.client.calls", "status") == Counter({"OK": 3, "UNAVAILABLE": 1})
+    # The client's own ModelInfo before its first call (which form the server answers), and ours.
+    assert agent.wait_for(lambda a: a.total("raypipe.client.calls") == 5)
+    assert agent.by_tag("raypipe.client.calls", "status") == Counter({"OK": 4, "UNAVAILABLE": 1})
     assert agent.total("raypipe.client.calls", method="Classify") == 3
+    assert agent.total("raypipe.client.calls", method="ModelInfo") == 2
     assert agent.total("raypipe.client.paragraphs", status="OK") == 5
     latencies = [s for s in agent.samples if s.name == "raypipe.client.latency_ms"]
-    assert len(latencies) == 4 and all(s.value > 0 and s.tags["app"] == "raypipe" for s in latencies)
+    assert len(latencies) == 5 and all(s.value > 0 and s.tags["app"] == "raypipe" for s in latencies)
 
 
 def test_interceptor_does_not_count_a_call_the_caller_cancelled():
@@ -235,7 +237,7 @@ def test_interceptor_does_not_count_a_call_the_caller_cancelled():
         await server.stop(None)
         return rec
 
-    assert asyncio.run(scenario()).total(CLIENT_CALLS) == 0
+    assert asyncio.run(scenario()).total(CLIENT_CALLS, method="Classify") == 0
 
 
 def test_actor_gauges_sample_breaker_state_openings_and_limit():

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/raypipe/v1/emotion.proto\x12\nraypipe.v1\"%\n\tParagraph\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"<\n\x0f\x43lassifyRequest\x12)\n\nparagraphs\x18\x01 \x03(\x0b\x32\x15.raypipe.v1.Paragraph\"B\n\nPrediction\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rprobabilities\x18\x02 \x03(\x02\x12\x11\n\ttruncated\x18\x03 \x01(\x08\"w\n\x10\x43lassifyResponse\x12+\n\x0bpredictions\x18\x01 \x03(\x0b\x32\x16.raypipe.v1.Prediction\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0f\n\x07setting\x18\x04 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x80\x01\n\x11ModelInfoResponse\x12\x0e\n\x06labels\x18\x01 \x03(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x0f\n\x07setting\x18\x05 \x01(\t2\xa4\x01\n\x11\x45motionClassifier\x12\x45\n\x08\x43lassify\x12\x1b.raypipe.v1.ClassifyRequest\x1a\x1c.raypipe.v1.ClassifyResponse\x12H\n\tModelInfo\x12\x1c.raypipe.v1.ModelInfoRequest\x1a\x1d.raypipe.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/raypipe/v1/emotion.proto\x12\nraypipe.v1\"%\n\tParagraph\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"X\n\x0f\x43lassifyRequest\x12)\n\nparagraphs\x18\x01 \x03(\x0b\x32\x15.raypipe.v1.Paragraph\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12\r\n\x05texts\x18\x03 \x03(\t\"B\n\nPrediction\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rprobabilities\x18\x02 \x03(\x02\x12\x11\n\ttruncated\x18\x03 \x01(\x08\"\xa1\x01\n\x10\x43lassifyResponse\x12+\n\x0bpredictions\x18\x01 \x03(\x0b\x32\x16.raypipe.v1.Prediction\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0f\n\x07setting\x18\x04 \x01(\t\x12\x15\n\rprobabilities\x18\x05 \x01(\x0c\x12\x11\n\ttruncated\x18\x06 \x03(\x08\"\x12\n\x10ModelInfoRequest\"\x91\x01\n\x11ModelInfoResponse\x12\x0e\n\x06labels\x18\x01 \x03(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x0f\n\x07setting\x18\x05 \x01(\t\x12\x0f\n\x07\x63olumns\x18\x06 \x01(\x08\x32\xa4\x01\n\x11\x45motionClassifier\x12\x45\n\x08\x43lassify\x12\x1b.raypipe.v1.ClassifyRequest\x1a\x1c.raypipe.v1.ClassifyResponse\x12H\n\tModelInfo\x12\x1c.raypipe.v1.ModelInfoRequest\x1a\x1d.raypipe.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARAGRAPH']._serialized_start=47
   _globals['_PARAGRAPH']._serialized_end=84
   _globals['_CLASSIFYREQUEST']._serialized_start=86
-  _globals['_CLASSIFYREQUEST']._serialized_end=146
-  _globals['_PREDICTION']._serialized_start=148
-  _globals['_PREDICTION']._serialized_end=214
-  _globals['_CLASSIFYRESPONSE']._serialized_start=216
-  _globals['_CLASSIFYRESPONSE']._serialized_end=335
-  _globals['_MODELINFOREQUEST']._serialized_start=337
-  _globals['_MODELINFOREQUEST']._serialized_end=355
-  _globals['_MODELINFORESPONSE']._serialized_start=358
-  _globals['_MODELINFORESPONSE']._serialized_end=486
-  _globals['_EMOTIONCLASSIFIER']._serialized_start=489
-  _globals['_EMOTIONCLASSIFIER']._serialized_end=653
+  _globals['_CLASSIFYREQUEST']._serialized_end=174
+  _globals['_PREDICTION']._serialized_start=176
+  _globals['_PREDICTION']._serialized_end=242
+  _globals['_CLASSIFYRESPONSE']._serialized_start=245
+  _globals['_CLASSIFYRESPONSE']._serialized_end=406
+  _globals['_MODELINFOREQUEST']._serialized_start=408
+  _globals['_MODELINFOREQUEST']._serialized_end=426
+  _globals['_MODELINFORESPONSE']._serialized_start=429
+  _globals['_MODELINFORESPONSE']._serialized_end=574
+  _globals['_EMOTIONCLASSIFIER']._serialized_start=577
+  _globals['_EMOTIONCLASSIFIER']._serialized_end=741
 # @@protoc_insertion_point(module_scope)
