@@ -56,22 +56,12 @@ import pyarrow.compute as pc
 
 from raypipe.call.breaker import CircuitBreaker, Permit
 from raypipe.call.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
-from raypipe.call.dedup import TextIndex, hash_texts
+from raypipe.call.dedup import TextIndex
 from raypipe.call.limiter import AdaptiveLimiter, FixedLimiter, Limiter
 from raypipe.call.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
 from raypipe.call.retry import RetryPolicy, call_with_retries
-from raypipe.commit.table import (
-    OUTCOME_DEAD_LETTER,
-    OUTCOME_RESULT,
-    RESULT_STATUS_EMPTY,
-    RESULT_STATUS_OK,
-    TableFence,
-    UnitCommitter,
-    label_column,
-    now_utc,
-    outcome_schema,
-    text_hashes,
-)
+from raypipe.commit.rows import Answers, DeadLetters, unit_rows
+from raypipe.commit.table import TableFence, UnitCommitter, now_utc, text_hashes
 from raypipe.config import ClientConfig, ServiceConfig
 from raypipe.errors import (
     BadRowError,
@@ -196,7 +186,6 @@ class InferenceActor:
         self._settings = settings
         self._client_factory = client_factory
         self._committer = UnitCommitter(settings.fence)
-        self._schema = outcome_schema(settings.labels)
         self._actor_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._client: ModelClient | None = None
         self._breaker: CircuitBreaker | None = None
@@ -333,9 +322,13 @@ class InferenceActor:
             [i for i, t in enumerate(texts) if i not in unsendable and t is not None and t.strip()], dtype=np.int64
         )
         empty = np.setdiff1d(np.setdiff1d(np.arange(len(ids)), sendable), np.array(sorted(unsendable), np.int64))
-        copied, sendable, duplicates = await self._reuse_answers(sendable, texts, stats)
+        # One hash per text, for the answers reused and for the table's text_hash column.
+        text_hash = text_hashes(texts)
+        hashes = text_hash.fill_null(0).to_numpy(zero_copy_only=False)
+        copied, sendable, duplicates = await self._reuse_answers(sendable, hashes, stats)
         # Length-sorted micro-batches: neighbours pad to the same bucket on the server.
-        order = sendable[np.argsort([len(texts[i]) for i in sendable], kind="stable")]
+        lengths = pc.utf8_length(rows.column("text")).to_numpy(zero_copy_only=False)
+        order = sendable[np.argsort(lengths[sendable], kind="stable")]
         size = self._settings.client.micro_batch_size
         batches = [order[i : i + size] for i in range(0, len(order), size)]
         # A TaskGroup: when one batch raises (the service stayed down), the others are cancelled.
@@ -349,17 +342,48 @@ class InferenceActor:
             if o.result is not None:
                 stats.answered_by[o.result.setting or "unknown"] += len(o.rows)
         outcomes = refused + copied + sent + _share_answers(sent, duplicates)
-        return self._outcome_rows(rows, outcomes, empty, stats)
+        answers, dead_letters = self._fates(outcomes, stats)
+        stats.empty_text = len(empty)
+        return unit_rows(
+            rows,
+            unit=stats.unit,
+            run_id=self._settings.run_id,
+            labels=self._settings.labels,
+            answers=answers,
+            dead_letters=dead_letters,
+            empty=empty,
+            text_hash=text_hash,
+            inferred_at=now_utc(),
+        )
+
+    def _fates(self, outcomes: list[_Outcome], stats: UnitStats) -> tuple[list[Answers], list[DeadLetters]]:
+        """The outcomes as the table's answers and dead letters, counted in the unit's stats."""
+        labels = self._settings.labels
+        answers, dead_letters = [], []
+        for o in outcomes:
+            if o.result is not None:
+                if o.result.labels != labels:
+                    raise SinkError(f"the service answered labels {o.result.labels}, the run expects {labels}")
+                answers.append(Answers(o.rows, o.result.probabilities, o.result.truncated, o.result.model_version))
+                stats.ok += len(o.rows)
+                continue
+            e = o.error
+            kind = getattr(e, "kind", type(e).__name__)
+            status = e.status_code if isinstance(e, ModelServiceError) else ""
+            dead_letters.append(DeadLetters(o.rows, kind, status, o.attempts, str(e)))
+            stats.dead_letters += len(o.rows)
+            stats.dead_letter_kinds[kind] += len(o.rows)
+        return answers, dead_letters
 
     async def _reuse_answers(
-        self, sendable: np.ndarray, texts: Sequence[str | None], stats: UnitStats
+        self, sendable: np.ndarray, hashes: np.ndarray, stats: UnitStats
     ) -> tuple[list[_Outcome], np.ndarray, dict[int, np.ndarray]]:
         """Rows whose text already has a committed answer of this model (`raypipe.call.dedup`), and
         rows whose text another row of the unit sends: (answered rows, rows still to send,
-        {row sent: the rows that share its text})."""
+        {row sent: the rows that share its text}). `hashes` are the unit's text hashes."""
         if not len(sendable):
             return [], sendable, {}
-        hashes = hash_texts([texts[i] for i in sendable])
+        hashes = hashes[sendable]
         copied: list[_Outcome] = []
         index = await self._text_index()
         if index is not None:
@@ -593,72 +617,3 @@ class InferenceActor:
                 logger.warning("could not write the call tally of actor %s: %s", self._actor_id, e)
                 continue
             written_calls, written_at = record["tally"]["calls"], time.monotonic()
-
-    def _outcome_rows(self, rows: pa.Table, outcomes: list[_Outcome], empty: np.ndarray, stats: UnitStats) -> pa.Table:
-        """The unit's rows for the outcomes table: one per input row, a result or a dead letter."""
-        labels = self._settings.labels
-        n_labels = len(labels)
-        now = now_utc()
-        result_rows: list[np.ndarray] = [empty]
-        probs: list[np.ndarray] = [np.full((len(empty), n_labels), np.nan, dtype=np.float32)]
-        truncated: list[np.ndarray] = [np.zeros(len(empty), dtype=bool)]
-        versions: list[str | None] = [None] * len(empty)
-        statuses: list[str] = [RESULT_STATUS_EMPTY] * len(empty)
-        dead_rows: list[int] = []
-        dead_info: list[tuple[str, str, int, str]] = []
-        for o in outcomes:
-            if o.result is not None:
-                if o.result.labels != labels:
-                    raise SinkError(f"the service answered labels {o.result.labels}, the run expects {labels}")
-                result_rows.append(o.rows)
-                probs.append(o.result.probabilities)
-                truncated.append(o.result.truncated)
-                versions += [o.result.model_version] * len(o.rows)
-                statuses += [RESULT_STATUS_OK] * len(o.rows)
-            else:
-                e = o.error
-                status = e.status_code if isinstance(e, ModelServiceError) else ""
-                kind = getattr(e, "kind", type(e).__name__)
-                dead_rows += o.rows.tolist()
-                dead_info += [(kind, status, o.attempts, str(e)[:2000])] * len(o.rows)
-                stats.dead_letter_kinds[kind] += len(o.rows)
-        index = np.concatenate(result_rows).astype(np.int64)
-        p = np.concatenate(probs) if probs else np.zeros((0, n_labels), np.float32)
-        stats.empty_text = len(empty)
-        stats.ok = len(index) - len(empty)
-        stats.dead_letters = len(dead_rows)
-        answered = np.isfinite(p).all(axis=1)
-        top = np.where(answered, np.nan_to_num(p, nan=-1.0).argmax(axis=1), -1)
-        n_res, n_dead = len(index), len(dead_rows)
-        order = np.concatenate([index, np.asarray(dead_rows, dtype=np.int64)])
-        taken = rows.take(pa.array(order, pa.int64()))
-        kinds, codes, attempts, messages = (
-            (list(x) for x in zip(*dead_info, strict=True)) if dead_info else ([], [], [], [])
-        )
-        valid = np.concatenate([answered, np.zeros(n_dead, dtype=bool)])
-        p_all = np.concatenate([p, np.full((n_dead, n_labels), np.nan, np.float32)])
-        top_score = np.where(answered, p[np.arange(n_res), np.maximum(top, 0)], np.nan) if n_res else np.zeros(0)
-        columns: dict[str, Any] = {
-            "id": taken.column("id"),
-            "outcome": pa.array([OUTCOME_RESULT] * n_res + [OUTCOME_DEAD_LETTER] * n_dead, pa.string()),
-            "unit": pa.array([stats.unit] * (n_res + n_dead), pa.string()),
-            "run_id": pa.array([self._settings.run_id] * (n_res + n_dead), pa.string()),
-            "status": pa.array(statuses + [None] * n_dead, pa.string()),
-            "error_kind": pa.array([None] * n_res + kinds, pa.string()),
-            "model_version": pa.array(versions + [None] * n_dead, pa.string()),
-            "updated_at": taken.column("updated_at"),
-            "inferred_at": pa.array([now] * (n_res + n_dead), pa.timestamp("us", tz="UTC")),
-            "text_hash": text_hashes(taken.column("text")),
-            "top_label": pa.array([labels[t] if t >= 0 else None for t in top.tolist()] + [None] * n_dead, pa.string()),
-            "top_score": pa.array(np.concatenate([top_score, np.full(n_dead, np.nan)]), pa.float32(), mask=~valid),
-            "truncated": pa.array(np.concatenate([*truncated, np.zeros(n_dead, dtype=bool)]), pa.bool_()),
-        }
-        for j, label in enumerate(labels):
-            columns[label_column(label)] = pa.array(p_all[:, j], pa.float32(), mask=~valid)
-        columns["grpc_status"] = pa.array([None] * n_res + codes, pa.string())
-        columns["attempts"] = pa.array([None] * n_res + attempts, pa.int32())
-        columns["message"] = pa.array([None] * n_res + messages, pa.string())
-        columns["text"] = pa.array([None] * n_res + taken.column("text").to_pylist()[n_res:], pa.string())
-        columns["source"] = taken.column("_source")
-        columns["row"] = taken.column("_row")
-        return pa.table(columns, schema=self._schema).sort_by([("source", "ascending"), ("row", "ascending")])
