@@ -183,7 +183,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve --precision even if its recorded agreement is under min_agreement",
     )
-    serve.add_argument("--detach", action="store_true", help="deploy and return (needs a running cluster)")
+    serve.add_argument(
+        "--detach",
+        action="store_true",
+        help="deploy and return: on the cluster at RAY_ADDRESS or running here, else on a local one it starts",
+    )
     serve.add_argument(
         "--wait-s",
         type=_positive_seconds,
@@ -398,20 +402,22 @@ def _serve(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, force_precision=True)
     import os
 
-    from raypipe.run.driver import start_local_ray
+    from raypipe.run.driver import start_local_cluster, start_local_ray
     from raypipe.run.preflight import check_ray_address
 
     check_ray_address(os.environ)  # a RAY_ADDRESS nobody answers at: ray.init would retry for minutes
     if args.detach:
         try:
             start_local_ray(address="auto")
-        except ConnectionError as e:
-            print(
-                f"raypipe: serve --detach needs a running Ray cluster ({e}): start one with `ray start --head`, "
-                "or set RAY_ADDRESS to yours",
-                file=sys.stderr,
-            )
-            return EXIT_BAD_CONFIG
+        except ConnectionError:
+            # No cluster to join (RAY_ADDRESS unset, none running here): start a lean local one.
+            try:
+                start_local_cluster()
+            except RuntimeError as e:
+                print(f"raypipe: serve --detach found no Ray cluster and could not start one: {e}", file=sys.stderr)
+                return EXIT_FAILED
+            print("raypipe: started a local Ray cluster for the service (`ray stop` stops it)", flush=True)
+            start_local_ray(address="auto")
     else:
         # In the foreground the replicas' own lines are the server's log: show them.
         start_local_ray(log_to_driver=True)

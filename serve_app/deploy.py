@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ class DeploymentOptions:
     """CPUs reserved per replica; TensorFlow's intra-op threads default to this, rounded up."""
     max_ongoing_requests: int = 64
     """Calls one replica holds at once (its batch queue); beyond it Serve queues them at the
-    proxy, where the replica cannot see them. At least `ServerSettings.batch_max_calls`."""
+    proxy, where the replica cannot see them. At least `ServerSettings.batch_max_calls` x 2 x the
+    replica's model threads (the batches it runs at once)."""
     max_queued_requests: int = 256
     """Calls queued at the proxy before it answers RESOURCE_EXHAUSTED (-1: unbounded). A
     safety net: clients' limiters keep far fewer in flight; a bounded queue turns a client
@@ -194,14 +196,25 @@ def build_app(
 CONTROLLER_TIMEOUT_S = 60.0
 
 
+#: The environment of Serve's controller where `raypipe serve` starts it (a value set in the
+#: environment of `raypipe serve` wins). Its control loop runs every second instead of Ray's 0.1 s:
+#: on 2 cores, idle with the app deployed, the controller took 3.8% of a core at 0.1 s and 1.7% at
+#: 1 s, and the GCS it asks 1.8% and 0.85%: cores the model shares. A batch service loses nothing
+#: that matters by reacting within a second (a replica's start, a health check, autoscaling).
+CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0"}
+
+
 def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None) -> None:
     """Starts Serve with a gRPC proxy on grpc_port, or checks that the running one matches.
 
-    `http_port` matters only when Serve is not running yet (None: Serve's default, 8000).
+    `http_port` matters only when Serve is not running yet (None: Serve's default, 8000), and so
+    does `CONTROLLER_ENV`.
     """
+    env = {k: os.environ.get(k, v) for k, v in CONTROLLER_ENV.items()}
     serve.start(
         http_options=None if http_port is None else {"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
+        controller_options={"runtime_env": {"env_vars": env}},
     )
     import ray
     from ray.serve.context import _get_global_client
