@@ -37,10 +37,12 @@ from bench.cluster import Cluster, heavy_lock
 __all__ = ["run_speed", "speed_tables"]
 
 #: Paragraphs per line: long enough that start-up stays a few percent of the wall.
-ROWS = {"bert-base": 4000}
+ROWS = {"bert-base": 2000}
 DEFAULT_ROWS = 18_000
 QUICK_ROWS = {"bert-base": 400}
 QUICK_DEFAULT_ROWS = 2000
+#: A short run (a daily's size) of the MiniLM shapes, where start-up weighs more.
+SHORT_ROWS = 6000
 
 
 def run_speed(bench: Any, models: dict[str, Path], corpus: Path) -> dict[str, Any]:
@@ -88,24 +90,22 @@ def _model(bench: Any, label: str, model_dir: Path, corpus: Path) -> dict[str, A
         "cpu_ms_per_para": 1000 * best["cpu_s_self"] / best["ok"],
     }
     # 3. End to end, defaults everywhere.
-    shards = bench.write_shards(corpus, n, bench.work / f"input-speed-{n}")
+    # 3. End to end, defaults everywhere: the long run, then (MiniLM shapes) a short one.
+    short = 0 if quick or shape == "bert-base" else SHORT_ROWS
+    runs = {"e2e": n, **({"short": short} if short else {})}
     with heavy_lock(bench.lock), Cluster(num_cpus=bench.args.cluster_cpus, logs=bench.logs) as cluster:
         address = cluster.serve(model_dir)
-        line = bench.e2e(cluster, address, shards, f"speed-{model_dir.name}-e2e")
-    name = f"speed-{model_dir.name}-e2e"
-    report = json.loads((bench.work / f"out-{name}" / "runs" / f"{name}.json").read_text())
-    entry["e2e"] = {
-        **{k: line[k] for k in ("paragraphs", "ok", "dead_letters", "wall_s", "report_wall_s", "retries", "calls")},
-        "para_per_s": line["paragraphs"] / line["wall_s"],
-        "run_para_per_s": line["paragraphs"] / line["report_wall_s"],
-        "answered_by": report.get("answered_by"),
-        "model_version": report.get("model_version"),
-        "cost": report.get("cost"),
-        "peak_rss_started_bytes": line.get("peak_rss_started_bytes"),
-    }
+        for key, rows in runs.items():
+            shards = bench.write_shards(corpus, rows, bench.work / f"input-speed-{rows}")
+            name = f"speed-{model_dir.name}-{key}"
+            line = bench.e2e(cluster, address, shards, name)
+            report = json.loads((bench.work / f"out-{name}" / "runs" / f"{name}.json").read_text())
+            entry[key] = _e2e_entry(line, report)
     entry["ratio"] = entry["e2e"]["para_per_s"] / entry["inproc"]["para_per_s"]
     entry["run_ratio"] = entry["e2e"]["run_para_per_s"] / entry["inproc"]["para_per_s"]
-    entry["profile"] = _profile(report.get("cost") or {}, bench.args.cluster_cpus)
+    if "short" in entry:
+        entry["short_ratio"] = entry["short"]["para_per_s"] / entry["inproc"]["para_per_s"]
+    entry["profile"] = _profile(entry["e2e"].get("cost") or {}, bench.args.cluster_cpus)
     # 4. Agreement of the default setting with TensorFlow fp32.
     if label == "real-weights MiniLM":
         entry["agreement"] = _agreement(bench, model_dir)
@@ -117,6 +117,21 @@ def _model(bench: Any, label: str, model_dir: Path, corpus: Path) -> dict[str, A
             "out of domain": served.get("agreement_out"),
         }
     return entry
+
+
+def _e2e_entry(line: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    keys = ("paragraphs", "ok", "dead_letters", "wall_s", "report_wall_s", "retries", "calls")
+    return {
+        **{k: line[k] for k in keys},
+        "para_per_s": line["paragraphs"] / line["wall_s"],
+        "run_para_per_s": line["paragraphs"] / line["report_wall_s"],
+        "answered_by": report.get("answered_by"),
+        "model_version": report.get("model_version"),
+        "cost": report.get("cost"),
+        "limiter": report.get("limiter"),
+        "peak_rss_bytes": line.get("peak_rss_bytes"),
+        "peak_rss_started_bytes": line.get("peak_rss_started_bytes"),
+    }
 
 
 def _ensure_record(bench: Any, label: str, model_dir: Path) -> dict[str, Any] | None:
@@ -199,18 +214,22 @@ def speed_tables(speed: dict[str, Any]) -> list[str]:
         f"### Speed at default settings: {speed.get('cpu') or 'CPU'} ({flags})",
         "",
         "| model | setting (gated fastest) | in process para/s | e2e para/s (command) | e2e / in process "
-        "| run only | agreement in / out | outside model / model | cores busy |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+        "| run only | 6,000 paragraphs | agreement in / out | outside model / model | outside replica / replica "
+        "| cores busy | retries | peak RSS (GiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for label, m in speed.get("models", {}).items():
         agree = m.get("agreement") or {}
         a_in, a_out = agree.get("in domain"), agree.get("out of domain")
         prof = m.get("profile") or {}
+        short = f"{m['short_ratio']:.2f}" if "short_ratio" in m else "–"
+        rss = m["e2e"].get("peak_rss_bytes")
         lines.append(
             f"| {label} | {m['inproc']['setting']} | {m['inproc']['para_per_s']:.1f} | {m['e2e']['para_per_s']:.1f} "
-            f"| **{m['ratio']:.2f}** | {m['run_ratio']:.2f} "
+            f"| **{m['ratio']:.2f}** | {m['run_ratio']:.2f} | {short} "
             f"| {_pct(a_in)} / {_pct(a_out)} | {prof.get('outside_model_over_model', '–')} "
-            f"| {prof.get('cores_busy', '–')} |"
+            f"| {prof.get('outside_replica_over_replica', '–')} | {prof.get('cores_busy', '–')} "
+            f"| {m['e2e'].get('retries', '–')} | {'–' if rss is None else f'{rss / 2**30:.2f}'} |"
         )
     for label, m in speed.get("models", {}).items():
         prof = m.get("profile") or {}

@@ -268,3 +268,50 @@ def test_markdown_shows_the_pool_lines_with_ids_checked_and_tokens():
     assert "| nodes-1 | 1 | 30.0 | 0 | yes | 32.00 | 1.20 | 1.15 | 1.04 | 1 |  |" in md
     assert "| node-lost | 2 | 30.0 | 0 | **NO** |" in md and "| 2→1 | pool-1 killed after 10 units" in md
     assert "**0.97×** rows/s" in md and "pad to 1.06×" in md
+
+
+def test_the_speed_table_has_a_line_per_model_and_where_its_cpu_went() -> None:
+    from bench.speed import _profile, speed_tables
+
+    cost = {
+        "paragraphs": 1000,
+        "cpu_s": 40.0,
+        "wall_s": 20.0,
+        "model_cpu_s": 34.0,
+        "groups": {"serve replica": 35.0, "driver": 2.0, "serve proxy": 3.0},
+    }
+    profile = _profile(cost, 2)
+    assert profile["outside_model_over_model"] == round(6 / 34, 3)
+    assert profile["outside_replica_over_replica"] == round(5 / 35, 3)
+    assert profile["cores_busy"] == 2.0 and profile["idle_ms_per_para"] == 0.0
+    e2e = {"para_per_s": 50.0, "retries": 0, "peak_rss_bytes": 3 * 2**30, "answered_by": {"openvino:fp32": 1000}}
+    speed = {
+        "cpu": "AMD EPYC",
+        "cpu_flags": ["avx2"],
+        "models": {
+            "minilm-l6": {
+                "paragraphs": 1000,
+                "inproc": {"setting": "openvino:fp32", "para_per_s": 55.0},
+                "e2e": e2e,
+                "ratio": 50 / 55,
+                "run_ratio": 0.93,
+                "short_ratio": 0.86,
+                "agreement": {"in domain": 1.0, "out of domain": 0.995},
+                "profile": profile,
+            },
+            "bert-base": {
+                "paragraphs": 500,
+                "inproc": {"setting": "openvino:fp32", "para_per_s": 5.0},
+                "e2e": {**e2e, "para_per_s": 4.7},
+                "ratio": 0.94,
+                "run_ratio": 0.95,
+                "agreement": {},
+                "profile": {},
+            },
+        },
+    }
+    text = "\n".join(speed_tables(speed))
+    assert "| minilm-l6 | openvino:fp32 | 55.0 | 50.0 | **0.91** | 0.93 | 0.86 | 100.00% / 99.50% |" in text
+    assert "| 0.176 | 0.143 | 2.0 | 0 | 3.00 |" in text
+    assert "| bert-base | openvino:fp32 | 5.0 | 4.7 | **0.94** | 0.95 | – |" in text
+    assert "CPU per paragraph, minilm-l6" in text and "| replica outside the model | 1.000 |" in text
