@@ -110,11 +110,12 @@ class UdpAgent:
         with self._lock:
             return sum(s.value for s in self.samples if s.name == name and tags.items() <= s.tags.items())
 
-    def by_tag(self, name: str, key: str) -> Counter[str]:
+    def by_tag(self, name: str, key: str, **tags: str) -> Counter[str]:
+        """Totals of `name` by the value of its tag `key`, over the samples that carry `tags`."""
         counts: Counter[str] = Counter()
         with self._lock:
             for s in self.samples:
-                if s.name == name:
+                if s.name == name and tags.items() <= s.tags.items():
                     counts[s.tags.get(key, "")] += int(s.value)
         return counts
 

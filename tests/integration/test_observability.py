@@ -83,11 +83,13 @@ def test_metrics_reach_a_dogstatsd_listener_and_agree_with_the_report(
 
     # The interceptor's view: one count per attempt, by status, as the report's table.
     assert agent.total(calls, method="Classify") == report.calls
-    assert dict(agent.by_tag(calls, "status")) == report.status_counts
+    assert dict(agent.by_tag(calls, "status", method="Classify")) == report.status_counts
     assert report.status_counts.get("UNAVAILABLE", 0) > 0, "the fault injection should have produced failures"
     assert agent.total("raypipe.client.retries") == report.retries > 0
     assert agent.total("raypipe.client.paragraphs", status="OK") == report.rows_ok + report.canaries
-    latencies = [s for s in agent.samples if s.name == "raypipe.client.latency_ms"]
+    latencies = [
+        s for s in agent.samples if s.name == "raypipe.client.latency_ms" and s.tags.get("method") == "Classify"
+    ]
     assert len(latencies) == report.calls and all(s.kind == "d" and s.value > 0 for s in latencies)
 
     # The driver's per-unit counts.
