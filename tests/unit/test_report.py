@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+import tracemalloc
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import raypipe
 from raypipe.report import LATENCY_RELATIVE_ERROR, AttemptStats, LatencySketch, RunReport, UnitStats
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -164,3 +168,42 @@ def test_render_says_how_many_files_planning_planned_whole_from_their_size():
     assert "planned whole" not in r.render()
     r.planning = {"footers_read": 1000, "whole_files": 49000, "files": {"new": 50000}}
     assert "planning      1,000 footers read | 49,000 small files planned whole" in r.render()
+
+
+def summaries(n: int):
+    """n unit summaries as the actors stream them back, made one at a time."""
+    u = UnitStats(unit="u", shard="s", attempt="a", actor="actor", rows=2000, ok=2000, calls=63)
+    u.status_counts["OK"] = 63
+    for ms in (40, 55, 80):
+        u.latency.add(ms / 1000)
+    marker = u.to_dict()
+    for i in range(n):
+        marker["actor_stats"] = {"seq": i, "breaker": {"openings": 0, "time_open_s": 0.0, "probes": 0},
+                                 "limiter": {"min": 2, "max": 8, "final": 6}}  # fmt: skip
+        marker["actor"] = f"actor{i % 4}"
+        yield UnitStats.from_dict(json.loads(json.dumps(marker)))
+
+
+RAYPIPE_FILES = str(Path(raypipe.__file__).parent / "*")  # the package, not a checkout that happens to be named raypipe
+
+
+def test_an_attempts_statistics_fold_in_bounded_memory():
+    """Summaries are folded as they stream in: what the fold holds does not grow with the units.
+
+    Counted from raypipe's own allocations that are still alive after a collection, so other
+    threads of the test process and the collector's schedule (which earlier tests may change)
+    do not enter the figure."""
+    held = {}
+    for n in (1_000, 10_000):
+        attempt = AttemptStats()
+        tracemalloc.start(4)
+        for u in summaries(n):
+            attempt.add(u)
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, RAYPIPE_FILES, all_frames=True)])
+        tracemalloc.stop()
+        held[n] = sum(stat.size for stat in snapshot.statistics("filename"))
+        assert attempt.units == n and attempt.rows == 2000 * n and len(attempt.actors) == 4
+        del attempt
+    print(f"attempt fold holds: 1k units {held[1_000] / 1e3:.1f} kB, 10k units {held[10_000] / 1e3:.1f} kB")
+    assert held[10_000] < 1.5 * held[1_000] + 50_000
