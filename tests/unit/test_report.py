@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import raypipe
-from raypipe.report import LATENCY_RELATIVE_ERROR, AttemptStats, LatencySketch, RunReport, UnitStats
+from raypipe.report import LATENCY_RELATIVE_ERROR, AttemptStats, CallTally, LatencySketch, RunReport, UnitStats
 
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -150,6 +150,56 @@ def test_fold_sums_calls_over_attempts_and_keeps_each_actors_latest_snapshot():
     d = json.loads(json.dumps(r.to_dict()))
     d.pop("rows_results")
     assert RunReport(**d).latency_ms == r.latency_ms
+
+
+# An attempt's statistics as an earlier release saved them (`attempts/<attempt>.json`, flat).
+_SAVED_ATTEMPT = {
+    "attempt": "a1",
+    "units": 2,
+    "rows": 15,
+    "ok": 12,
+    "empty_text": 1,
+    "dead_letters": 2,
+    "dead_letter_kinds": {"unavailable": 2},
+    "copied": 3,
+    "calls": 9,
+    "status_counts": {"OK": 5, "UNAVAILABLE": 4},
+    "retries": 4,
+    "canaries": 1,
+    "commit_s": 0.25,
+    "latency": {"relative_accuracy": 0.01, "keys": [], "counts": [], "zeros": 0, "sum": 0.0, "min": None, "max": None},
+    "actors": {"x": {"seq": 2}},
+    "answered_by": {"openvino:fp32": 9},
+    "model_cpu_s": 1.5,
+}
+
+
+def test_attempt_statistics_saved_by_an_earlier_release_read_back_and_save_the_same_keys():
+    a = AttemptStats.from_dict(_SAVED_ATTEMPT)
+    assert (a.attempt, a.units, a.calls, a.retries, a.canaries, a.model_cpu_s) == ("a1", 2, 9, 4, 1, 1.5)
+    assert a.status_counts == Counter({"OK": 5, "UNAVAILABLE": 4})
+    assert a.ledger() == {"result:ok": 12, "result:empty_text": 1, "dead_letter:unavailable": 2}
+    assert set(a.to_dict()) == set(_SAVED_ATTEMPT)
+    assert AttemptStats.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+
+
+def test_an_attempt_counts_its_calls_as_a_call_tally_over_the_same_units_does():
+    units = [
+        unit("u1", "a1", "x", 1, rows=4, ok=4, calls=2, retries=1, model_cpu_s=0.5, status_counts=Counter(OK=2)),
+        unit("u2", "a1", "x", 2, rows=3, calls=5, canaries=1, committed=False, status_counts=Counter(UNAVAILABLE=5)),
+    ]
+    units[0].latency.add(0.01)
+    attempt, tally = AttemptStats(attempt="a1"), CallTally()
+    for u in units:
+        attempt.add(u)
+        tally.add(u)
+    assert CallTally.from_dict(attempt.to_dict()) == CallTally.from_dict(tally.to_dict())
+    assert (attempt.rows, attempt.ok) == (7, 4)  # rows read by both units; outcomes of the committed one
+    other = AttemptStats(attempt="a2")
+    other.take_calls(tally)
+    assert (other.calls, other.units, other.latency.count) == (7, 0, 1)
+    tally.latency.add(1.0)  # a copy: the tally goes on without changing the attempt
+    assert other.latency.count == 1
 
 
 def test_unit_stats_round_trip():
