@@ -50,7 +50,7 @@ from raypipe.commit.outcomes import Ledger, ledger, ledger_of
 from raypipe.commit.table import FILES_SEEN_APP, OutcomeTable, TableFence, UnitCommitter, plan_app
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, SinkError
-from raypipe.plan.planning import Plan, quarantined
+from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.store import OutputStore
@@ -222,8 +222,8 @@ class CommitProtocol:
 
     # -- files seen ----------------------------------------------------------------------------
     def quarantined(self) -> frozenset[str]:
-        """The shards an operator set aside on this output (`raypipe.plan.planning.quarantine`)."""
-        return quarantined(self.store)
+        """The shards an operator set aside on this output (`raypipe.store.OutputStore.quarantine`)."""
+        return self.store.quarantined()
 
     def files_seen(self) -> FilesSeen:
         """Input files a run of this output read (every unit committed): the state the table names."""

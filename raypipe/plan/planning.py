@@ -12,14 +12,14 @@
                                           row groups by their `updated_at` statistics
     resume(input, plan, pending)        a resumed run's stored plan, brought up to date
     with_whole_file_maxima(plan, ...)   what the committed rows of files planned whole say
-    check_input(input, mode, output)    the input as preflight checks it: listed, first shard planned
+    check_input(input, mode, ...)       the input as preflight checks it: listed, first shard planned
 
 A backfill plans every shard whole. A daily plans the files no run has read whole yet (new
 ones, and those whose size or ETag changed), whole, whatever their rows' `updated_at`: it
 selects by the files seen, not by a watermark. A file rewritten in place is read for its rows
 updated at or after the latest `updated_at` read of it before; `since` also re-reads the files
-read before, for their rows updated after it. Shards an operator quarantined are skipped and
-listed (`quarantine`).
+read before, for their rows updated after it. Shards an operator quarantined
+(`raypipe.store.OutputStore.quarantine`) are skipped and listed.
 
 Planning reads only listings, Parquet footers (one ranged GET of a shard's tail each on S3)
 and the first line of JSON-lines files, so a missing column fails the run before any
@@ -27,7 +27,7 @@ inference, naming the shard and the column. The `Plan` carries what the later st
 the input (its columns, the bad-shard policy, the allowed clock skew), so no step after
 planning reads the input's settings again. The vocabulary (`WorkUnit`, `ColumnNames`,
 `DeltaWindow`) is `raypipe.plan.units`; the column checks `raypipe.plan.schema`. Planning
-imports only the floor (`raypipe.config`, `raypipe.errors`, `raypipe.store`).
+imports only the floor (`raypipe.config`, `raypipe.errors`).
 """
 
 from __future__ import annotations
@@ -55,14 +55,12 @@ from raypipe.config import InputConfig
 from raypipe.errors import InputError, NoShardsError, SchemaError
 from raypipe.plan.schema import check_columns, check_types
 from raypipe.plan.units import ColumnNames, DeltaWindow, ShardFormat, WorkUnit
-from raypipe.store import OutputStore
 
 __all__ = [
     "CUT_GROUP_BYTES",
     "FOOTER_SAMPLE",
     "FOOTER_TAIL_BYTES",
     "PLANNING_THREADS",
-    "QUARANTINE",
     "WHOLE_FILE_MAX_BYTES",
     "InputListing",
     "OutputHistory",
@@ -77,8 +75,6 @@ __all__ = [
     "plan_listing",
     "plan_units",
     "prune_partitions",
-    "quarantine",
-    "quarantined",
     "resume",
     "with_whole_file_maxima",
 ]
@@ -335,33 +331,6 @@ def prune_partitions(
             continue
         kept.append((shard, fmt))
     return kept
-
-
-# -- quarantine --------------------------------------------------------------------------------
-# Shards an operator set aside (`raypipe shards quarantine`) are skipped by `list_input` and listed
-# in the report, so a shard that stays bad stops making every run incomplete.
-QUARANTINE = "quarantine.json"
-"""The file under the output's state folder (`_raypipe/quarantine.json`)."""
-
-
-def quarantined(store: OutputStore) -> frozenset[str]:
-    """The shards the output's quarantine holds."""
-    return frozenset((store.read_json_or_none(store.state(QUARANTINE)) or {}).get("shards", {}))
-
-
-def quarantine(output: str, shards: list[str], *, reason: str, release: bool = False) -> dict[str, Any]:
-    """Adds shards to (or with `release`, removes them from) the output's quarantine: planning
-    skips a quarantined shard and lists it in the report, so a shard that stays bad stops
-    making every run incomplete once an operator has decided so."""
-    store = OutputStore(output)
-    current = (store.read_json_or_none(store.state(QUARANTINE)) or {}).get("shards", {})
-    for shard in shards:
-        if release:
-            current.pop(shard, None)
-        else:
-            current[shard] = {"reason": reason, "at": datetime.now(UTC).isoformat()}
-    store.write_json(store.state(QUARANTINE), {"shards": current})
-    return {"quarantined": sorted(current)}
 
 
 # -- footers -----------------------------------------------------------------------------------
@@ -889,19 +858,15 @@ def with_whole_file_maxima(plan: Plan, done: set[str], maxima: Callable[[], Mapp
 _INPUT_HINT = "set --input (input.uri) to a Parquet or JSON-lines file, a folder of them, or a glob"
 
 
-def check_input(input: InputConfig, mode: str, output: str) -> None:
+def check_input(input: InputConfig, mode: str, *, quarantined: frozenset[str] = frozenset()) -> None:
     """Raises `InputError` (or `NoShardsError`, `SchemaError`) with the setting to fix, if a run
-    could not plan `input`: it exists, lists at least one shard (the shards quarantined on
-    `output` left out), and its first shard has the id and text columns with usable types (its
-    Parquet footer, or its first JSON line; no rows read). A daily records bad shards and goes
-    on (`input.on_bad_shard: record`), so it is refused only when its first and its last shard
+    could not plan `input`: it exists, lists at least one shard (the `quarantined` ones left
+    out), and its first shard has the id and text columns with usable types (its Parquet
+    footer, or its first JSON line; no rows read). A daily records bad shards and goes on
+    (`input.on_bad_shard: record`), so it is refused only when its first and its last shard
     both lack the same column: that is a setting (`input.text_column`), not one bad file."""
     try:
-        skip = quarantined(OutputStore(output))
-    except OSError:
-        skip = frozenset()  # the output's own check reports an unreadable output
-    try:
-        listing = list_input(input.uri, format=input.format, quarantined=skip)
+        listing = list_input(input.uri, format=input.format, quarantined=quarantined)
     except NoShardsError as e:
         raise NoShardsError(f"{e}: {_INPUT_HINT}") from e
     except (OSError, ValueError) as e:  # a bucket that does not exist, a path we may not list
