@@ -9,7 +9,7 @@ that either happens or raises. The run modes (`raypipe.run.modes._run`, through 
     protocol.committed_report()        # None, or the report of a run id already committed
     protocol.setup_run(labels)         # lease (one run id at a time), table ready, take-over: fence
     protocol.plan(make_plan, ...)      # the stored plan, or a new one (stored once, fenced)
-    protocol.pending(plan)             # units not committed in the table
+    protocol.committed_units(plan)     # what the table holds committed (the rest is to do)
     ... the actors commit units through `protocol.unit_committer()` (one Delta commit each) ...
     protocol.record_files_seen(...)    # the files every unit of which is committed (fenced)
     protocol.commit_run()              # the run committed (fenced), or protocol.abort()
@@ -197,20 +197,15 @@ class CommitProtocol:
         self.table.set_pointer(self.fence, plan_app(self.run_id), write, operation="plan")
 
     # -- units ---------------------------------------------------------------------------------
-    def committed(self, units: list[str], *, replay: bool = False) -> set[str]:
-        """The units of `units` committed already (read after `setup_run`, so final for them).
-
-        A backfill's or daily's units are listed from the log's file statistics (no data read);
-        a replay's rows land in the run it replays, so its units are found by their own
-        transactions."""
-        if replay:
-            return self.table.units_with_transaction(self.run_id, units)
-        return self.table.committed_units(self.run_id) & set(units)
-
-    def pending(self, plan: Plan) -> list[WorkUnit]:
-        """Units of the plan not committed yet (read after the take-over, so final)."""
-        done = self.committed([u.key for u in plan.units], replay=plan.mode == "replay")
-        return [u for u in plan.units if u.key not in done]
+    def committed_units(self, plan: Plan) -> set[str]:
+        """The run's units committed already (read after `setup_run`, so final for them): one
+        read of the table per call. A backfill's or daily's are listed from the log's file
+        statistics (no data read): every unit the run committed, so units a resumed plan adds
+        are answered too. A replay's rows land in the run it replays, so its plan's units are
+        found by their own transactions."""
+        if plan.mode == "replay":
+            return self.table.units_with_transaction(self.run_id, [u.key for u in plan.units])
+        return self.table.committed_units(self.run_id)
 
     def unit_committer(self) -> UnitCommitter:
         """What commits units of this attempt (picklable: the actors get one each)."""
@@ -311,7 +306,7 @@ class CommitProtocol:
         version = (plan.observations or {}).get("table_version")
         if plan.replay_of is None or version is None:
             return None
-        units = sorted(self.committed([u.key for u in plan.units], replay=True))
+        units = sorted(self.committed_units(plan))
         if not units:
             return Ledger()
         key = ["id", "unit", "source", "row"]

@@ -10,7 +10,7 @@
       plan_units                          shards cut into units from their Parquet footers (or a
                                           JSON-lines file's first line); a daily's window prunes
                                           row groups by their `updated_at` statistics
-    resume(input, plan, pending)        a resumed run's stored plan, brought up to date
+    resume(input, plan, committed)      a resumed run's stored plan, brought up to date
     with_whole_file_maxima(plan, ...)   what the committed rows of files planned whole say
     check_input(input, mode, ...)       the input as preflight checks it: listed, first shard planned
 
@@ -769,29 +769,28 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
     return Plan(mode, input.uri, units, bad, window, observations=observations, **_reading(input, mode))
 
 
-def resume(input: InputConfig, plan: Plan, pending: list[WorkUnit]) -> tuple[Plan, bool]:
+def resume(input: InputConfig, plan: Plan, committed: set[str]) -> tuple[Plan, bool]:
     """A resumed run's stored plan, read with this attempt's input settings, and brought up to
     date with its input as it is now: the shards an earlier attempt recorded as bad planned
-    again (a fixed one joins the run), and each pending whole-file unit read as its file is
-    now. Returns (plan, changed): a changed plan is to be stored again. The input is listed
-    only when the plan has bad shards or whole-file units."""
+    again (a fixed one joins the run), and each whole-file unit not `committed` yet read as its
+    file is now. Returns (plan, changed): a changed plan is to be stored again. The input is
+    listed only when the plan has bad shards or whole-file units."""
     plan = dataclasses.replace(plan, **_reading(input, plan.mode))
     if not (plan.bad_shards or any(u.planned_whole for u in plan.units)):
         return plan, False
     listing = list_input(input.uri, format=input.format)
-    return _refresh_whole_files(_retry_bad_shards(input, plan, listing), listing, pending), True
+    return _refresh_whole_files(_retry_bad_shards(input, plan, listing), listing, committed), True
 
 
-def _refresh_whole_files(plan: Plan, listing: InputListing, pending: list[WorkUnit]) -> Plan:
-    """A resumed run reads each of its pending whole-file units (`plan_listing`) as the
-    file is now: one mended or rewritten since planning (a bad shard fixed in place) would
+def _refresh_whole_files(plan: Plan, listing: InputListing, committed: set[str]) -> Plan:
+    """A resumed run reads each of its whole-file units not committed yet (`plan_listing`) as
+    the file is now: one mended or rewritten since planning (a bad shard fixed in place) would
     otherwise never read under this run id (`ShardChangedError`). A unit that is the whole file
     has no row range of an older version to keep; a unit cut from a footer keeps its
     fingerprint, and a committed unit keeps the one it was read at."""
-    todo = {u.key for u in pending if u.planned_whole}
     units = [
         dataclasses.replace(u, fingerprint=listing.fingerprints[u.shard])
-        if u.key in todo and u.shard in listing.fingerprints
+        if u.planned_whole and u.key not in committed and u.shard in listing.fingerprints
         else u
         for u in plan.units
     ]

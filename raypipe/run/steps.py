@@ -101,8 +101,9 @@ class PlanRun:
         plan, resumed = protocol.plan(
             lambda: self.make_plan(protocol), input_uri=input.uri if input else None, model_version=model_version
         )
+        done = protocol.committed_units(plan)  # read once: a resumed plan's new units are not among them
         if resumed and input is not None:
-            plan, changed = resume(input, plan, protocol.pending(plan))
+            plan, changed = resume(input, plan, done)
             if changed:
                 protocol.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
@@ -113,7 +114,7 @@ class PlanRun:
             report.window = {"after": _iso(plan.window.after), "until": _iso(plan.window.until)}
         report.units_total = len(plan.units)
 
-        todo = protocol.pending(plan)
+        todo = [u for u in plan.units if u.key not in done]
         report.units_skipped_committed = len(plan.units) - len(todo)
         logger.info(
             "run %s (generation %d): %d units to do, %d already committed",

@@ -60,7 +60,7 @@ def test_protocol_steps_set_up_commit_units_commit_the_run(tmp_path, attempts):
     assert fence.generation == 1
     assert p.commit_unit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))
     assert not p.commit_unit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))  # once
-    assert p.committed([UNIT, "other"]) == {UNIT}
+    assert p.committed_units(plan("a.parquet")) == {UNIT}
     p.commit_run({"why": "every unit"})
     assert protocol(tmp_path, attempts, "a2").is_committed()
     assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "dead_letter", "m"): 1})
@@ -95,7 +95,7 @@ def test_protocol_abort_fences_its_own_writers_but_never_a_newer_attempt(tmp_pat
         stalled.commit("shard-1-def", rows({"B": "result"}, version="m"))
     second = protocol(tmp_path, attempts, "a2")
     assert second.setup_run(LABELS).generation == 3
-    assert second.committed([UNIT, "shard-1-def"]) == {UNIT}  # what committed before stays
+    assert second.committed_units(plan("a.parquet")) == {UNIT}  # what committed before stays
     third = protocol(tmp_path, attempts, "a3")
     third.setup_run(LABELS)
     assert not second.abort()  # the run is the third's now: left alone
@@ -120,7 +120,7 @@ def test_protocol_unit_transactions_use_the_injected_clock(tmp_path, attempts):
     p.setup_run(LABELS)
     assert p.commit_unit(UNIT, rows({"A": "result"}, version="m"))
     assert p.table.load().transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # past the retention
-    assert p.committed([UNIT]) == {UNIT}  # still found committed by its file
+    assert p.committed_units(plan("a.parquet")) == {UNIT}  # still found committed by its file
 
 
 def test_a_fenced_off_attempt_cannot_replace_the_plan(tmp_path, attempts):

@@ -55,6 +55,7 @@ class FakeProtocol:
         self.lease = FakeLease()
         self.table = SimpleNamespace(max_updated_at_by_unit=lambda run_id: {})
         self.committed_runs = 0
+        self.committed_reads = 0
         self._abort = abort
         self.stored, self.done = stored, set(done)
         self.saved: list[Plan] = []
@@ -70,8 +71,12 @@ class FakeProtocol:
         self.saved.append(plan)
         return plan, False
 
-    def pending(self, plan: Plan) -> list[WorkUnit]:
-        return [u for u in plan.units if u.key not in self.done]
+    def save_plan(self, plan: Plan) -> None:
+        self.saved.append(plan)
+
+    def committed_units(self, plan: Plan) -> set[str]:
+        self.committed_reads += 1
+        return set(self.done)
 
     def record_files_seen(self, plan: Plan, committed: set[str]) -> int:
         self.files_seen.append((plan, committed))
@@ -142,6 +147,26 @@ def test_a_resumed_run_takes_its_stored_plan():
     protocol = FakeProtocol(stored=stored)
     plan, todo = PlanRun(protocol, None, lambda s: pytest.fail("planned anew")).plan("m1", RunReport("r1", "backfill"))  # type: ignore[arg-type]
     assert plan is stored and todo == stored.units and protocol.saved == []
+
+
+def test_a_resumed_run_brought_up_to_date_reads_the_committed_units_once(tmp_path):
+    """A resumed plan with whole-file units is brought up to date with its input: the committed
+    units are read once, and a whole-file unit not committed is read as its file is now."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name in ("a", "b"):
+        pq.write_table(pa.table({"id": [name], "text": ["t"]}), tmp_path / f"{name}.parquet")
+    a = WorkUnit(str(tmp_path / "a.parquet"), "parquet", 0, None, fingerprint="old")
+    b = WorkUnit(str(tmp_path / "b.parquet"), "parquet", 0, None, fingerprint="old")
+    protocol = FakeProtocol(stored=_plan(a, b), done={a.key})
+    plan, todo = PlanRun(protocol, InputConfig(uri=str(tmp_path)), lambda s: pytest.fail("planned anew")).plan(  # type: ignore[arg-type]
+        "m1", RunReport("r1", "backfill")
+    )
+    assert protocol.committed_reads == 1
+    assert [u.key for u in todo] == [b.key] and protocol.saved == [plan]
+    fingerprints = {u.shard: u.fingerprint for u in plan.units}
+    assert fingerprints[a.shard] == "old" and fingerprints[b.shard] != "old"  # the committed unit keeps its own
 
 
 # -- ExecuteRun -------------------------------------------------------------------------------------
