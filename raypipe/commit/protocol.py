@@ -39,6 +39,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 
@@ -47,7 +48,14 @@ import pyarrow.compute as pc
 
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import Ledger, ledger, ledger_of
-from raypipe.commit.table import FILES_SEEN_APP, OutcomeTable, TableFence, UnitCommitter, plan_app
+from raypipe.commit.table import (
+    FILES_SEEN_APP,
+    OUTCOME_DEAD_LETTER,
+    OutcomeTable,
+    TableFence,
+    UnitCommitter,
+    plan_app,
+)
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, SinkError
 from raypipe.plan.planning import Plan
@@ -206,6 +214,20 @@ class CommitProtocol:
         if plan.mode == "replay":
             return self.table.units_with_transaction(self.run_id, [u.key for u in plan.units])
         return self.table.committed_units(self.run_id)
+
+    def dead_letters_of(self, run_id: str) -> tuple[int, Counter[str]] | None:
+        """Run `run_id`'s committed dead letters by unit, and the table version they were read
+        at (what a replay of it plans and counts against); None if the table holds no row of it."""
+        version = self.table.load().version()
+        rows = (
+            self.table.load_version(version)
+            .to_pyarrow_dataset()
+            .to_table(filter=pc.field("run_id") == run_id, columns=["unit", "outcome"])
+        )
+        if rows.num_rows == 0:
+            return None
+        dead = rows.filter(pc.equal(rows.column("outcome"), OUTCOME_DEAD_LETTER))
+        return version, Counter(dead.column("unit").to_pylist())
 
     def unit_committer(self) -> UnitCommitter:
         """What commits units of this attempt (picklable: the actors get one each)."""

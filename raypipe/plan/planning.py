@@ -10,6 +10,7 @@
       plan_units                          shards cut into units from their Parquet footers (or a
                                           JSON-lines file's first line); a daily's window prunes
                                           row groups by their `updated_at` statistics
+    plan_replay(output, of_run, ...)    a replay's `Plan`: the units of a run holding dead letters
     resume(input, plan, committed)      a resumed run's stored plan, brought up to date
     with_whole_file_maxima(plan, ...)   what the committed rows of files planned whole say
     check_input(input, mode, ...)       the input as preflight checks it: listed, first shard planned
@@ -73,6 +74,7 @@ __all__ = [
     "list_shards",
     "plan_input",
     "plan_listing",
+    "plan_replay",
     "plan_units",
     "prune_partitions",
     "resume",
@@ -173,6 +175,16 @@ class Plan:
     """A shard that cannot be read: stop the run, or record it and go on (`input.on_bad_shard`)."""
     max_future_skew_s: float = dataclasses.field(default=3600.0, compare=False)
     """An updated_at later than now plus this is in the future (`input.max_future_skew_s`)."""
+
+    @property
+    def read_as_of(self) -> datetime | None:
+        """What a backfill's or daily's input was read as of: the watermark its completion moves
+        to (None for a replay, which reads no input)."""
+        return _parse((self.observations or {}).get("read_as_of"))
+
+    def rows_run_id(self, run_id: str) -> str:
+        """The run whose rows run `run_id` writes: its own, or for a replay the run it replays."""
+        return self.replay_of or run_id
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -767,6 +779,17 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
     observations["read_as_of"] = observations["max_updated_at"] or datetime.now(UTC).isoformat()
     window = None if since is None else DeltaWindow.since(since)
     return Plan(mode, input.uri, units, bad, window, observations=observations, **_reading(input, mode))
+
+
+def plan_replay(output_uri: str, of_run: str, dead_letters: Mapping[str, int], *, table_version: int) -> Plan:
+    """A replay's plan: a unit per unit of run `of_run` that holds committed dead letters
+    (`dead_letters`: unit -> how many, at `table_version` of the outcomes table, which the
+    report counts against), read back from the table by that unit's name."""
+    units = [
+        WorkUnit(output_uri, "dead_letters", 0, n, name=unit, source_run=of_run)
+        for unit, n in sorted(dead_letters.items())
+    ]
+    return Plan("replay", None, units, [], None, replay_of=of_run, observations={"table_version": table_version})
 
 
 def resume(input: InputConfig, plan: Plan, committed: set[str]) -> tuple[Plan, bool]:

@@ -159,9 +159,7 @@ class ExecuteRun:
         self.attempt = AttemptStats(attempt=protocol.attempt)
         self.meter: CpuMeter | None = None
 
-    def execute(
-        self, plan: Plan, todo: list[WorkUnit], model: ModelService, *, rows_run_id: str, report: RunReport
-    ) -> Executed:
+    def execute(self, plan: Plan, todo: list[WorkUnit], model: ModelService, *, report: RunReport) -> Executed:
         bad = list(plan.bad_shards)
         committed: set[str] = set()
         if not todo:
@@ -169,7 +167,7 @@ class ExecuteRun:
         actor_settings = ActorSettings(
             fence=self.protocol.fence,
             text_index=self._text_index(model, report),
-            run_id=rows_run_id,
+            run_id=plan.rows_run_id(self.protocol.run_id),
             attempt=self.protocol.attempt,
             service=self.settings.service,
             client=model.client,
@@ -273,9 +271,8 @@ class CommitRun:
     (never backwards). `abort`: this attempt is fenced off, so nothing of it lands after its
     report."""
 
-    def __init__(self, protocol: CommitProtocol, watermark_to: Callable[[Plan], datetime | None]) -> None:
+    def __init__(self, protocol: CommitProtocol) -> None:
         self.protocol = protocol
-        self.watermark_to = watermark_to
 
     def commit(self, plan: Plan, todo: list[WorkUnit], executed: Executed, report: RunReport) -> None:
         protocol, bad = self.protocol, executed.bad_shards
@@ -291,7 +288,7 @@ class CommitRun:
             protocol.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
             protocol.commit_run()
-            mark = self.watermark_to(plan)
+            mark = plan.read_as_of
             if mark is not None:
                 protocol.advance_watermark(mark)
 

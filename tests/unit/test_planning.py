@@ -455,3 +455,14 @@ def test_daily_since_rereads_a_rewritten_file_after_the_earlier_time_then_the_un
         ("b_rewritten.parquet", upto.isoformat()),
         ("c_unchanged.parquet", since.isoformat()),
     ]
+
+
+def test_a_plan_says_what_its_input_was_read_as_of_and_whose_rows_it_writes():
+    from raypipe.plan.planning import Plan, plan_replay
+
+    plan = Plan("backfill", "/in", [], [], observations={"read_as_of": T0.isoformat()})
+    assert plan.read_as_of == T0 and plan.rows_run_id("b1") == "b1"
+    replay = plan_replay("/out", "b1", {"u2": 1, "u1": 3}, table_version=7)
+    assert replay.read_as_of is None and replay.rows_run_id("b1.replay-1") == "b1"
+    assert [(u.key, u.row_stop, u.source_run) for u in replay.units] == [("u1", 3, "b1"), ("u2", 1, "b1")]
+    assert Plan.from_dict(replay.to_dict()) == replay and replay.observations == {"table_version": 7}

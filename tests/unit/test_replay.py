@@ -78,20 +78,14 @@ def replay_protocol(out):
 
 
 def replay_plan(out, units: list[str]):
-    from raypipe.plan.planning import Plan
-    from raypipe.plan.units import WorkUnit
+    """The replay's plan as the run makes it: from the dead letters the table holds by unit."""
+    from raypipe.plan.planning import plan_replay
 
-    table = OutcomeTable(str(out))
-    version = table.load().version()
-    return Plan(
-        "replay",
-        None,
-        [WorkUnit(str(out), "dead_letters", 0, 2, name=u, source_run=RUN) for u in units],
-        [],
-        None,
-        replay_of=RUN,
-        observations={"table_version": version},
-    )
+    found = replay_protocol(out).dead_letters_of(RUN)
+    assert found is not None
+    version, dead_letters = found
+    assert set(dead_letters) == set(units)
+    return plan_replay(str(out), RUN, dead_letters, table_version=version)
 
 
 def test_a_resumed_replay_does_not_infer_units_an_earlier_attempt_committed(tmp_path):
