@@ -2,19 +2,25 @@
 
 In the manner of Spark's `FileCommitProtocol`, a run's output is set up, committed unit by
 unit, committed as a whole, or aborted, each step one method, each commit one Delta commit
-that either happens or raises. The run modes (`raypipe.run.modes._run`, through the steps of
-`raypipe.run.steps`) call it in this order::
+that either happens or raises. A run (`raypipe.run.modes._run`, through the steps of
+`raypipe.run.steps`) calls it in this order; this is the one place the order is told::
 
     protocol = CommitProtocol(config.output, mode, run_id)
-    protocol.committed_report()        # None, or the report of a run id already committed
-    protocol.setup_run(labels)         # lease (one run id at a time), table ready, take-over: fence
-    protocol.plan(make_plan, ...)      # the stored plan, or a new one (stored once, fenced)
-    protocol.committed_units(plan)     # what the table holds committed (the rest is to do)
-    ... the actors commit units through `protocol.unit_committer()` (one Delta commit each) ...
-    protocol.record_files_seen(...)    # the files every unit of which is committed (fenced)
-    protocol.commit_run()              # the run committed (fenced), or protocol.abort()
-    protocol.advance_watermark(...)    # informational, never backwards
-    protocol.write_report(...)         # the report; then protocol.release() (the lease)
+    protocol.committed_report()      # the stored report of a run id committed already: done
+    protocol.setup_run(labels)       # the lease, the table made ready, the take-over: the fence
+    protocol.plan(make_plan, ...)    # the stored plan, or a new one, stored (fenced); planning
+                                     #   asks quarantined(), files_seen(), dead_letters_of()
+    protocol.committed_units(plan)   # what the table holds committed; the rest is to do
+    protocol.save_plan(plan)         # a resumed plan brought up to date with its input (fenced)
+    ...                              # the actors commit each unit with a `UnitCommitter` over
+                                     #   `protocol.fence`: one Delta commit each (fenced)
+    protocol.record_files_seen(...)  # the files every unit of which is committed (fenced)
+    protocol.commit_run()            # every unit committed: the run is committed (fenced)
+    protocol.advance_watermark(...)  # informational, never backwards
+    protocol.abort()                 # instead of the three above, when a step failed
+    protocol.save_attempt(...)       # this attempt's calls, and then its report, unless a
+    protocol.write_report(...)       #   newer attempt fenced this one off (that one reports)
+    protocol.release()               # the lease, last, however the run ended
 
 **The fence** is the table's concurrency control (`raypipe.commit.table`): `setup_run` commits a
 new generation of the run id to its slots; every later commit of this attempt (units, plan,

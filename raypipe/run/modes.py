@@ -1,24 +1,21 @@
 """Run modes: backfill, daily delta and replay, over one shared run protocol.
 
 `_run` is the whole story of a run, a step at a time (`raypipe.run.steps`), each step given
-the part of the config it needs, over one `CommitProtocol` that owns the run's output (its
-steps and the fence: `raypipe.commit.protocol`):
-1. `CommitProtocol.committed_report`: a run id already committed (the one truth: its run commit
-   in the table) returns at once, with its stored report;
+the part of the config it needs, over one `CommitProtocol` that owns the run's output. What
+each step asks of the protocol, in which order, and the fence that keeps an earlier attempt
+from landing anything, are told once, in `raypipe.commit.protocol`. The steps:
+1. a run id already committed returns at once, with its stored report;
 2. `ModelService.ask`: the model service is checked (labels, version, limits) before any data is read;
-3. `CommitProtocol.setup_run`: the output lease (one run id at a time; a live attempt of the same
-   run id is waited out, or taken over with `output.take_over_lease`), the table made ready and
-   the take-over commit that fences every earlier attempt of this run id off;
-4. `PlanRun`: the units, planned once (`raypipe.plan.planning`) and stored (fenced), so a
-   restart does the same units; those the protocol does not find committed are still to do;
-5. `ExecuteRun`: the pipeline streams them through the actors, which commit each unit through
-   the protocol's `UnitCommitter` (results and dead letters in one Delta commit); if the service
-   stays down the run stops with `CircuitOpenError`, its rows still to do;
-6. `CommitRun.commit`: the files read recorded (fenced), `CommitProtocol.commit_run` when every
-   unit is committed, the watermark moved forward (never backwards); on a failure,
-   `CommitRun.abort` instead, so nothing of this attempt lands after its report;
-7. `ReportRun`: the report, row counts from the table's committed rows, the calls of every
-   attempt, written to `runs/<run_id>.json`; the lease released.
+3. `CommitProtocol.setup_run`: the lease and the take-over (a failing metrics sink after it
+   gives the lease back at once);
+4. `PlanRun`: the units, planned once (`raypipe.plan.planning`; each mode says how) and
+   stored, so a restart does the same units; those not committed are still to do;
+5. `ExecuteRun`: the pipeline streams them through the actors, which commit each unit; if the
+   service stays down the run stops with `CircuitOpenError`, its rows still to do;
+6. `CommitRun.commit`: the files read, the run's commit when every unit is, the watermark;
+   on a failure `CommitRun.abort` instead;
+7. `ReportRun`: the report (rows from the table, the calls of every attempt), then the lease
+   released, however the run ended.
 
 A daily reads the input files no run has read whole yet (new files, and files whose size or
 ETag changed), whole, whatever their rows' `updated_at`: it selects by the files seen

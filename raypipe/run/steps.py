@@ -267,9 +267,9 @@ def _fatal_error(fatal: str) -> RaypipeError:
 class CommitRun:
     """The run's end on its output. `commit`: the files every unit of which is committed are
     recorded as seen (also in an incomplete run: its healthy files are not read again), and a
-    complete run is committed (`CommitProtocol.commit_run`) and moves the watermark forward
-    (never backwards). `abort`: this attempt is fenced off, so nothing of it lands after its
-    report."""
+    complete run is committed (`CommitProtocol.commit_run`) and moves the watermark to what its
+    input was read as of (`Plan.read_as_of`; never backwards, never for a replay). `abort`:
+    this attempt is fenced off, so nothing of it lands after its report."""
 
     def __init__(self, protocol: CommitProtocol) -> None:
         self.protocol = protocol
