@@ -19,7 +19,7 @@ from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedE
 from raypipe.plan import planning
 from raypipe.plan.planning import PlanObservations, list_input, list_shards, plan_input, plan_units
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
-from raypipe.run.pipeline import _read_block
+from raypipe.run.pipeline import UnitDatasource
 from raypipe.run.read import read_unit
 
 COLS = ColumnNames()
@@ -400,20 +400,12 @@ def write(path, ids, stamps):
 
 
 def read_plan(plan):
+    """The ids the run's pipeline reads of `plan`: its read tasks, as `run_units` builds them."""
     rows = []
-    for unit in plan.units:
-        for block in _read_block(unit, ColumnNames(), "fail"):
+    for task in UnitDatasource(plan.units, plan.columns, plan.on_bad_shard).get_read_tasks(parallelism=1):
+        for block in task():
             rows += [r for r in block.column("id").to_pylist() if r is not None]
     return sorted(rows)
-
-
-def test_daily_since_reads_a_new_file_whole_whatever_its_rows_updated_at(tmp_path):
-    """A late file whose rows are stamped before --since, some with no updated_at: all read."""
-    write(tmp_path / "in" / "late.parquet", ["a", "b", "c"], [T0 - timedelta(days=3), None, T0 + timedelta(hours=1)])
-    cfg = config(tmp_path)
-    assert cfg.input is not None
-    plan = plan_input(cfg.input, "daily", CommitProtocol(cfg.output, "daily", "d1"), since=T0)
-    assert read_plan(plan) == ["a", "b", "c"]
 
 
 class _History:
@@ -427,6 +419,28 @@ class _History:
 
     def files_seen(self):
         return self.seen
+
+
+def test_daily_since_reads_a_new_file_whole_and_a_file_read_before_from_since(tmp_path):
+    """`--since T`: a late file (rows stamped before T, one without updated_at) is new, so it is
+    read whole; a file read before is read for its rows updated at or after T only."""
+    write(tmp_path / "in" / "late.parquet", ["a", "b", "c"], [T0 - timedelta(days=3), None, T0 + timedelta(hours=1)])
+    write(tmp_path / "in" / "read.parquet", ["r1", "r2"], [T0 - timedelta(days=1), T0 + timedelta(hours=1)])
+    cfg = config(tmp_path)
+    assert cfg.input is not None
+    listing = list_input(cfg.input.uri)
+    (read,) = [s for s, _ in listing.shards if s.endswith("read.parquet")]
+    history = _History({read: (listing.fingerprints[read], (T0 - timedelta(days=1)).isoformat())})
+    plan = plan_input(cfg.input, "daily", history, since=T0)
+    assert read_plan(plan) == ["a", "b", "c", "r2"]
+
+
+def test_a_daily_asks_the_output_what_it_read_through_the_commit_protocol(tmp_path):
+    write(tmp_path / "in" / "late.parquet", ["a"], [T0])
+    cfg = config(tmp_path)
+    assert cfg.input is not None
+    plan = plan_input(cfg.input, "daily", CommitProtocol(cfg.output, "daily", "d1"), since=T0)
+    assert read_plan(plan) == ["a"] and plan.observations["files"] == {"new": 1}
 
 
 def test_daily_since_rereads_a_rewritten_file_after_the_earlier_time_then_the_unchanged_ones(tmp_path):
