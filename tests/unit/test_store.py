@@ -3,6 +3,7 @@ listings that skip what a writer left half done, the operator's quarantine. No R
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pyarrow as pa
@@ -42,3 +43,15 @@ def test_the_quarantine_holds_what_an_operator_set_aside_until_released(tmp_path
     assert OutputStore(str(tmp_path)).quarantined() == frozenset({"s3://b/in/y.parquet"})
     held = store.read_json(store.state("quarantine.json"))["shards"]["s3://b/in/y.parquet"]
     assert held["reason"] == "vendor broke them" and held["at"]
+
+
+def test_the_cli_sets_shards_aside_and_releases_them(tmp_path, capsys):
+    from raypipe.cli import main
+
+    out, shard = str(tmp_path / "out"), "s3://b/in/x.parquet"
+    assert main(["shards", "quarantine", "--output", out, shard, "--reason", "vendor broke it"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"quarantined": [shard]}
+    assert OutputStore(out).quarantined() == frozenset({shard})
+    assert main(["shards", "release", "--output", out, shard]) == 0
+    assert json.loads(capsys.readouterr().out) == {"quarantined": []}
+    assert OutputStore(out).quarantined() == frozenset()
