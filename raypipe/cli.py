@@ -535,11 +535,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "report":
             return _report(args)
         if args.command == "shards":
-            from raypipe.plan.planning import quarantine
+            from raypipe.store import OutputStore
 
             release = args.shards_command == "release"
-            done = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)
-            print(json.dumps(done))
+            held = OutputStore(args.output).quarantine(args.shard, reason=getattr(args, "reason", ""), release=release)
+            print(json.dumps({"quarantined": held}))
             return EXIT_OK
         if args.command == "lease":
             return _lease(args)

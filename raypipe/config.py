@@ -207,15 +207,18 @@ class RetryConfig(_Frozen):
 
 class BreakerConfig(_Frozen):
     failure_threshold: int = Field(5, ge=1)
-    """Consecutive transient failures (per actor) that open the breaker."""
+    """Consecutive failed calls (per actor, each after its retries) that open the breaker; a
+    call whose rows a canary showed at fault is no failure of the service (`raypipe.call.breaker`)."""
     reset_timeout_s: float = Field(1.0, gt=0)
     """Time open before one probe call is let through; doubles while probes fail."""
     max_reset_timeout_s: float = Field(30.0, gt=0)
     """Cap of the doubled reset timeout."""
     max_wait_s: float = Field(600.0, gt=0)
-    """Total time a call may wait on an open breaker; past it the run stops (`CircuitOpenError`,
-    exit 1) with its rows still to do, and rerunning the same run id resumes it. Nothing is
-    dead-lettered for a service that is down."""
+    """How long an outage may last, counted from the breaker's opening (failed probes
+    included, however often a caller asks again); past it every waiting and new call gets
+    `CircuitOpenError` and the run stops (exit 1) within `max_wait_s` plus one reset period,
+    its rows still to do; rerunning the same run id resumes it. Nothing is dead-lettered for
+    a service that is down."""
 
 
 class LimiterConfig(_Frozen):

@@ -17,7 +17,15 @@ from typing import Any
 
 from ddsketch import DDSketch
 
-__all__ = ["LATENCY_RELATIVE_ERROR", "AttemptStats", "LatencySketch", "RunReport", "UnitStats", "render_cost"]
+__all__ = [
+    "LATENCY_RELATIVE_ERROR",
+    "AttemptStats",
+    "CallTally",
+    "LatencySketch",
+    "RunReport",
+    "UnitStats",
+    "render_cost",
+]
 
 #: Relative error of every latency quantile the report states: the sketch answers a value
 #: within this fraction of the exact order statistic (DDSketch's guarantee).
@@ -156,35 +164,96 @@ class UnitStats:
 
 
 @dataclass
-class AttemptStats:
-    """What one attempt of a run did: its calls and the actors' breakers and limiters.
+class CallTally:
+    """Call figures summed over units: what an actor's tally (`raypipe.tally`) and an attempt's
+    statistics (`AttemptStats`) both count, in one place."""
+
+    units: int = 0
+    calls: int = 0
+    status_counts: Counter[str] = field(default_factory=Counter)
+    retries: int = 0
+    canaries: int = 0
+    model_cpu_s: float = 0.0
+    latency: LatencySketch = field(default_factory=LatencySketch)
+
+    def add(self, u: UnitStats | CallTally) -> None:
+        self.units += u.units if isinstance(u, CallTally) else 1
+        self.calls += u.calls
+        self.status_counts.update(u.status_counts)
+        self.retries += u.retries
+        self.canaries += u.canaries
+        self.model_cpu_s += u.model_cpu_s
+        self.latency.merge(u.latency)
+
+    def take_calls(self, other: CallTally) -> None:
+        """Replaces the call figures with `other`'s (copies; the unit count stays)."""
+        self.calls = other.calls
+        self.status_counts = Counter(other.status_counts)
+        self.retries = other.retries
+        self.canaries = other.canaries
+        self.model_cpu_s = other.model_cpu_s
+        self.latency = LatencySketch.from_dict(other.latency.to_dict())
+
+    @classmethod
+    def over(cls, done: CallTally, live: Iterable[UnitStats]) -> CallTally:
+        """`done` plus the units still in flight (their figures as far as they go)."""
+        total = cls()
+        total.add(done)
+        for u in live:
+            total.add(u)
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "units": self.units,
+            "calls": self.calls,
+            "status_counts": dict(self.status_counts),
+            "retries": self.retries,
+            "canaries": self.canaries,
+            "model_cpu_s": round(self.model_cpu_s, 6),
+            "latency": self.latency.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CallTally:
+        return cls(
+            units=int(d.get("units", 0)),
+            calls=int(d.get("calls", 0)),
+            status_counts=Counter(d.get("status_counts") or {}),
+            retries=int(d.get("retries", 0)),
+            canaries=int(d.get("canaries", 0)),
+            model_cpu_s=float(d.get("model_cpu_s", 0.0)),
+            latency=LatencySketch.from_dict(d.get("latency")),
+        )
+
+
+@dataclass
+class AttemptStats(CallTally):
+    """What one attempt of a run did: its calls (a `CallTally` over its unit summaries), the
+    rows its committed units hold, and the actors' breakers and limiters.
 
     Folded from the unit summaries the actors stream back (also of units whose commit never
     happened: a run the breaker stopped keeps its calls), saved at the attempt's end, and
-    summed over every attempt of the run into the report. O(actors) memory.
+    summed over every attempt of the run into the report. O(actors) memory. Saved as one flat
+    JSON object (`to_dict`), as earlier releases saved it.
     """
 
     attempt: str = ""
-    units: int = 0
     rows: int = 0
     ok: int = 0
     empty_text: int = 0
     dead_letters: int = 0
     dead_letter_kinds: Counter[str] = field(default_factory=Counter)
     copied: int = 0
-    calls: int = 0
-    status_counts: Counter[str] = field(default_factory=Counter)
-    retries: int = 0
-    canaries: int = 0
     commit_s: float = 0.0
-    latency: LatencySketch = field(default_factory=LatencySketch)
     actors: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each actor's latest breaker/limiter snapshot."""
     answered_by: Counter[str] = field(default_factory=Counter)
-    model_cpu_s: float = 0.0
 
-    def add(self, u: UnitStats) -> None:
-        self.units += 1
+    def add(self, u: UnitStats | CallTally) -> None:
+        super().add(u)
+        if not isinstance(u, UnitStats):
+            return
         self.rows += u.rows
         if u.committed:
             self.ok += u.ok
@@ -193,13 +262,7 @@ class AttemptStats:
             self.dead_letter_kinds.update(u.dead_letter_kinds)
             self.copied += u.copied
             self.answered_by.update(u.answered_by)
-        self.model_cpu_s += u.model_cpu_s
-        self.calls += u.calls
-        self.status_counts.update(u.status_counts)
-        self.retries += u.retries
-        self.canaries += u.canaries
         self.commit_s += u.commit_s
-        self.latency.merge(u.latency)
         if u.actor_stats:
             prev = self.actors.get(u.actor)
             if prev is None or u.actor_stats.get("seq", 0) >= prev.get("seq", 0):

@@ -3,8 +3,9 @@
 The driver learns a unit's calls from its summary, which an actor returns when the unit ends.
 A run stopped while its units are in flight (SIGTERM, a killed driver, the breaker waiting on a
 dead service) would report none of the calls made so far. So each actor also keeps a
-`CallTally` over every unit it worked on in the attempt, finished or not, and writes it, with
-its breaker and limiter figures, to
+`CallTally` (`raypipe.report`: the call figures an attempt's statistics count too) over every
+unit it worked on in the attempt, finished or not, and writes it, with its breaker and limiter
+figures, to
 
     _raypipe/runs/<run_id>/attempts/<attempt>/actors/<actor>.json
 
@@ -19,72 +20,16 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from raypipe.report import AttemptStats, LatencySketch, UnitStats
+from raypipe.report import AttemptStats, CallTally
 from raypipe.store import OutputStore
 
 __all__ = ["WRITE_INTERVAL_S", "CallTally", "fold_tallies", "read_tallies", "tally_files", "tally_path"]
 
 WRITE_INTERVAL_S = 10.0
 """Longest an actor's changed tally waits before it is written again."""
-
-
-@dataclass
-class CallTally:
-    """Call figures summed over units (the fields `AttemptStats` sums from unit summaries)."""
-
-    units: int = 0
-    calls: int = 0
-    status_counts: Counter[str] = field(default_factory=Counter)
-    retries: int = 0
-    canaries: int = 0
-    model_cpu_s: float = 0.0
-    latency: LatencySketch = field(default_factory=LatencySketch)
-
-    def add(self, u: UnitStats | CallTally) -> None:
-        self.units += u.units if isinstance(u, CallTally) else 1
-        self.calls += u.calls
-        self.status_counts.update(u.status_counts)
-        self.retries += u.retries
-        self.canaries += u.canaries
-        self.model_cpu_s += u.model_cpu_s
-        self.latency.merge(u.latency)
-
-    @classmethod
-    def over(cls, done: CallTally, live: Iterable[UnitStats]) -> CallTally:
-        """`done` plus the units still in flight (their figures as far as they go)."""
-        total = cls()
-        total.add(done)
-        for u in live:
-            total.add(u)
-        return total
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "units": self.units,
-            "calls": self.calls,
-            "status_counts": dict(self.status_counts),
-            "retries": self.retries,
-            "canaries": self.canaries,
-            "model_cpu_s": round(self.model_cpu_s, 6),
-            "latency": self.latency.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CallTally:
-        return cls(
-            units=int(d.get("units", 0)),
-            calls=int(d.get("calls", 0)),
-            status_counts=Counter(d.get("status_counts") or {}),
-            retries=int(d.get("retries", 0)),
-            canaries=int(d.get("canaries", 0)),
-            model_cpu_s=float(d.get("model_cpu_s", 0.0)),
-            latency=LatencySketch.from_dict(d.get("latency")),
-        )
 
 
 def tally_path(store: OutputStore, run_id: str, attempt: str, actor: str) -> str:
@@ -130,11 +75,6 @@ def fold_tallies(attempt: AttemptStats, records: Iterable[dict[str, Any]]) -> At
     if total.calls <= attempt.calls:
         return attempt
     folded = AttemptStats.from_dict(attempt.to_dict())
-    folded.calls = total.calls
-    folded.status_counts = Counter(total.status_counts)
-    folded.retries = total.retries
-    folded.canaries = total.canaries
-    folded.model_cpu_s = total.model_cpu_s
-    folded.latency = total.latency
+    folded.take_calls(total)
     folded.actors = {**attempt.actors, **latest}
     return folded

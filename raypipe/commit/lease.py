@@ -1,8 +1,8 @@
 """The output lease: liveness, one run id at a time per output. It fences nothing.
 
 `_raypipe/lease.json` names the holder (run id, host, pid, a random token), its *generation*
-and when it expires. A run creates it exclusively (S3 `If-None-Match: *`; `O_EXCL` locally),
-renews it from a heartbeat thread, and deletes it at the end.
+and when it expires. A run creates it exclusively (S3 `If-None-Match: *`; locally under an
+`flock` of `lease.json.lock`), renews it from a heartbeat thread, and deletes it at the end.
 
 - Another run id finding a live lease is refused with `OutputLockedError`, naming the holder.
 - An expired lease (its holder died) is taken over with a conditional replace (S3 `If-Match`
@@ -12,11 +12,10 @@ renews it from a heartbeat thread, and deletes it at the end.
   to expire, then takes it over; `force=True` (CLI `--force`) takes it at once. An earlier
   attempt that keeps renewing is waited for at most `wait_s` (`output.lease_wait_s`), then
   `OutputLockedError` names it (host, pid, last renewal) and the way to take over. The driver
-  calls `check()` before its writes, and the heartbeat sets `lost` when the lease is gone, so
-  a superseded driver stops at its next step. That is a courtesy, not the fence: a check
-  passes and a write lands later. **The fence is the table's** (`raypipe.commit.table`: the takeover
-  commit; unit commits, the plan, the files seen and the run commit are Delta commits that
-  fail once a newer generation took over); see `raypipe.commit.protocol`.
+  calls `check()` before its writes of run state, and the heartbeat sets `lost` when the
+  lease is gone, so a superseded driver stops at its next step. That is a courtesy, not the
+  fence: a check passes and a write lands later. The fence is the table's
+  (`raypipe.commit.protocol`).
 - Where the lease itself cannot be trusted it refuses to start: an S3 endpoint that ignores
   conditional writes (probed at start: a second create-only PUT of the same key must fail)
   raises `UnsafeOutputError` unless the operator opts out; a 403 raises
@@ -36,14 +35,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from raypipe.errors import LeaseLostError, OutputLockedError, OutputPermissionError, SinkError, UnsafeOutputError
 from raypipe.store import OutputStore
 
-__all__ = ["Fence", "Lease"]
+__all__ = ["Lease"]
 
 logger = logging.getLogger("raypipe")
 
@@ -54,32 +52,11 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
 
 
-@dataclass(frozen=True)
-class Fence:
-    """What a writer needs to check that its attempt still holds the lease (picklable)."""
-
-    token: str
-    generation: int
-
-    def check(self, store: OutputStore) -> None:
-        """Raises `LeaseLostError` unless the output's lease still carries this token."""
-        try:
-            current = json.loads(store.read_bytes(store.state(LEASE_FILE)))
-        except FileNotFoundError:
-            current = None
-        except PermissionError as e:
-            raise OutputPermissionError(f"cannot read the output lease: {e}", path=store.uri) from e
-        if current is None or current.get("token") != self.token:
-            holder = "nobody" if current is None else f"generation {current.get('generation')} ({current.get('host')})"
-            raise LeaseLostError(
-                f"this attempt (generation {self.generation}) lost the output lease of {store.uri} to {holder}; "
-                "it stops writing",
-                holder=str(None if current is None else current.get("holder")),
-                expires_at=str(None if current is None else current.get("expires_at_iso")),
-            )
-
-
 class Lease:
+    """The output's lease for one attempt of run `holder`: `acquire`, a heartbeat that renews
+    it, `check` before the driver's writes of run state, `release` at the end; `expire` for an
+    operator who declares the holder dead. Liveness only: the module docstring says why."""
+
     def __init__(
         self,
         store: OutputStore,
@@ -102,10 +79,6 @@ class Lease:
         self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @property
-    def fence(self) -> Fence:
-        return Fence(self._token, self.generation)
 
     def _record(self) -> bytes:
         expires = self._clock() + self.duration_s
@@ -281,47 +254,55 @@ class Lease:
         self._thread.start()
 
     def _heartbeat(self) -> None:
-        """Renews the lease every third of its duration. Any failure to renew (a store that is
-        down raises whatever its client raises: botocore's `EndpointConnectionError` is no
-        `OSError`) counts as a missed renewal; once the lease would have expired without one,
-        the attempt has lost it (`lost`), and the driver stops at its next step."""
-        renewed = self._clock()
+        """Renews the lease every third of its duration (`renew`) until it is released or lost."""
+        renewed_at = self._clock()
         while not self._stop.wait(self.duration_s / 3):
-            try:
-                current, tag = self._read()
-                if current is None or current.get("token") != self._token:
-                    self.lost = True
-                    logger.error(
-                        "lost the output lease to %s (generation %s): stopping",
-                        None if current is None else current.get("holder"),
-                        None if current is None else current.get("generation"),
-                    )
-                    return
-                if self._replace(tag, self.generation):
-                    renewed = self._clock()
-                    continue
-                failure = "the lease changed under us"
-            except Exception as e:  # any store error is a missed renewal
-                failure = f"{type(e).__name__}: {e}"
-            if self._clock() >= renewed + self.duration_s:
-                self.lost = True
-                logger.error("could not renew the output lease before it expired (%s): stopping", failure)
+            renewed_at = self.renew(renewed_at)
+            if self.lost:
                 return
+
+    def renew(self, renewed_at: float) -> float:
+        """One renewal; returns when the lease was last renewed (now, or `renewed_at` if this
+        one failed). Any failure to renew (a store that is down raises whatever its client
+        raises: botocore's `EndpointConnectionError` is no `OSError`) counts as a missed
+        renewal; once the lease would have expired without one, or another attempt holds it,
+        this attempt has lost it (`lost`), and the driver stops at its next step."""
+        try:
+            current, tag = self._read()
+            if current is None or current.get("token") != self._token:
+                self.lost = True
+                logger.error(
+                    "lost the output lease to %s (generation %s): stopping",
+                    None if current is None else current.get("holder"),
+                    None if current is None else current.get("generation"),
+                )
+                return renewed_at
+            if self._replace(tag, self.generation):
+                return self._clock()
+            failure = "the lease changed under us"
+        except Exception as e:  # any store error is a missed renewal
+            failure = f"{type(e).__name__}: {e}"
+        if self._clock() >= renewed_at + self.duration_s:
+            self.lost = True
+            logger.error("could not renew the output lease before it expired (%s): stopping", failure)
+        else:
             logger.warning("could not renew the output lease (%s); retrying", failure)
+        return renewed_at
 
     def check(self) -> None:
-        """Raises `LeaseLostError` if another attempt took the lease (call before every write)."""
-        if self.lost:
-            raise LeaseLostError(
-                f"run {self.holder} lost the output lease of {self._store.uri}; it stops writing",
-                holder="?",
-                expires_at="?",
-            )
-        try:
-            self.fence.check(self._store)
-        except LeaseLostError:
-            self.lost = True
-            raise
+        """Raises `LeaseLostError` if another attempt took the lease, or it could not be renewed
+        in time: a courtesy before the driver's writes of run state (the fence is the table's)."""
+        current = None if self.lost else self._read()[0]
+        if current is not None and current.get("token") == self._token:
+            return
+        self.lost = True
+        holder = "nobody" if current is None else f"generation {current.get('generation')} ({current.get('host')})"
+        raise LeaseLostError(
+            f"run {self.holder} (generation {self.generation}) lost the output lease of {self._store.uri} to "
+            f"{holder}; it stops writing",
+            holder=str(None if current is None else current.get("holder")),
+            expires_at=str(None if current is None else current.get("expires_at_iso")),
+        )
 
     def current(self) -> dict[str, Any] | None:
         """The lease record as stored (None: nobody holds the output)."""

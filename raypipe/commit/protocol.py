@@ -2,19 +2,25 @@
 
 In the manner of Spark's `FileCommitProtocol`, a run's output is set up, committed unit by
 unit, committed as a whole, or aborted, each step one method, each commit one Delta commit
-that either happens or raises. The run modes (`raypipe.run.modes._run`, through the steps of
-`raypipe.run.steps`) call it in this order::
+that either happens or raises. A run (`raypipe.run.modes._run`, through the steps of
+`raypipe.run.steps`) calls it in this order; this is the one place the order is told::
 
     protocol = CommitProtocol(config.output, mode, run_id)
-    protocol.committed_report()        # None, or the report of a run id already committed
-    protocol.setup_run(labels)         # lease (one run id at a time), table ready, take-over: fence
-    protocol.plan(make_plan, ...)      # the stored plan, or a new one (stored once, fenced)
-    protocol.pending(plan)             # units not committed in the table
-    ... the actors commit units through `protocol.unit_committer()` (one Delta commit each) ...
-    protocol.record_files_seen(...)    # the files every unit of which is committed (fenced)
-    protocol.commit_run()              # the run committed (fenced), or protocol.abort()
-    protocol.advance_watermark(...)    # informational, never backwards
-    protocol.write_report(...)         # the report; then protocol.release() (the lease)
+    protocol.committed_report()      # the stored report of a run id committed already: done
+    protocol.setup_run(labels)       # the lease, the table made ready, the take-over: the fence
+    protocol.plan(make_plan, ...)    # the stored plan, or a new one, stored (fenced); planning
+                                     #   asks quarantined(), files_seen(), dead_letters_of()
+    protocol.committed_units(plan)   # what the table holds committed; the rest is to do
+    protocol.save_plan(plan)         # a resumed plan brought up to date with its input (fenced)
+    ...                              # the actors commit each unit with a `UnitCommitter` over
+                                     #   `protocol.fence`: one Delta commit each (fenced)
+    protocol.record_files_seen(...)  # the files every unit of which is committed (fenced)
+    protocol.commit_run()            # every unit committed: the run is committed (fenced)
+    protocol.advance_watermark(...)  # informational, never backwards
+    protocol.abort()                 # instead of the three above, when a step failed
+    protocol.save_attempt(...)       # this attempt's calls, and then its report, unless a
+    protocol.write_report(...)       #   newer attempt fenced this one off (that one reports)
+    protocol.release()               # the lease, last, however the run ended
 
 **The fence** is the table's concurrency control (`raypipe.commit.table`): `setup_run` commits a
 new generation of the run id to its slots; every later commit of this attempt (units, plan,
@@ -39,6 +45,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 
@@ -47,10 +54,17 @@ import pyarrow.compute as pc
 
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import Ledger, ledger, ledger_of
-from raypipe.commit.table import FILES_SEEN_APP, OutcomeTable, TableFence, UnitCommitter, plan_app
+from raypipe.commit.table import (
+    FILES_SEEN_APP,
+    OUTCOME_DEAD_LETTER,
+    OutcomeTable,
+    TableFence,
+    UnitCommitter,
+    plan_app,
+)
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, SinkError
-from raypipe.plan.planning import Plan, quarantined
+from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.store import OutputStore
@@ -197,20 +211,29 @@ class CommitProtocol:
         self.table.set_pointer(self.fence, plan_app(self.run_id), write, operation="plan")
 
     # -- units ---------------------------------------------------------------------------------
-    def committed(self, units: list[str], *, replay: bool = False) -> set[str]:
-        """The units of `units` committed already (read after `setup_run`, so final for them).
+    def committed_units(self, plan: Plan) -> set[str]:
+        """The run's units committed already (read after `setup_run`, so final for them): one
+        read of the table per call. A backfill's or daily's are listed from the log's file
+        statistics (no data read): every unit the run committed, so units a resumed plan adds
+        are answered too. A replay's rows land in the run it replays, so its plan's units are
+        found by their own transactions."""
+        if plan.mode == "replay":
+            return self.table.units_with_transaction(self.run_id, [u.key for u in plan.units])
+        return self.table.committed_units(self.run_id)
 
-        A backfill's or daily's units are listed from the log's file statistics (no data read);
-        a replay's rows land in the run it replays, so its units are found by their own
-        transactions."""
-        if replay:
-            return self.table.units_with_transaction(self.run_id, units)
-        return self.table.committed_units(self.run_id) & set(units)
-
-    def pending(self, plan: Plan) -> list[WorkUnit]:
-        """Units of the plan not committed yet (read after the take-over, so final)."""
-        done = self.committed([u.key for u in plan.units], replay=plan.mode == "replay")
-        return [u for u in plan.units if u.key not in done]
+    def dead_letters_of(self, run_id: str) -> tuple[int, Counter[str]] | None:
+        """Run `run_id`'s committed dead letters by unit, and the table version they were read
+        at (what a replay of it plans and counts against); None if the table holds no row of it."""
+        version = self.table.load().version()
+        rows = (
+            self.table.load_version(version)
+            .to_pyarrow_dataset()
+            .to_table(filter=pc.field("run_id") == run_id, columns=["unit", "outcome"])
+        )
+        if rows.num_rows == 0:
+            return None
+        dead = rows.filter(pc.equal(rows.column("outcome"), OUTCOME_DEAD_LETTER))
+        return version, Counter(dead.column("unit").to_pylist())
 
     def unit_committer(self) -> UnitCommitter:
         """What commits units of this attempt (picklable: the actors get one each)."""
@@ -222,8 +245,8 @@ class CommitProtocol:
 
     # -- files seen ----------------------------------------------------------------------------
     def quarantined(self) -> frozenset[str]:
-        """The shards an operator set aside on this output (`raypipe.plan.planning.quarantine`)."""
-        return quarantined(self.store)
+        """The shards an operator set aside on this output (`raypipe.store.OutputStore.quarantine`)."""
+        return self.store.quarantined()
 
     def files_seen(self) -> FilesSeen:
         """Input files a run of this output read (every unit committed): the state the table names."""
@@ -311,7 +334,7 @@ class CommitProtocol:
         version = (plan.observations or {}).get("table_version")
         if plan.replay_of is None or version is None:
             return None
-        units = sorted(self.committed([u.key for u in plan.units], replay=True))
+        units = sorted(self.committed_units(plan))
         if not units:
             return Ledger()
         key = ["id", "unit", "source", "row"]

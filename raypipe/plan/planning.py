@@ -10,16 +10,17 @@
       plan_units                          shards cut into units from their Parquet footers (or a
                                           JSON-lines file's first line); a daily's window prunes
                                           row groups by their `updated_at` statistics
-    resume(input, plan, pending)        a resumed run's stored plan, brought up to date
+    plan_replay(output, of_run, ...)    a replay's `Plan`: the units of a run holding dead letters
+    resume(input, plan, committed)      a resumed run's stored plan, brought up to date
     with_whole_file_maxima(plan, ...)   what the committed rows of files planned whole say
-    check_input(input, mode, output)    the input as preflight checks it: listed, first shard planned
+    check_input(input, mode, ...)       the input as preflight checks it: listed, first shard planned
 
 A backfill plans every shard whole. A daily plans the files no run has read whole yet (new
 ones, and those whose size or ETag changed), whole, whatever their rows' `updated_at`: it
 selects by the files seen, not by a watermark. A file rewritten in place is read for its rows
 updated at or after the latest `updated_at` read of it before; `since` also re-reads the files
-read before, for their rows updated after it. Shards an operator quarantined are skipped and
-listed (`quarantine`).
+read before, for their rows updated after it. Shards an operator quarantined
+(`raypipe.store.OutputStore.quarantine`) are skipped and listed.
 
 Planning reads only listings, Parquet footers (one ranged GET of a shard's tail each on S3)
 and the first line of JSON-lines files, so a missing column fails the run before any
@@ -27,7 +28,7 @@ inference, naming the shard and the column. The `Plan` carries what the later st
 the input (its columns, the bad-shard policy, the allowed clock skew), so no step after
 planning reads the input's settings again. The vocabulary (`WorkUnit`, `ColumnNames`,
 `DeltaWindow`) is `raypipe.plan.units`; the column checks `raypipe.plan.schema`. Planning
-imports only the floor (`raypipe.config`, `raypipe.errors`, `raypipe.store`).
+imports only the floor (`raypipe.config`, `raypipe.errors`).
 """
 
 from __future__ import annotations
@@ -55,14 +56,12 @@ from raypipe.config import InputConfig
 from raypipe.errors import InputError, NoShardsError, SchemaError
 from raypipe.plan.schema import check_columns, check_types
 from raypipe.plan.units import ColumnNames, DeltaWindow, ShardFormat, WorkUnit
-from raypipe.store import OutputStore
 
 __all__ = [
     "CUT_GROUP_BYTES",
     "FOOTER_SAMPLE",
     "FOOTER_TAIL_BYTES",
     "PLANNING_THREADS",
-    "QUARANTINE",
     "WHOLE_FILE_MAX_BYTES",
     "InputListing",
     "OutputHistory",
@@ -75,10 +74,9 @@ __all__ = [
     "list_shards",
     "plan_input",
     "plan_listing",
+    "plan_replay",
     "plan_units",
     "prune_partitions",
-    "quarantine",
-    "quarantined",
     "resume",
     "with_whole_file_maxima",
 ]
@@ -177,6 +175,16 @@ class Plan:
     """A shard that cannot be read: stop the run, or record it and go on (`input.on_bad_shard`)."""
     max_future_skew_s: float = dataclasses.field(default=3600.0, compare=False)
     """An updated_at later than now plus this is in the future (`input.max_future_skew_s`)."""
+
+    @property
+    def read_as_of(self) -> datetime | None:
+        """What a backfill's or daily's input was read as of: the watermark its completion moves
+        to (None for a replay, which reads no input)."""
+        return _parse((self.observations or {}).get("read_as_of"))
+
+    def rows_run_id(self, run_id: str) -> str:
+        """The run whose rows run `run_id` writes: its own, or for a replay the run it replays."""
+        return self.replay_of or run_id
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -335,33 +343,6 @@ def prune_partitions(
             continue
         kept.append((shard, fmt))
     return kept
-
-
-# -- quarantine --------------------------------------------------------------------------------
-# Shards an operator set aside (`raypipe shards quarantine`) are skipped by `list_input` and listed
-# in the report, so a shard that stays bad stops making every run incomplete.
-QUARANTINE = "quarantine.json"
-"""The file under the output's state folder (`_raypipe/quarantine.json`)."""
-
-
-def quarantined(store: OutputStore) -> frozenset[str]:
-    """The shards the output's quarantine holds."""
-    return frozenset((store.read_json_or_none(store.state(QUARANTINE)) or {}).get("shards", {}))
-
-
-def quarantine(output: str, shards: list[str], *, reason: str, release: bool = False) -> dict[str, Any]:
-    """Adds shards to (or with `release`, removes them from) the output's quarantine: planning
-    skips a quarantined shard and lists it in the report, so a shard that stays bad stops
-    making every run incomplete once an operator has decided so."""
-    store = OutputStore(output)
-    current = (store.read_json_or_none(store.state(QUARANTINE)) or {}).get("shards", {})
-    for shard in shards:
-        if release:
-            current.pop(shard, None)
-        else:
-            current[shard] = {"reason": reason, "at": datetime.now(UTC).isoformat()}
-    store.write_json(store.state(QUARANTINE), {"shards": current})
-    return {"quarantined": sorted(current)}
 
 
 # -- footers -----------------------------------------------------------------------------------
@@ -800,29 +781,39 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
     return Plan(mode, input.uri, units, bad, window, observations=observations, **_reading(input, mode))
 
 
-def resume(input: InputConfig, plan: Plan, pending: list[WorkUnit]) -> tuple[Plan, bool]:
+def plan_replay(output_uri: str, of_run: str, dead_letters: Mapping[str, int], *, table_version: int) -> Plan:
+    """A replay's plan: a unit per unit of run `of_run` that holds committed dead letters
+    (`dead_letters`: unit -> how many, at `table_version` of the outcomes table, which the
+    report counts against), read back from the table by that unit's name."""
+    units = [
+        WorkUnit(output_uri, "dead_letters", 0, n, name=unit, source_run=of_run)
+        for unit, n in sorted(dead_letters.items())
+    ]
+    return Plan("replay", None, units, [], None, replay_of=of_run, observations={"table_version": table_version})
+
+
+def resume(input: InputConfig, plan: Plan, committed: set[str]) -> tuple[Plan, bool]:
     """A resumed run's stored plan, read with this attempt's input settings, and brought up to
     date with its input as it is now: the shards an earlier attempt recorded as bad planned
-    again (a fixed one joins the run), and each pending whole-file unit read as its file is
-    now. Returns (plan, changed): a changed plan is to be stored again. The input is listed
-    only when the plan has bad shards or whole-file units."""
+    again (a fixed one joins the run), and each whole-file unit not `committed` yet read as its
+    file is now. Returns (plan, changed): a changed plan is to be stored again. The input is
+    listed only when the plan has bad shards or whole-file units."""
     plan = dataclasses.replace(plan, **_reading(input, plan.mode))
     if not (plan.bad_shards or any(u.planned_whole for u in plan.units)):
         return plan, False
     listing = list_input(input.uri, format=input.format)
-    return _refresh_whole_files(_retry_bad_shards(input, plan, listing), listing, pending), True
+    return _refresh_whole_files(_retry_bad_shards(input, plan, listing), listing, committed), True
 
 
-def _refresh_whole_files(plan: Plan, listing: InputListing, pending: list[WorkUnit]) -> Plan:
-    """A resumed run reads each of its pending whole-file units (`plan_listing`) as the
-    file is now: one mended or rewritten since planning (a bad shard fixed in place) would
+def _refresh_whole_files(plan: Plan, listing: InputListing, committed: set[str]) -> Plan:
+    """A resumed run reads each of its whole-file units not committed yet (`plan_listing`) as
+    the file is now: one mended or rewritten since planning (a bad shard fixed in place) would
     otherwise never read under this run id (`ShardChangedError`). A unit that is the whole file
     has no row range of an older version to keep; a unit cut from a footer keeps its
     fingerprint, and a committed unit keeps the one it was read at."""
-    todo = {u.key for u in pending if u.planned_whole}
     units = [
         dataclasses.replace(u, fingerprint=listing.fingerprints[u.shard])
-        if u.key in todo and u.shard in listing.fingerprints
+        if u.planned_whole and u.key not in committed and u.shard in listing.fingerprints
         else u
         for u in plan.units
     ]
@@ -889,19 +880,15 @@ def with_whole_file_maxima(plan: Plan, done: set[str], maxima: Callable[[], Mapp
 _INPUT_HINT = "set --input (input.uri) to a Parquet or JSON-lines file, a folder of them, or a glob"
 
 
-def check_input(input: InputConfig, mode: str, output: str) -> None:
+def check_input(input: InputConfig, mode: str, *, quarantined: frozenset[str] = frozenset()) -> None:
     """Raises `InputError` (or `NoShardsError`, `SchemaError`) with the setting to fix, if a run
-    could not plan `input`: it exists, lists at least one shard (the shards quarantined on
-    `output` left out), and its first shard has the id and text columns with usable types (its
-    Parquet footer, or its first JSON line; no rows read). A daily records bad shards and goes
-    on (`input.on_bad_shard: record`), so it is refused only when its first and its last shard
+    could not plan `input`: it exists, lists at least one shard (the `quarantined` ones left
+    out), and its first shard has the id and text columns with usable types (its Parquet
+    footer, or its first JSON line; no rows read). A daily records bad shards and goes on
+    (`input.on_bad_shard: record`), so it is refused only when its first and its last shard
     both lack the same column: that is a setting (`input.text_column`), not one bad file."""
     try:
-        skip = quarantined(OutputStore(output))
-    except OSError:
-        skip = frozenset()  # the output's own check reports an unreadable output
-    try:
-        listing = list_input(input.uri, format=input.format, quarantined=skip)
+        listing = list_input(input.uri, format=input.format, quarantined=quarantined)
     except NoShardsError as e:
         raise NoShardsError(f"{e}: {_INPUT_HINT}") from e
     except (OSError, ValueError) as e:  # a bucket that does not exist, a path we may not list

@@ -1,24 +1,21 @@
 """Run modes: backfill, daily delta and replay, over one shared run protocol.
 
 `_run` is the whole story of a run, a step at a time (`raypipe.run.steps`), each step given
-the part of the config it needs, over one `CommitProtocol` that owns the run's output (its
-steps and the fence: `raypipe.commit.protocol`):
-1. `CommitProtocol.committed_report`: a run id already committed (the one truth: its run commit
-   in the table) returns at once, with its stored report;
+the part of the config it needs, over one `CommitProtocol` that owns the run's output. What
+each step asks of the protocol, in which order, and the fence that keeps an earlier attempt
+from landing anything, are told once, in `raypipe.commit.protocol`. The steps:
+1. a run id already committed returns at once, with its stored report;
 2. `ModelService.ask`: the model service is checked (labels, version, limits) before any data is read;
-3. `CommitProtocol.setup_run`: the output lease (one run id at a time; a live attempt of the same
-   run id is waited out, or taken over with `output.take_over_lease`), the table made ready and
-   the take-over commit that fences every earlier attempt of this run id off;
-4. `PlanRun`: the units, planned once (`raypipe.plan.planning`) and stored (fenced), so a
-   restart does the same units; those the protocol does not find committed are still to do;
-5. `ExecuteRun`: the pipeline streams them through the actors, which commit each unit through
-   the protocol's `UnitCommitter` (results and dead letters in one Delta commit); if the service
-   stays down the run stops with `CircuitOpenError`, its rows still to do;
-6. `CommitRun.commit`: the files read recorded (fenced), `CommitProtocol.commit_run` when every
-   unit is committed, the watermark moved forward (never backwards); on a failure,
-   `CommitRun.abort` instead, so nothing of this attempt lands after its report;
-7. `ReportRun`: the report, row counts from the table's committed rows, the calls of every
-   attempt, written to `runs/<run_id>.json`; the lease released.
+3. `CommitProtocol.setup_run`: the lease and the take-over (a failing metrics sink after it
+   gives the lease back at once);
+4. `PlanRun`: the units, planned once (`raypipe.plan.planning`; each mode says how) and
+   stored, so a restart does the same units; those not committed are still to do;
+5. `ExecuteRun`: the pipeline streams them through the actors, which commit each unit; if the
+   service stays down the run stops with `CircuitOpenError`, its rows still to do;
+6. `CommitRun.commit`: the files read, the run's commit when every unit is, the watermark;
+   on a failure `CommitRun.abort` instead;
+7. `ReportRun`: the report (rows from the table, the calls of every attempt), then the lease
+   released, however the run ended.
 
 A daily reads the input files no run has read whole yet (new files, and files whose size or
 ETag changed), whole, whatever their rows' `updated_at`: it selects by the files seen
@@ -39,15 +36,12 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-import pyarrow.compute as pc
-
 from raypipe.call.metrics import RunMetrics
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError
-from raypipe.plan.planning import Plan, plan_input
-from raypipe.plan.units import WorkUnit
+from raypipe.plan.planning import Plan, plan_input, plan_replay
 from raypipe.report import RunReport
 from raypipe.run.driver import quiet, sigterm_stops_the_run
 from raypipe.run.steps import CommitRun, ExecuteRun, ExecuteSettings, ModelService, PlanRun, ReportRun
@@ -60,20 +54,9 @@ def _stamp() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
-def _parse(ts: str | None) -> datetime | None:
-    return None if ts is None else datetime.fromisoformat(ts)
-
-
 @quiet
 @sigterm_stops_the_run()
-def _run(
-    config: PipelineConfig,
-    mode: str,
-    make_plan: Callable[[CommitProtocol], Plan],
-    *,
-    results_run_id: Callable[[str, Plan], str] = lambda run_id, plan: run_id,
-    watermark_to: Callable[[Plan], datetime | None] = lambda plan: None,
-) -> RunReport:
+def _run(config: PipelineConfig, mode: str, make_plan: Callable[[CommitProtocol], Plan]) -> RunReport:
     # A default id names a new run: two runs started in the same second must not share one (the
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
@@ -88,16 +71,20 @@ def _run(
     model = ModelService.ask(config.service, config.client)
     report.labels, report.model_version = list(model.labels), model.version
     protocol.setup_run(model.labels)
-    metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
+    try:
+        metrics = RunMetrics.start(config.metrics, report, app=config.service.application)
+    except BaseException:
+        protocol.release()  # nothing ran: the lease goes back now, as a failed set-up gives it back
+        raise
     execute = ExecuteRun(
         protocol, ExecuteSettings(config.service, config.actors, config.dedup, config.progress_interval_s), metrics
     )
-    commit = CommitRun(protocol, watermark_to)
+    commit = CommitRun(protocol)
     plan: Plan | None = None
     write_report = True
     try:
         plan, todo = PlanRun(protocol, config.input, make_plan).plan(model.version, report)
-        executed = execute.execute(plan, todo, model, rows_run_id=results_run_id(run_id, plan), report=report)
+        executed = execute.execute(plan, todo, model, report=report)
         commit.commit(plan, todo, executed, report)
     except LeaseLostError:
         write_report = False  # the attempt that fenced us off owns the report now
@@ -125,12 +112,7 @@ def backfill(config: PipelineConfig) -> RunReport:
     changed files) and the watermark moves to the point its input was read as of.
     """
     input = _input(config, "backfill")
-    return _run(
-        config,
-        "backfill",
-        lambda protocol: plan_input(input, "backfill", protocol),
-        watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
-    )
+    return _run(config, "backfill", lambda protocol: plan_input(input, "backfill", protocol))
 
 
 def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport:
@@ -144,12 +126,7 @@ def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport
     if since is not None and since.tzinfo is None:
         raise ConfigError("daily: `since` must be timezone-aware")
     input = _input(config, "daily")
-    return _run(
-        config,
-        "daily",
-        lambda protocol: plan_input(input, "daily", protocol, since=since),
-        watermark_to=lambda plan: _parse((plan.observations or {}).get("read_as_of")),
-    )
+    return _run(config, "daily", lambda protocol: plan_input(input, "daily", protocol, since=since))
 
 
 def replay_run_id(store: OutputStore, of_run: str) -> str:
@@ -175,29 +152,15 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
     resumed, else a new one starts. A resumed replay reads the dead letters still committed,
     so rows already replayed are not sent again.
     """
-    store = OutputStore(config.output.uri)
     if config.run_id is None:
-        config = config.model_copy(update={"run_id": replay_run_id(store, of_run)})
+        config = config.model_copy(update={"run_id": replay_run_id(OutputStore(config.output.uri), of_run)})
     assert config.run_id is not None
 
     def make_plan(protocol: CommitProtocol) -> Plan:
-        table = OutcomeTable(config.output.uri)
-        if not table.exists():
+        found = protocol.dead_letters_of(of_run)
+        if found is None and not protocol.store.exists(protocol.store.report_file(of_run)):
             raise ConfigError(f"no run {of_run!r} at {config.output.uri}")
-        version = table.load().version()  # what the report's rows are counted against
-        rows = (
-            table.load_version(version)
-            .to_pyarrow_dataset()
-            .to_table(filter=pc.field("run_id") == of_run, columns=["unit", "outcome"])
-        )
-        if rows.num_rows == 0 and store.read_json_or_none(store.report_file(of_run)) is None:
-            raise ConfigError(f"no run {of_run!r} at {config.output.uri}")
-        dead = rows.filter(pc.equal(rows.column("outcome"), "dead_letter"))
-        counts = Counter(dead.column("unit").to_pylist())
-        units = [
-            WorkUnit(config.output.uri, "dead_letters", 0, n, name=u, source_run=of_run)
-            for u, n in sorted(counts.items())
-        ]
-        return Plan("replay", None, units, [], None, replay_of=of_run, observations={"table_version": version})
+        version, dead_letters = found or (protocol.table.load().version(), Counter[str]())
+        return plan_replay(config.output.uri, of_run, dead_letters, table_version=version)
 
-    return _run(config, "replay", make_plan, results_run_id=lambda run_id, plan: of_run)
+    return _run(config, "replay", make_plan)

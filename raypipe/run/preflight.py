@@ -87,7 +87,8 @@ def check_input_run(config: PipelineConfig, mode: Literal["backfill", "daily"]) 
         raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
     from raypipe.plan.planning import check_input
 
-    check_input(config.input, mode, config.output.uri)
+    skip = _quarantined(config.output.uri)
+    check_input(config.input, mode, quarantined=skip)
     _check_ray()
 
 
@@ -98,6 +99,17 @@ def check_replay(config: PipelineConfig, of_run: str | None) -> None:
         raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
     _check_replay(config.output.uri, of_run)
     _check_ray()
+
+
+def _quarantined(output: str) -> frozenset[str]:
+    """The shards quarantined on the output, which planning skips; none if it cannot be read
+    (the output's own check reports an unreadable output)."""
+    from raypipe.store import OutputStore
+
+    try:
+        return OutputStore(output).quarantined()
+    except OSError:
+        return frozenset()
 
 
 def _check_ray() -> None:

@@ -101,8 +101,9 @@ class PlanRun:
         plan, resumed = protocol.plan(
             lambda: self.make_plan(protocol), input_uri=input.uri if input else None, model_version=model_version
         )
+        done = protocol.committed_units(plan)  # read once: a resumed plan's new units are not among them
         if resumed and input is not None:
-            plan, changed = resume(input, plan, protocol.pending(plan))
+            plan, changed = resume(input, plan, done)
             if changed:
                 protocol.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of
@@ -113,7 +114,7 @@ class PlanRun:
             report.window = {"after": _iso(plan.window.after), "until": _iso(plan.window.until)}
         report.units_total = len(plan.units)
 
-        todo = protocol.pending(plan)
+        todo = [u for u in plan.units if u.key not in done]
         report.units_skipped_committed = len(plan.units) - len(todo)
         logger.info(
             "run %s (generation %d): %d units to do, %d already committed",
@@ -158,9 +159,7 @@ class ExecuteRun:
         self.attempt = AttemptStats(attempt=protocol.attempt)
         self.meter: CpuMeter | None = None
 
-    def execute(
-        self, plan: Plan, todo: list[WorkUnit], model: ModelService, *, rows_run_id: str, report: RunReport
-    ) -> Executed:
+    def execute(self, plan: Plan, todo: list[WorkUnit], model: ModelService, *, report: RunReport) -> Executed:
         bad = list(plan.bad_shards)
         committed: set[str] = set()
         if not todo:
@@ -168,7 +167,7 @@ class ExecuteRun:
         actor_settings = ActorSettings(
             fence=self.protocol.fence,
             text_index=self._text_index(model, report),
-            run_id=rows_run_id,
+            run_id=plan.rows_run_id(self.protocol.run_id),
             attempt=self.protocol.attempt,
             service=self.settings.service,
             client=model.client,
@@ -268,13 +267,12 @@ def _fatal_error(fatal: str) -> RaypipeError:
 class CommitRun:
     """The run's end on its output. `commit`: the files every unit of which is committed are
     recorded as seen (also in an incomplete run: its healthy files are not read again), and a
-    complete run is committed (`CommitProtocol.commit_run`) and moves the watermark forward
-    (never backwards). `abort`: this attempt is fenced off, so nothing of it lands after its
-    report."""
+    complete run is committed (`CommitProtocol.commit_run`) and moves the watermark to what its
+    input was read as of (`Plan.read_as_of`; never backwards, never for a replay). `abort`:
+    this attempt is fenced off, so nothing of it lands after its report."""
 
-    def __init__(self, protocol: CommitProtocol, watermark_to: Callable[[Plan], datetime | None]) -> None:
+    def __init__(self, protocol: CommitProtocol) -> None:
         self.protocol = protocol
-        self.watermark_to = watermark_to
 
     def commit(self, plan: Plan, todo: list[WorkUnit], executed: Executed, report: RunReport) -> None:
         protocol, bad = self.protocol, executed.bad_shards
@@ -290,7 +288,7 @@ class CommitRun:
             protocol.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
             protocol.commit_run()
-            mark = self.watermark_to(plan)
+            mark = plan.read_as_of
             if mark is not None:
                 protocol.advance_watermark(mark)
 

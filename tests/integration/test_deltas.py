@@ -17,13 +17,13 @@ import pytest
 from ray import serve
 
 import raypipe
-from raypipe.plan.planning import quarantine
+from raypipe.store import OutputStore
 from tests.integration.helpers import assert_nothing_lost, dead_letters, ids, results
 
 pytestmark = pytest.mark.timeout(420)
 
 
-def _table(ids_: list[str], texts: list[str], when: datetime | list[datetime]) -> pa.Table:
+def _table(ids_: list[str], texts: list[str], when: datetime | list[datetime | None]) -> pa.Table:
     stamps = when if isinstance(when, list) else [when] * len(ids_)
     return pa.table({"id": ids_, "text": texts, "updated_at": pa.array(stamps, pa.timestamp("us", tz="UTC"))})
 
@@ -47,8 +47,9 @@ def inferred(serve_address: str) -> Callable[[], int]:
 
 
 def test_a_late_file_of_old_rows_is_inferred_by_the_next_daily(tmp_path, serve_address, inferred):
-    """d1 reads up to T; a file of 50 rows updated before T lands afterwards (export lag, a
-    producer clock behind): d2 infers all 50 and says it read a new file."""
+    """d1 reads up to T; a file of 50 rows updated before T (five with no updated_at) lands
+    afterwards (export lag, a producer clock behind): d2, even with `--since` after every one of
+    them, infers all 50 and says it read a new file (a window applies only to files read before)."""
     app = APP
     t = datetime.now(UTC) - timedelta(hours=1)
     in_dir = tmp_path / "in"
@@ -58,10 +59,11 @@ def test_a_late_file_of_old_rows_is_inferred_by_the_next_daily(tmp_path, serve_a
     cfg = {"service": {"application": app}}
     d1 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d1", settings=cfg)
     assert d1.status == "completed" and d1.rows_in == 100
-    late = [t - timedelta(minutes=40) + timedelta(seconds=i) for i in range(50)]
+    late = [t - timedelta(minutes=40) + timedelta(seconds=i) for i in range(45)] + [None] * 5
     pq.write_table(_table([f"late{i}" for i in range(50)], _texts("late", 50), late), in_dir / "late.parquet")
     before = inferred()
-    d2 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", settings=cfg)
+    since = t + timedelta(minutes=1)
+    d2 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d2", since=since, settings=cfg)
     assert d2.status == "completed" and d2.rows_in == 50
     assert inferred() - before == 50
     assert d2.planning["files"] == {"new": 1, "unchanged": 1}
@@ -93,7 +95,7 @@ def test_a_mended_bad_shard_costs_only_its_own_rows_and_blocks_nothing(tmp_path,
     assert inferred() == 2030  # was 4,030: every healthy row inferred twice
     # A shard that stays bad can be set aside by an operator: listed as skipped, the run completes.
     (in_dir / "d.parquet").write_bytes(b"PAR1 broken for good PAR1")
-    quarantine(out, [str(in_dir / "d.parquet")], reason="vendor export broken")
+    OutputStore(out).quarantine([str(in_dir / "d.parquet")], reason="vendor export broken")
     d4 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d4", settings=cfg)
     assert d4.status == "completed" and d4.bad_shards == []
     assert [Path(s["path"]).name for s in d4.skipped_files] == ["d.parquet"]

@@ -121,7 +121,7 @@ def _racer(output: str, endpoint: str, version: str, go, results) -> None:
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     from raypipe.commit.table import OutcomeTable, UnitCommitter
     from raypipe.errors import LeaseLostError
-    from tests.unit.test_commit_protocol import UNIT, rows
+    from tests.unit.test_table import UNIT, rows
 
     table = OutcomeTable(output)
     try:

@@ -6,7 +6,6 @@ import json
 import multiprocessing
 import os
 import socket
-import time
 
 import pytest
 
@@ -50,8 +49,9 @@ def test_expired_lease_is_taken_over(tmp_path):
     taker.release()
 
 
-def test_same_run_id_waits_for_a_live_lease_then_fences_the_earlier_attempt(tmp_path):
-    """A retried job (same run id) waits out the live lease, then takes it: the first is fenced off."""
+def test_same_run_id_waits_for_a_live_lease_then_the_earlier_attempt_finds_it_lost(tmp_path):
+    """A retried job (same run id) waits out the live lease, then takes it: the first finds it
+    lost at its next check (the table, not the lease, fences its writes off)."""
     store = OutputStore(str(tmp_path))
     clock = Clock()
     first = Lease(store, "run-a", duration_s=60, clock=clock)
@@ -67,10 +67,9 @@ def test_same_run_id_waits_for_a_live_lease_then_fences_the_earlier_attempt(tmp_
     second.acquire()
     assert sum(slept) >= 60  # it waited for the expiry
     assert second.generation == first.generation + 1
-    with pytest.raises(LeaseLostError):
+    with pytest.raises(LeaseLostError, match="generation 2"):
         first.check()
-    with pytest.raises(LeaseLostError):
-        first.fence.check(store)
+    assert first.lost
     second.check()  # the holder passes
     second.release()
     assert not store.exists(store.state("lease.json"))
@@ -175,22 +174,44 @@ class _DownStore(OutputStore):
         return super().read_bytes(path)
 
 
-def test_a_lease_that_cannot_be_renewed_before_it_expires_is_lost(tmp_path):
-    """Every store exception in the heartbeat is a missed renewal; past expiry the attempt stops."""
+def test_a_lease_that_cannot_be_renewed_before_it_expires_is_lost(tmp_path, caplog):
+    """Every store exception in a renewal is a missed renewal; past expiry the attempt stops."""
     store = _DownStore(str(tmp_path))
-    lease = Lease(store, "run-a", duration_s=0.6)
+    clock = Clock()
+    lease = Lease(store, "run-a", duration_s=60, clock=clock)
     lease.acquire()
     try:
+        renewed_at = lease.renew(clock())
+        assert renewed_at == clock() and not lease.lost
         store.down = True
-        deadline = time.monotonic() + 5
-        while not lease.lost and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert lease.lost and not lease._thread.is_alive()
+        clock.now += 30
+        assert lease.renew(renewed_at) == renewed_at and not lease.lost  # missed once: retried
+        assert "could not renew the output lease (RuntimeError: EndpointConnectionError" in caplog.text
+        clock.now += 30
+        lease.renew(renewed_at)
+        assert lease.lost
         with pytest.raises(LeaseLostError):
             lease.check()
     finally:
         store.down = False
         lease.release()
+
+
+def test_a_renewal_finds_the_lease_taken_by_another_attempt(tmp_path):
+    store = OutputStore(str(tmp_path))
+    clock = Clock()
+    first = Lease(store, "run-a", duration_s=60, clock=clock)
+    first.acquire()
+    second = Lease(store, "run-a", duration_s=60, clock=clock)
+    second.acquire(force=True)
+    try:
+        first.renew(clock())
+        assert first.lost and not second.lost
+        second.renew(clock())
+        assert not second.lost
+    finally:
+        first.release()
+        second.release()
 
 
 def test_an_operator_declares_a_dead_attempt_dead_and_the_waiting_resume_takes_over_at_once(tmp_path, caplog):

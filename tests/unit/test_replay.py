@@ -78,20 +78,14 @@ def replay_protocol(out):
 
 
 def replay_plan(out, units: list[str]):
-    from raypipe.plan.planning import Plan
-    from raypipe.plan.units import WorkUnit
+    """The replay's plan as the run makes it: from the dead letters the table holds by unit."""
+    from raypipe.plan.planning import plan_replay
 
-    table = OutcomeTable(str(out))
-    version = table.load().version()
-    return Plan(
-        "replay",
-        None,
-        [WorkUnit(str(out), "dead_letters", 0, 2, name=u, source_run=RUN) for u in units],
-        [],
-        None,
-        replay_of=RUN,
-        observations={"table_version": version},
-    )
+    found = replay_protocol(out).dead_letters_of(RUN)
+    assert found is not None
+    version, dead_letters = found
+    assert set(dead_letters) == set(units)
+    return plan_replay(str(out), RUN, dead_letters, table_version=version)
 
 
 def test_a_resumed_replay_does_not_infer_units_an_earlier_attempt_committed(tmp_path):
@@ -104,7 +98,7 @@ def test_a_resumed_replay_does_not_infer_units_an_earlier_attempt_committed(tmp_
     again = {f"{a}-d1": "dead_letter", f"{a}-d2": "dead_letter"}
     assert killed.commit(a, unit_rows(a, again, kind="rejected"), replace_dead_letters=True)
     protocol = replay_protocol(tmp_path)
-    assert [u.key for u in protocol.pending(plan)] == [b]
+    assert protocol.committed_units(plan) == {a}
 
 
 def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(tmp_path):

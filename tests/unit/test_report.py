@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+import tracemalloc
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from raypipe.report import LATENCY_RELATIVE_ERROR, AttemptStats, LatencySketch, RunReport, UnitStats
+import raypipe
+from raypipe.report import LATENCY_RELATIVE_ERROR, AttemptStats, CallTally, LatencySketch, RunReport, UnitStats
 
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -148,6 +152,56 @@ def test_fold_sums_calls_over_attempts_and_keeps_each_actors_latest_snapshot():
     assert RunReport(**d).latency_ms == r.latency_ms
 
 
+# An attempt's statistics as an earlier release saved them (`attempts/<attempt>.json`, flat).
+_SAVED_ATTEMPT = {
+    "attempt": "a1",
+    "units": 2,
+    "rows": 15,
+    "ok": 12,
+    "empty_text": 1,
+    "dead_letters": 2,
+    "dead_letter_kinds": {"unavailable": 2},
+    "copied": 3,
+    "calls": 9,
+    "status_counts": {"OK": 5, "UNAVAILABLE": 4},
+    "retries": 4,
+    "canaries": 1,
+    "commit_s": 0.25,
+    "latency": {"relative_accuracy": 0.01, "keys": [], "counts": [], "zeros": 0, "sum": 0.0, "min": None, "max": None},
+    "actors": {"x": {"seq": 2}},
+    "answered_by": {"openvino:fp32": 9},
+    "model_cpu_s": 1.5,
+}
+
+
+def test_attempt_statistics_saved_by_an_earlier_release_read_back_and_save_the_same_keys():
+    a = AttemptStats.from_dict(_SAVED_ATTEMPT)
+    assert (a.attempt, a.units, a.calls, a.retries, a.canaries, a.model_cpu_s) == ("a1", 2, 9, 4, 1, 1.5)
+    assert a.status_counts == Counter({"OK": 5, "UNAVAILABLE": 4})
+    assert a.ledger() == {"result:ok": 12, "result:empty_text": 1, "dead_letter:unavailable": 2}
+    assert set(a.to_dict()) == set(_SAVED_ATTEMPT)
+    assert AttemptStats.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+
+
+def test_an_attempt_counts_its_calls_as_a_call_tally_over_the_same_units_does():
+    units = [
+        unit("u1", "a1", "x", 1, rows=4, ok=4, calls=2, retries=1, model_cpu_s=0.5, status_counts=Counter(OK=2)),
+        unit("u2", "a1", "x", 2, rows=3, calls=5, canaries=1, committed=False, status_counts=Counter(UNAVAILABLE=5)),
+    ]
+    units[0].latency.add(0.01)
+    attempt, tally = AttemptStats(attempt="a1"), CallTally()
+    for u in units:
+        attempt.add(u)
+        tally.add(u)
+    assert CallTally.from_dict(attempt.to_dict()) == CallTally.from_dict(tally.to_dict())
+    assert (attempt.rows, attempt.ok) == (7, 4)  # rows read by both units; outcomes of the committed one
+    other = AttemptStats(attempt="a2")
+    other.take_calls(tally)
+    assert (other.calls, other.units, other.latency.count) == (7, 0, 1)
+    tally.latency.add(1.0)  # a copy: the tally goes on without changing the attempt
+    assert other.latency.count == 1
+
+
 def test_unit_stats_round_trip():
     u = unit("u", "a", "x", 1, rows=3, ok=3)
     u.latency.add(0.01)
@@ -164,3 +218,42 @@ def test_render_says_how_many_files_planning_planned_whole_from_their_size():
     assert "planned whole" not in r.render()
     r.planning = {"footers_read": 1000, "whole_files": 49000, "files": {"new": 50000}}
     assert "planning      1,000 footers read | 49,000 small files planned whole" in r.render()
+
+
+def summaries(n: int):
+    """n unit summaries as the actors stream them back, made one at a time."""
+    u = UnitStats(unit="u", shard="s", attempt="a", actor="actor", rows=2000, ok=2000, calls=63)
+    u.status_counts["OK"] = 63
+    for ms in (40, 55, 80):
+        u.latency.add(ms / 1000)
+    marker = u.to_dict()
+    for i in range(n):
+        marker["actor_stats"] = {"seq": i, "breaker": {"openings": 0, "time_open_s": 0.0, "probes": 0},
+                                 "limiter": {"min": 2, "max": 8, "final": 6}}  # fmt: skip
+        marker["actor"] = f"actor{i % 4}"
+        yield UnitStats.from_dict(json.loads(json.dumps(marker)))
+
+
+RAYPIPE_FILES = str(Path(raypipe.__file__).parent / "*")  # the package, not a checkout that happens to be named raypipe
+
+
+def test_an_attempts_statistics_fold_in_bounded_memory():
+    """Summaries are folded as they stream in: what the fold holds does not grow with the units.
+
+    Counted from raypipe's own allocations that are still alive after a collection, so other
+    threads of the test process and the collector's schedule (which earlier tests may change)
+    do not enter the figure."""
+    held = {}
+    for n in (1_000, 10_000):
+        attempt = AttemptStats()
+        tracemalloc.start(4)
+        for u in summaries(n):
+            attempt.add(u)
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, RAYPIPE_FILES, all_frames=True)])
+        tracemalloc.stop()
+        held[n] = sum(stat.size for stat in snapshot.statistics("filename"))
+        assert attempt.units == n and attempt.rows == 2000 * n and len(attempt.actors) == 4
+        del attempt
+    print(f"attempt fold holds: 1k units {held[1_000] / 1e3:.1f} kB, 10k units {held[10_000] / 1e3:.1f} kB")
+    assert held[10_000] < 1.5 * held[1_000] + 50_000

@@ -55,6 +55,7 @@ class FakeProtocol:
         self.lease = FakeLease()
         self.table = SimpleNamespace(max_updated_at_by_unit=lambda run_id: {})
         self.committed_runs = 0
+        self.committed_reads = 0
         self._abort = abort
         self.stored, self.done = stored, set(done)
         self.saved: list[Plan] = []
@@ -70,8 +71,12 @@ class FakeProtocol:
         self.saved.append(plan)
         return plan, False
 
-    def pending(self, plan: Plan) -> list[WorkUnit]:
-        return [u for u in plan.units if u.key not in self.done]
+    def save_plan(self, plan: Plan) -> None:
+        self.saved.append(plan)
+
+    def committed_units(self, plan: Plan) -> set[str]:
+        self.committed_reads += 1
+        return set(self.done)
 
     def record_files_seen(self, plan: Plan, committed: set[str]) -> int:
         self.files_seen.append((plan, committed))
@@ -144,6 +149,26 @@ def test_a_resumed_run_takes_its_stored_plan():
     assert plan is stored and todo == stored.units and protocol.saved == []
 
 
+def test_a_resumed_run_brought_up_to_date_reads_the_committed_units_once(tmp_path):
+    """A resumed plan with whole-file units is brought up to date with its input: the committed
+    units are read once, and a whole-file unit not committed is read as its file is now."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name in ("a", "b"):
+        pq.write_table(pa.table({"id": [name], "text": ["t"]}), tmp_path / f"{name}.parquet")
+    a = WorkUnit(str(tmp_path / "a.parquet"), "parquet", 0, None, fingerprint="old")
+    b = WorkUnit(str(tmp_path / "b.parquet"), "parquet", 0, None, fingerprint="old")
+    protocol = FakeProtocol(stored=_plan(a, b), done={a.key})
+    plan, todo = PlanRun(protocol, InputConfig(uri=str(tmp_path)), lambda s: pytest.fail("planned anew")).plan(  # type: ignore[arg-type]
+        "m1", RunReport("r1", "backfill")
+    )
+    assert protocol.committed_reads == 1
+    assert [u.key for u in todo] == [b.key] and protocol.saved == [plan]
+    fingerprints = {u.shard: u.fingerprint for u in plan.units}
+    assert fingerprints[a.shard] == "old" and fingerprints[b.shard] != "old"  # the committed unit keeps its own
+
+
 # -- ExecuteRun -------------------------------------------------------------------------------------
 def test_nothing_to_do_executes_nothing_and_keeps_the_plans_bad_shards():
     bad = [{"shard": "/in/x", "format": "parquet", "error": "boom"}]
@@ -151,7 +176,7 @@ def test_nothing_to_do_executes_nothing_and_keeps_the_plans_bad_shards():
     metrics = SimpleNamespace(spec=None, metrics=None)
     execute = ExecuteRun(FakeProtocol(), settings, metrics)  # type: ignore[arg-type]
     model = ModelService(("joy",), "m1", ClientConfig())
-    done = execute.execute(_plan(bad=bad), [], model, rows_run_id="r1", report=RunReport("r1", "backfill"))
+    done = execute.execute(_plan(bad=bad), [], model, report=RunReport("r1", "backfill"))
     assert done == Executed(set(), bad) and execute.meter is None
     assert execute.attempt.attempt == "a1"
 
@@ -168,11 +193,11 @@ def test_a_complete_run_records_its_files_commits_and_moves_the_watermark():
     a, b = _unit("/in/a"), _unit("/in/b")
     protocol = FakeProtocol(done={a.key})
     report = RunReport("r1", "backfill")
-    commit = CommitRun(protocol, lambda plan: T)  # type: ignore[arg-type]
+    commit = CommitRun(protocol)  # type: ignore[arg-type]
     commit.commit(_plan(a, b), [b], Executed({b.key}, []), report)
     assert (report.status, report.units_committed) == ("completed", 2)
     assert [c for _, c in protocol.files_seen] == [{a.key, b.key}]
-    assert protocol.committed_runs == 1 and protocol.watermarks == [T]
+    assert protocol.committed_runs == 1 and protocol.watermarks == [T]  # what the plan's input was read as of
 
 
 def test_a_run_with_a_bad_shard_records_its_healthy_files_but_is_not_committed():
@@ -180,9 +205,7 @@ def test_a_run_with_a_bad_shard_records_its_healthy_files_but_is_not_committed()
     bad = [{"shard": b.shard, "format": "parquet", "error": "boom"}]
     protocol = FakeProtocol()
     report = RunReport("r1", "backfill")
-    CommitRun(protocol, lambda plan: T).commit(  # type: ignore[arg-type]
-        _plan(a, b), [a, b], Executed({a.key}, bad), report
-    )
+    CommitRun(protocol).commit(_plan(a, b), [a, b], Executed({a.key}, bad), report)  # type: ignore[arg-type]
     assert (report.status, report.bad_shards) == ("incomplete", bad)
     assert [p.bad_shards for p, _ in protocol.files_seen] == [bad]
     assert protocol.committed_runs == 0 and protocol.watermarks == []
@@ -191,14 +214,15 @@ def test_a_run_with_a_bad_shard_records_its_healthy_files_but_is_not_committed()
 def test_a_replay_records_no_files_seen():
     u = WorkUnit("/out", "dead_letters", 0, 3, name="u1", source_run="r0")
     protocol = FakeProtocol(mode="replay")
-    commit = CommitRun(protocol, lambda plan: None)  # type: ignore[arg-type]
-    commit.commit(_plan(u, mode="replay"), [u], Executed({u.key}, []), RunReport("r1", "replay"))
+    plan = Plan("replay", None, [u], [], replay_of="r0", observations={"table_version": 4})
+    CommitRun(protocol).commit(plan, [u], Executed({u.key}, []), RunReport("r1", "replay"))  # type: ignore[arg-type]
     assert protocol.files_seen == [] and protocol.committed_runs == 1
+    assert protocol.watermarks == []  # a replay reads no input: the watermark stays
 
 
 def test_abort_never_raises(caplog):
     protocol = FakeProtocol(abort=OSError("table unreachable"))
-    CommitRun(protocol, lambda plan: None).abort()  # type: ignore[arg-type]
+    CommitRun(protocol).abort()  # type: ignore[arg-type]
     assert "could not fence this attempt off: table unreachable" in caplog.text
 
 

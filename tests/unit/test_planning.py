@@ -1,21 +1,25 @@
-"""Listing shards, planning units, reading them, and bad input (local files, no Ray)."""
+"""Planning (`raypipe.plan.planning`): listing shards, cutting units, a daily's selection by the
+files seen, reading the units back, and bad input (local files, no Ray)."""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raypipe.api import build_config
+from raypipe.commit.protocol import CommitProtocol
 from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedError
 from raypipe.plan import planning
-from raypipe.plan.planning import PlanObservations, list_input, list_shards, plan_units
+from raypipe.plan.planning import PlanObservations, list_input, list_shards, plan_input, plan_units
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
+from raypipe.run.pipeline import UnitDatasource
 from raypipe.run.read import read_unit
 
 COLS = ColumnNames()
@@ -375,3 +379,104 @@ def test_a_rewrite_reads_appended_rows_stamped_at_the_recorded_maximum(tmp_path)
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, need_updated_at=True, window=window)
     assert len(units) == 1
     assert read_unit(units[0], COLS, window).column("id").to_pylist() == ["a", "b", "c", "d"]
+
+
+# -- a daily's selection, read back ------------------------------------------------------------
+T0 = datetime(2026, 3, 1, tzinfo=UTC)
+
+
+def config(tmp_path, **settings):
+    return build_config(
+        input=str(tmp_path / "in"), output=str(tmp_path / "out"), service="127.0.0.1:1", settings=settings
+    )
+
+
+def write(path, ids, stamps):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table(
+        {"id": ids, "text": [f"text {i}" for i in ids], "updated_at": pa.array(stamps, pa.timestamp("us", tz="UTC"))}
+    )
+    pq.write_table(table, path)
+
+
+def read_plan(plan):
+    """The ids the run's pipeline reads of `plan`: its read tasks, as `run_units` builds them."""
+    rows = []
+    for task in UnitDatasource(plan.units, plan.columns, plan.on_bad_shard).get_read_tasks(parallelism=1):
+        for block in task():
+            rows += [r for r in block.column("id").to_pylist() if r is not None]
+    return sorted(rows)
+
+
+class _History:
+    """What planning asks of the output (`OutputHistory`), as a test sets it."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def quarantined(self):
+        return frozenset()
+
+    def files_seen(self):
+        return self.seen
+
+
+def test_daily_since_reads_a_new_file_whole_and_a_file_read_before_from_since(tmp_path):
+    """`--since T`: a late file (rows stamped before T, one without updated_at) is new, so it is
+    read whole; a file read before is read for its rows updated at or after T only."""
+    write(tmp_path / "in" / "late.parquet", ["a", "b", "c"], [T0 - timedelta(days=3), None, T0 + timedelta(hours=1)])
+    write(tmp_path / "in" / "read.parquet", ["r1", "r2"], [T0 - timedelta(days=1), T0 + timedelta(hours=1)])
+    cfg = config(tmp_path)
+    assert cfg.input is not None
+    listing = list_input(cfg.input.uri)
+    (read,) = [s for s, _ in listing.shards if s.endswith("read.parquet")]
+    history = _History({read: (listing.fingerprints[read], (T0 - timedelta(days=1)).isoformat())})
+    plan = plan_input(cfg.input, "daily", history, since=T0)
+    assert read_plan(plan) == ["a", "b", "c", "r2"]
+
+
+def test_a_daily_asks_the_output_what_it_read_through_the_commit_protocol(tmp_path):
+    write(tmp_path / "in" / "late.parquet", ["a"], [T0])
+    cfg = config(tmp_path)
+    assert cfg.input is not None
+    plan = plan_input(cfg.input, "daily", CommitProtocol(cfg.output, "daily", "d1"), since=T0)
+    assert read_plan(plan) == ["a"] and plan.observations["files"] == {"new": 1}
+
+
+def test_daily_since_rereads_a_rewritten_file_after_the_earlier_time_then_the_unchanged_ones(tmp_path):
+    """A rewritten file is re-read after what was read of it or `since`, whichever is earlier;
+    an unchanged one after `since`; in that order, after the new files."""
+    from raypipe.plan.planning import list_input
+
+    write(tmp_path / "in" / "a_new.parquet", ["n"], [T0])
+    write(tmp_path / "in" / "b_rewritten.parquet", ["r"], [T0])
+    write(tmp_path / "in" / "c_unchanged.parquet", ["u"], [T0])
+    cfg = config(tmp_path)
+    assert cfg.input is not None
+    listing = list_input(cfg.input.uri)
+    shard = {s.rsplit("/", 1)[-1]: s for s, _ in listing.shards}
+    upto = T0 - timedelta(days=1)
+    history = _History(
+        {
+            shard["b_rewritten.parquet"]: ("an older version", upto.isoformat()),
+            shard["c_unchanged.parquet"]: (listing.fingerprints[shard["c_unchanged.parquet"]], None),
+        }
+    )
+    since = T0 - timedelta(hours=1)
+    plan = plan_input(cfg.input, "daily", history, since=since)
+    assert [(u.shard.rsplit("/", 1)[-1], u.since) for u in plan.units] == [
+        ("a_new.parquet", None),
+        ("b_rewritten.parquet", upto.isoformat()),
+        ("c_unchanged.parquet", since.isoformat()),
+    ]
+
+
+def test_a_plan_says_what_its_input_was_read_as_of_and_whose_rows_it_writes():
+    from raypipe.plan.planning import Plan, plan_replay
+
+    plan = Plan("backfill", "/in", [], [], observations={"read_as_of": T0.isoformat()})
+    assert plan.read_as_of == T0 and plan.rows_run_id("b1") == "b1"
+    replay = plan_replay("/out", "b1", {"u2": 1, "u1": 3}, table_version=7)
+    assert replay.read_as_of is None and replay.rows_run_id("b1.replay-1") == "b1"
+    assert [(u.key, u.row_stop, u.source_run) for u in replay.units] == [("u1", 3, "b1"), ("u2", 1, "b1")]
+    assert Plan.from_dict(replay.to_dict()) == replay and replay.observations == {"table_version": 7}

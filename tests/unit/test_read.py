@@ -1,0 +1,65 @@
+"""A unit's rows as the pipeline reads them (`raypipe.run.read`): one block schema for every
+unit, a fate for every row (bad bytes become the row's reason, never a failed unit), times in
+UTC, and a window that keeps its start and never a row without `updated_at`. Local files, no Ray."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
+from raypipe.run.read import marker_block, read_unit, unit_block_schema
+
+COLS = ColumnNames()
+T = datetime(2026, 3, 1, tzinfo=UTC)
+
+
+def test_bad_bytes_in_a_parquet_text_are_that_rows_reason_and_rows_keep_their_numbers(tmp_path):
+    texts = pa.array([b"fine", b"bad \xff\xfe bytes", b"fine too"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": texts}), tmp_path / "in.parquet")
+    unit = WorkUnit(str(tmp_path / "in.parquet"), "parquet", 1, 3)
+    block = read_unit(unit, COLS)
+    assert block.schema == unit_block_schema()
+    assert block.column("id").to_pylist() == ["b", "c"] and block.column("_row").to_pylist() == [1, 2]
+    assert block.column("text").to_pylist() == [None, "fine too"]
+    bad = block.column("_bad").to_pylist()
+    assert bad[0].startswith("invalid_text: 12 bytes, invalid at byte 4") and bad[1] is None
+    assert set(block.column("_unit").to_pylist()) == {unit.key} and block.column("_unit_rows").to_pylist() == [2, 2]
+
+
+def test_a_json_line_of_bad_bytes_keeps_its_id_and_says_why(tmp_path):
+    (tmp_path / "in.jsonl").write_bytes(b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "bad \xff text"}\n')
+    block = read_unit(WorkUnit(str(tmp_path / "in.jsonl"), "jsonl", 0, None), COLS)
+    assert block.column("id").to_pylist() == ["a", "b"] and block.column("text").to_pylist() == ["ok", None]
+    reason = block.column("_bad").to_pylist()[1]
+    assert reason.startswith("invalid_text: line of") and "ff" in reason
+
+
+def test_times_are_read_as_utc_and_a_window_keeps_its_start_but_no_row_without_a_time(tmp_path):
+    stamps = pa.array(["2026-03-01T00:00:00Z", None, "2026-02-28T23:59:59Z", "2026-03-01T01:00:00+0100"])
+    table = pa.table({"id": ["at", "none", "before", "same instant"], "text": ["t"] * 4, "updated_at": stamps})
+    pq.write_table(table, tmp_path / "in.parquet")
+    unit = WorkUnit(str(tmp_path / "in.parquet"), "parquet", 0, 4)
+    everything = read_unit(unit, COLS)
+    assert everything.column("updated_at").to_pylist() == [T, None, T - timedelta(seconds=1), T]
+    since = read_unit(unit, COLS, DeltaWindow.since(T))
+    assert since.column("id").to_pylist() == ["at", "same instant"] and since.column("_row").to_pylist() == [0, 3]
+    naive = pa.array([datetime(2026, 3, 1)], pa.timestamp("us"))  # no zone: taken as UTC
+    pq.write_table(pa.table({"id": ["n"], "text": ["t"], "updated_at": naive}), tmp_path / "naive.parquet")
+    read = read_unit(WorkUnit(str(tmp_path / "naive.parquet"), "parquet", 0, 1), COLS)
+    assert read.column("updated_at").to_pylist() == [T]
+
+
+def test_a_unit_with_nothing_to_send_is_one_marker_row(tmp_path):
+    unit = WorkUnit(str(tmp_path / "gone.parquet"), "parquet", 0, 10)
+    marker = marker_block(unit, error="FileNotFoundError: gone")
+    assert marker.schema == unit_block_schema() and marker.num_rows == 1
+    assert marker.to_pylist()[0] | {"id": None} == {
+        **{name: None for name in unit_block_schema().names},
+        "_source": unit.shard,
+        "_unit": unit.key,
+        "_unit_rows": 0,
+        "_unit_error": "FileNotFoundError: gone",
+    }

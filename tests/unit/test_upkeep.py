@@ -1,0 +1,110 @@
+"""Upkeep of an output (`raypipe.commit.upkeep`) on a real local Delta table: `migrate` from the
+earlier layout, `vacuum` (its floor, and the state of old finished runs). No Ray."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raypipe
+from raypipe.commit.table import OutcomeTable
+from raypipe.commit.upkeep import drop_finished_state, finished_runs, migrate, vacuum
+from raypipe.errors import ConfigError
+from raypipe.store import OutputStore
+from tests.fakes import LABELS
+from tests.unit.test_outcomes import T0, commit
+
+
+def test_migrate_copies_committed_units_of_the_earlier_layout_once(tmp_path):
+    store = OutputStore(str(tmp_path))
+    base = {"status": ["ok"], "prob_joy": [0.9], "top_label": ["joy"], "model_version": ["m"], "run_id": ["old"]}
+    for unit, committed in (("u1", True), ("u2", False)):  # u2: an attempt died before its marker
+        path = tmp_path / "results" / "run=old" / f"{unit}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": [f"id-{unit}"], **base}), path)
+        if committed:
+            store.write_json(store.run_state("old", "units", f"{unit}.json"), {"rows": 1})
+    dead = tmp_path / "dead_letters" / "run=old" / "u1.parquet"
+    dead.parent.mkdir(parents=True)
+    failed_at = pa.array([T0], pa.timestamp("us", tz="UTC"))
+    pq.write_table(
+        pa.table({"id": ["id-dead"], "error_kind": ["internal"], "text": ["x"], "failed_at": failed_at}), dead
+    )
+    assert migrate(str(tmp_path)) == {"runs": 1, "rows": 2}
+    assert migrate(str(tmp_path)) == {"runs": 0, "rows": 0}  # rerunnable
+    rows = {r["id"]: r for r in raypipe.read_outcomes(str(tmp_path), "old").to_pylist()}
+    assert set(rows) == {"id-u1", "id-dead"}
+    assert rows["id-dead"]["outcome"] == "dead_letter" and rows["id-dead"]["inferred_at"] == T0
+
+
+def test_migrate_marks_committed_only_the_legacy_runs_that_were(tmp_path):
+    """A legacy run is committed only with its COMMITTED.json: a half-done legacy backfill,
+    migrated, resumes its other units instead of saying "already committed"."""
+    store = OutputStore(str(tmp_path))
+    for run_id in ("done", "half"):
+        path = tmp_path / "results" / f"run={run_id}" / "u1.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": [f"{run_id}-1"], "status": ["ok"], "run_id": [run_id]}), path)
+        store.write_json(store.run_state(run_id, "units", "u1.json"), {"rows": 1})
+    store.write_json(store.run_state("done", "COMMITTED.json"), {"run_id": "done", "at": T0.isoformat()})
+    assert migrate(str(tmp_path)) == {"runs": 2, "rows": 2}
+    table = OutcomeTable(str(tmp_path))
+    assert table.is_committed("done")
+    assert not table.is_committed("half")
+    assert table.committed_units("half") == {"u1"}  # its migrated unit is not redone on resume
+
+
+def test_vacuum_refuses_a_retention_under_the_floor_and_never_truncates(tmp_path):
+    """A file a live attempt has written but not yet committed is younger than any unit: a
+    retention under the floor is refused unless forced, and 0.9 h never becomes 0 h."""
+    commit(tmp_path, "r1", "u1", ["a"], version="A", updated=T0)
+    pending = tmp_path / "outcomes" / "run_id=r2" / "part-live.parquet"
+    pending.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"id": ["b"]}), pending)
+    with pytest.raises(ConfigError, match="--force"):
+        vacuum(str(tmp_path), retention_hours=0.9)
+    assert pending.exists()
+    vacuum(str(tmp_path), retention_hours=0.9, force=True)
+    assert pending.exists(), "written a moment ago: inside 0.9 h"
+    two_hours_ago = time.time() - 2 * 3600
+    os.utime(pending, (two_hours_ago, two_hours_ago))
+    assert vacuum(str(tmp_path), retention_hours=0.9, force=True)["files"] == 1
+    assert not pending.exists()
+    assert raypipe.read_outcomes(str(tmp_path)).column("id").to_pylist() == ["a"]
+
+
+def test_vacuum_drops_old_finished_runs_state_and_keeps_reports(tmp_path):
+    """Finished means committed in the table; when, from the report (or an earlier release's
+    COMMITTED.json)."""
+    store = OutputStore(str(tmp_path))
+    table = OutcomeTable(str(tmp_path))
+    table.ensure(LABELS)
+    now = datetime.now(UTC)
+    for run_id, committed_at in (
+        ("old", now - timedelta(days=30)),
+        ("legacy", now - timedelta(days=30)),
+        ("recent", now - timedelta(hours=1)),
+        ("open", None),
+    ):
+        store.write_json(store.run_state(run_id, "plan.json"), {"units": []})
+        store.write_json(store.run_state(run_id, "attempts", "a1.json"), {"calls": 1})
+        report = {"run_id": run_id, "mode": "backfill", "status": "completed"}
+        if committed_at is not None:
+            table.mark_committed(table.take_over(run_id), {})
+            if run_id == "legacy":
+                store.write_json(store.run_state(run_id, "COMMITTED.json"), {"at": committed_at.isoformat()})
+            else:
+                report["finished_at"] = committed_at.isoformat()
+        store.write_json(store.report_file(run_id), report)
+    store.write_json(store.run_state("stale", "COMMITTED.json"), {"at": now.isoformat()})  # no run commit
+    assert finished_runs(str(tmp_path)) == ["legacy", "old", "recent"]
+    assert drop_finished_state(str(tmp_path), before=now - timedelta(days=7)) == 2
+    assert not store.exists(store.run_state("old", "plan.json"))
+    assert not store.exists(store.run_state("legacy", "plan.json"))
+    assert store.exists(store.report_file("old"))
+    assert store.exists(store.run_state("recent", "plan.json")) and store.exists(store.run_state("open", "plan.json"))
