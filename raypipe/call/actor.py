@@ -23,10 +23,11 @@ Who is at fault when a call fails after its retries:
   succeeds, the batch is bisected, and a row that still fails when sent alone, while other
   calls succeed, becomes a dead letter (a poison paragraph).
 
-Rows with no text are recorded with `status="empty_text"` and never sent. The unit's results
-and dead letters are then committed together, in one Delta commit fenced by the attempt's
-generation (`raypipe.commit.table.UnitCommitter`), and the actor returns the unit's summary, which
-the driver folds into the run report. When the service stays down (`CircuitOpenError`) or a
+Rows with no text are recorded with `status="empty_text"` and never sent. The unit's rows
+(`raypipe.commit.rows`) are then committed, results and dead letters together, in one Delta
+commit fenced by the attempt's generation, by the committer the run's
+`raypipe.commit.protocol.CommitProtocol` hands each actor; the actor returns the unit's summary,
+which the driver folds into the run report. When the service stays down (`CircuitOpenError`) or a
 newer attempt fenced this one off (`LeaseLostError`), the unit is not committed, and the
 actor returns the summary with the failure instead of raising, so the report of a stopped
 run keeps its calls, statuses and breaker figures; the driver then stops the run.
@@ -61,7 +62,7 @@ from raypipe.call.limiter import AdaptiveLimiter, FixedLimiter, Limiter
 from raypipe.call.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
 from raypipe.call.retry import RetryPolicy, call_with_retries
 from raypipe.commit.rows import Answers, DeadLetters, unit_rows
-from raypipe.commit.table import TableFence, UnitCommitter, now_utc, text_hashes
+from raypipe.commit.table import UnitCommitter, now_utc, text_hashes
 from raypipe.config import ClientConfig, ServiceConfig
 from raypipe.errors import (
     BadRowError,
@@ -152,8 +153,9 @@ SUMMARY_SCHEMA = pa.schema(
 class ActorSettings:
     """Everything an actor needs, picklable (it travels to Ray workers)."""
 
-    fence: TableFence
-    """Where and as which generation the actor commits (the table rejects a stale one)."""
+    committer: UnitCommitter
+    """Commits the actor's units: the run's `raypipe.commit.protocol.CommitProtocol.unit_committer`,
+    fenced at the attempt's generation (the table rejects a stale one)."""
     run_id: str
     """The `run_id` the rows carry (a replay writes into the run it replays)."""
     attempt: str
@@ -185,7 +187,7 @@ class InferenceActor:
     def __init__(self, settings: ActorSettings, client_factory: Callable[[], ModelClient] | None = None) -> None:
         self._settings = settings
         self._client_factory = client_factory
-        self._committer = UnitCommitter(settings.fence)
+        self._committer = settings.committer
         self._actor_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._client: ModelClient | None = None
         self._breaker: CircuitBreaker | None = None
@@ -598,7 +600,7 @@ class InferenceActor:
         second of a unit's end, and otherwise, while its calls change, once soon after the first
         ones and then at most every `WRITE_INTERVAL_S`; runs until the actor goes away. One
         writer, so a later snapshot is never overwritten by an earlier one."""
-        fence = self._settings.fence
+        fence = self._committer.fence
         store = OutputStore(fence.output_uri)
         path = tally_path(store, fence.run_id, self._settings.attempt, self._actor_id)
         written_calls, written_at = 0, None

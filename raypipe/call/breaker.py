@@ -3,8 +3,9 @@
 Every call to the model service (`raypipe.call.actor.InferenceActor._call`: after it holds its
 in-flight slot, before its retries) asks the breaker for a `Permit`, and reports the call's
 outcome once, after its retries, with `record`; each attempt checks `admits(permit)` right
-before it goes out. After `failure_threshold` consecutive
-transient failures the breaker opens: the service is presumed down (a replica restarting,
+before it goes out. After `failure_threshold` consecutive failed calls (a call fails when it
+ends in an error after its retries, whatever its code, unless the caller found its rows at
+fault: see `record`) the breaker opens: the service is presumed down (a replica restarting,
 the proxy redeploying) and hammering it would only slow the restart. Unlike a classic
 breaker, an open circuit does not fail calls at once: `acquire` *waits*, so the job pauses
 while the service comes back. `max_wait_s` bounds the outage, not a call: once the breaker
@@ -14,7 +15,7 @@ the probe, failed and asks again does not start a wait of its own, so a service 
 every call stops the run within `max_wait_s` + one reset period (plus the call in flight).
 
     failure_threshold consecutive                 reset timeout elapsed:
-    transient failures                            the next caller becomes the probe
+    failed calls                                  the next caller becomes the probe
       ┌────────┐  ─────────────────────►  ┌──────┐  ─────────────────────►  ┌───────────┐
       │ CLOSED │                          │ OPEN │                          │ HALF_OPEN │
       └────────┘  ◄──────────┐            └──────┘  ◄─────────────────────  └───────────┘

@@ -165,7 +165,7 @@ class ExecuteRun:
         if not todo:
             return Executed(committed, bad)
         actor_settings = ActorSettings(
-            fence=self.protocol.fence,
+            committer=self.protocol.unit_committer(),
             text_index=self._text_index(model, report),
             run_id=plan.rows_run_id(self.protocol.run_id),
             attempt=self.protocol.attempt,

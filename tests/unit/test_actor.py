@@ -14,7 +14,7 @@ import pytest
 
 from raypipe.call.actor import ActorSettings, InferenceActor
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import OutcomeTable
+from raypipe.commit.table import OutcomeTable, UnitCommitter
 from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
 from raypipe.errors import (
     CircuitOpenError,
@@ -45,7 +45,9 @@ def settings(tmp_path, **client):
     table = OutcomeTable(str(tmp_path / "out"))
     table.ensure(LABELS)
     fence = table.take_over("r1")  # a new attempt of run r1: a real local Delta table
-    return ActorSettings(fence=fence, run_id="r1", attempt="a1", service=ServiceConfig(), client=cfg, labels=LABELS)
+    return ActorSettings(
+        committer=UnitCommitter(fence), run_id="r1", attempt="a1", service=ServiceConfig(), client=cfg, labels=LABELS
+    )
 
 
 def outcomes(tmp_path):

@@ -22,7 +22,7 @@ from raypipe.call.actor import ActorSettings, InferenceActor
 from raypipe.call.channel import ChannelSecurity
 from raypipe.call.client import GrpcModelClient, check_service
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import OutcomeTable
+from raypipe.commit.table import OutcomeTable, UnitCommitter
 from raypipe.config import ClientConfig, ServiceConfig, load_config
 from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, ServiceUnavailable
 from raypipe.plan.planning import list_shards, plan_units
@@ -348,7 +348,12 @@ def tls_actor(tmp_path, service: ServiceConfig) -> InferenceActor:
     table = OutcomeTable(str(tmp_path / "out"))
     table.ensure(LABELS)
     settings = ActorSettings(
-        fence=table.take_over("r1"), run_id="r1", attempt="a1", service=service, client=ClientConfig(), labels=LABELS
+        committer=UnitCommitter(table.take_over("r1")),
+        run_id="r1",
+        attempt="a1",
+        service=service,
+        client=ClientConfig(),
+        labels=LABELS,
     )
     return InferenceActor(pickle.loads(pickle.dumps(settings)))  # as Ray ships it to a worker
 
