@@ -1,7 +1,7 @@
 """`raypipe demo` (`make demo`): the whole path on one machine, on embedded defaults.
 
-Builds (or reuses) the offline demo model while the local Ray cluster starts (the build trains in a
-child process, so the two overlap), writes a sample corpus (Parquet and JSON-lines
+Builds (or reuses) the offline demo model while the local Ray cluster and Serve's gRPC proxy start
+(the build trains in a child process, so they overlap), writes a sample corpus (Parquet and JSON-lines
 shards, with a few bad rows), starts a local Ray cluster and the Serve gRPC app, runs a
 backfill through the same code a production job runs, prints the report and a few
 predictions, and shuts down what it started. Only the addresses and the model differ from
@@ -27,7 +27,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     from raypipe.run.driver import start_local_ray
     from raypipe.samples import write_sample_corpus
     from serve_app.demo_model import build_demo_model, default_demo_model_dir
-    from serve_app.deploy import DeploymentOptions, deploy, fit_replicas
+    from serve_app.deploy import DeploymentOptions, deploy, fit_replicas, start_grpc_proxy
 
     t0 = time.monotonic()
     work = Path(workdir).resolve()
@@ -37,6 +37,8 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
         corpus = write_sample_corpus(str(work / "input"), rows=rows, parquet_shards=4, jsonl_shards=1)
         start_local_ray(num_cpus=2, include_dashboard=False)
         try:
+            # Serve's controller and gRPC proxy start while a first run still trains the model.
+            start_grpc_proxy(grpc_port)
             model = building.result()
         except BaseException:
             ray.shutdown()

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,21 @@ from tests.integration.helpers import assert_nothing_lost, dead_letters
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = {POOL_RESOURCE: POOL_RESOURCE_PER_NODE}
+# A killed node is declared dead after 3 missed health checks 1 s apart (Ray's defaults: 5, 3 s
+# apart). What the tests prove (nothing lost, the run goes on) does not depend on how soon Ray
+# notices; only how long they wait for it does.
+FAST_DETECTION = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+# Replicas and the proxy report their load to Serve's autoscaler every second (default 10 s), as
+# often as the autoscaled app's 5 s look-back needs: it scales on a short backfill.
+FAST_AUTOSCALING = {
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+}
 
 
 @dataclass
@@ -118,14 +134,20 @@ def pool(s3: S3, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     # `python` is the system's (without raypipe's packages), as a new user meets it.
     venv_bin = str(Path(sys.executable).parent)
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
-    env = {**os.environ, "PATH": path}
-    service = LocalNodes(root / "svc", port=free_port(), dashboard_port=free_port(), env=env)
+    env = {**os.environ, "PATH": path, **FAST_DETECTION}
+    service = LocalNodes(root / "svc", port=free_port(), dashboard_port=free_port(), env={**env, **FAST_AUTOSCALING})
     jobs = LocalNodes(root / "job", port=free_port(), dashboard_port=free_port(), env=env)
     with service, jobs:
-        service.add_node("pool-a", num_cpus=2, resources=POOL)
-        service.add_node("pool-b", num_cpus=2, resources=POOL)
-        jobs.add_node("job-a", num_cpus=2)
-        jobs.add_node("job-b", num_cpus=2)
+        # The four worker nodes start at once: each `ray start` mostly waits for its raylet.
+        with ThreadPoolExecutor(4) as starting:
+            started = [
+                starting.submit(service.add_node, "pool-a", num_cpus=2, resources=POOL),
+                starting.submit(service.add_node, "pool-b", num_cpus=2, resources=POOL),
+                starting.submit(jobs.add_node, "job-a", num_cpus=2),
+                starting.submit(jobs.add_node, "job-b", num_cpus=2),
+            ]
+            for node in started:
+                node.result()
         p = Pool(service, jobs, free_port(), demo_model_dir, work)
         p.http_port = free_port()
         yield p
@@ -134,7 +156,7 @@ def pool(s3: S3, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def corpus(s3: S3):
     return write_sample_corpus(
-        f"{s3.bucket('multinode')}/in", rows=3000, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
+        f"{s3.bucket('multinode')}/in", rows=1800, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
     )
 
 
@@ -281,7 +303,7 @@ def test_autoscaled_replicas_follow_a_backfill_up_to_the_pool_and_back(pool, s3)
     )  # fmt: skip
     assert "1-2 replicas (auto)" in printed, printed  # max: what the pool's CPUs hold
     corpus = write_sample_corpus(
-        f"{s3.bucket('multinode')}/in-auto", rows=9000, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
+        f"{s3.bucket('multinode')}/in-auto", rows=4800, parquet_shards=6, jsonl_shards=0, bad_fraction=0.0
     )
     out = f"{s3.bucket('multinode')}/out-auto"
     watch_env = pool.env(pool.service)
