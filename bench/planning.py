@@ -1,6 +1,6 @@
 """The planning line: a backfill over N small Parquet shards on moto's S3 server (default 50k).
 
-Issue #20 asks what a 95M-row, ~50k-shard backfill waits before its first result. The input is
+What does a 95M-row, ~50k-shard backfill wait before its first result? The input is
 N shards of a few rows each (id, text, updated_at) in one bucket of moto's server (its own
 process), uploaded once per section. Each step runs in a child process, as a driver would:
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GOAL_PLAN_S", "GOAL_RSS_BYTES", "run_planning"]
 
-#: Issue #20's goals for 50k shards on this machine.
+#: The goals for 50k shards: planned within 2 minutes, in at most 1 GiB of driver memory.
 GOAL_PLAN_S = 120.0
 GOAL_RSS_BYTES = 2**30
 
