@@ -136,7 +136,7 @@ def concurrent_batches(threads: ThreadLayout) -> int:
     threads through one FIFO queue, so more batches cost no extra compute; what matters is that
     a thread done with its pass finds the next one queued. With one batch per thread, a thread
     that ended its pass while its neighbour's batch still ran stayed idle until a batch ended
-    (Serve starts a batch only when one ends): measured on 2 cores, a third of the model's time."""
+    (Serve starts a batch only when one ends); the bench's speed section shows the cores busy."""
     return 2 * threads.model
 
 
