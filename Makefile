@@ -88,7 +88,7 @@ checkov: $(STAMP)
 test: lint typecheck checkov  ## lint, types, unit tests, then integration tests (real Ray, Serve, moto S3)
 	$(PY) -m pytest tests -q -ra --durations=10
 
-bench: $(STAMP)  ## throughput, memory and precision against the ceilings (~50 min on 2 cores) -> bench/results/
+bench: $(STAMP)  ## speed, throughput, memory and precision against the ceilings (hours on 2 cores) -> bench/results/
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 bench-quick: $(STAMP)  ## smoke run of the benchmark: MiniLM only, small counts
