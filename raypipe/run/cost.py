@@ -47,6 +47,8 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("_StatsActor", "ray data"),
     ("SplitCoordinator", "ray data"),
     ("AutoscalingRequester", "ray data"),
+    ("_AutoscalingCoordinatorActor", "ray data"),
+    ("ActorLocationTracker", "ray data"),
     ("gcs_server", "ray gcs"),
     ("raylet", "ray raylet"),
     ("dashboard", "ray dashboard and agents"),

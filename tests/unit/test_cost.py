@@ -71,6 +71,9 @@ def test_a_cluster_that_cannot_be_swept_costs_the_run_nothing_but_its_cost_line(
 def test_groups_follow_rays_process_titles() -> None:
     assert group_of("ray::ReadParquet->SplitBlocks(4)") == "read tasks"
     assert group_of("ray::ServeController") == "serve controller"
+    # Ray Data's own actors of a run, not Ray's system processes.
+    assert group_of("ray::_AutoscalingCoordinatorActor") == "ray data"
+    assert group_of("ray::ActorLocationTracker") == "ray data"
     assert group_of("/usr/bin/gcs_server") == "ray gcs"
     assert group_of("/venv/bin/python -u /venv/ray/_private/log_monitor.py") == "ray system"
 
