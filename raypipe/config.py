@@ -258,9 +258,8 @@ class ClientConfig(_Frozen):
     """Paragraphs per Classify call; 1 reproduces the reference build's per-paragraph calls.
     A call costs the actor, Serve's proxy and the replica a fixed share besides its rows, and a
     call of many length-sorted rows splits into forward passes that pad little and spread
-    evenly over the replica's model threads: on 2 cores (MiniLM shape, 8,000 paragraphs, one
-    run each) 128 ran 56.3 paragraphs/s where 32 ran 51.8 (padding 6.5% and 9.3% of the
-    tokens)."""
+    evenly over the replica's model threads (docs/performance.md, "What a bigger call buys",
+    measures 32, 64 and 128)."""
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     limiter: LimiterConfig = LimiterConfig()
