@@ -79,6 +79,8 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
         )
 
     async def ModelInfo(self, request, context):
+        self.calls["ModelInfo"] += 1
+        await asyncio.sleep(0.05)  # long enough for concurrent first calls to overlap
         return emotion_pb2.ModelInfoResponse(
             labels=LABELS, model_version="fake-1", max_sequence_length=128, max_batch_size=64, columns=self.columns
         )

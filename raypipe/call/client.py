@@ -19,6 +19,7 @@ back in trailing metadata and is handed to the limiter as `BatchResult.server`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -239,6 +240,7 @@ class GrpcModelClient:
         self._stub: emotion_pb2_grpc.EmotionClassifierStub | None = None
         self._interceptors = list(interceptors)
         self._columns: bool | None = None
+        self._columns_asked = asyncio.Lock()  # the first calls start at once; one asks
 
     def _get_stub(self) -> emotion_pb2_grpc.EmotionClassifierStub:
         if self._stub is None:
@@ -248,7 +250,9 @@ class GrpcModelClient:
 
     async def classify(self, ids: Sequence[str], texts: Sequence[str]) -> BatchResult:
         if self._columns is None:
-            self._columns = await self._answers_columns()
+            async with self._columns_asked:
+                if self._columns is None:
+                    self._columns = await self._answers_columns()
         if self._columns:
             request = emotion_pb2.ClassifyRequest(ids=ids, texts=texts)
         else:

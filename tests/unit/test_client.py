@@ -50,6 +50,22 @@ def test_classify_round_trip_keeps_order_labels_and_metadata(columns: bool) -> N
     assert servicer.forms == {("columns" if columns else "rows"): 2}
 
 
+def test_concurrent_first_calls_ask_the_servers_form_once() -> None:
+    async def scenario():
+        server, servicer, address = await start_fake_server()
+        client = GrpcModelClient(address, timeout_s=5)
+        try:
+            await asyncio.gather(*(client.classify([f"r{i}"], [f"text {i}"]) for i in range(8)))
+        finally:
+            await client.close()
+            await server.stop(None)
+        return servicer
+
+    servicer = run(scenario())
+    assert servicer.calls["ModelInfo"] == 1
+    assert servicer.forms == {"columns": 8}
+
+
 def test_an_answer_with_fewer_probabilities_than_paragraphs_is_data_loss() -> None:
     async def scenario():
         server, servicer, address = await start_fake_server()
