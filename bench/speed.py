@@ -89,7 +89,6 @@ def _model(bench: Any, label: str, model_dir: Path, corpus: Path) -> dict[str, A
         "layouts_para_per_s": {k: round(v["ok"] / v["wall_s"], 2) for k, v in layouts.items()},
         "cpu_ms_per_para": 1000 * best["cpu_s_self"] / best["ok"],
     }
-    # 3. End to end, defaults everywhere.
     # 3. End to end, defaults everywhere: the long run, then (MiniLM shapes) a short one.
     short = 0 if quick or shape == "bert-base" else SHORT_ROWS
     runs = {"e2e": n, **({"short": short} if short else {})}
@@ -214,8 +213,8 @@ def speed_tables(speed: dict[str, Any]) -> list[str]:
         f"### Speed at default settings: {speed.get('cpu') or 'CPU'} ({flags})",
         "",
         "| model | setting (gated fastest) | in process para/s | e2e para/s (command) | e2e / in process "
-        "| run only | 6,000 paragraphs | agreement in / out | outside model / model | outside replica / replica "
-        "| cores busy | retries | peak RSS (GiB) |",
+        f"| run only | {SHORT_ROWS:,} paragraphs | agreement in / out | outside model / model "
+        "| outside replica / replica | cores busy | retries | peak RSS (GiB) |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for label, m in speed.get("models", {}).items():
