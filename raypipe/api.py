@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raypipe.config import PipelineConfig, load_config
+from raypipe.config import PipelineConfig, load_config, run_input
 from raypipe.errors import RunNotFoundError
 from raypipe.run.preflight import check_input_run, check_replay, parse_since
 
@@ -113,13 +113,12 @@ def backfill(
     settings: dict[str, Any] | None = None,
 ) -> RunReport:
     """Classifies every paragraph of `input` into `output`; the same `run_id` resumes it."""
-    config = build_config(
-        input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
-    )
-    check_input_run(config, "backfill")
+    config = build_config(output=output, service=service, run_id=run_id, config_file=config_file, settings=settings)
+    source = run_input(config, input, "backfill")  # only the checks and planning read the input
+    check_input_run(config, source, "backfill")
     from raypipe.run import modes  # after the checks: it brings Ray Data
 
-    return modes.backfill(config)
+    return modes.backfill(config, source)
 
 
 def daily(
@@ -136,13 +135,12 @@ def daily(
     whatever their `updated_at`; `since` (an ISO time with a zone, or an aware `datetime`) also
     re-reads rows of earlier files updated after it."""
     after = parse_since(since)
-    config = build_config(
-        input=input, output=output, service=service, run_id=run_id, config_file=config_file, settings=settings
-    )
-    check_input_run(config, "daily")
+    config = build_config(output=output, service=service, run_id=run_id, config_file=config_file, settings=settings)
+    source = run_input(config, input, "daily")
+    check_input_run(config, source, "daily")
     from raypipe.run import modes
 
-    return modes.daily(config, since=after)
+    return modes.daily(config, source, since=after)
 
 
 def replay(

@@ -266,8 +266,9 @@ class ClientConfig(_Frozen):
 
 
 class InputConfig(_Frozen):
-    uri: str
-    """Shards to read: a file, a folder or a glob; local or s3://."""
+    uri: str = ""
+    """Shards to read: a file, a folder or a glob; local or s3://. Empty here when the run call
+    names it (`input=`, `--input`): `run_input` puts it over this section."""
     format: Literal["auto", "parquet", "jsonl"] = "auto"
     """Shard format; `auto` decides per file by its extension."""
     id_column: str = "id"
@@ -528,3 +529,21 @@ def load_config(
         return PipelineConfig.model_validate(merged, context={"offline": offline})
     except ValidationError as e:
         raise ConfigError("invalid configuration: " + _describe(e)) from e
+
+
+def run_input(config: PipelineConfig, uri: str | None, mode: str) -> InputConfig:
+    """The input of a backfill or a daily: the config's `input` section with `uri` (the run
+    call's `input`, the CLI's `--input`) over its uri. Raises `ConfigError` when neither names one.
+
+    The run calls keep the input apart from the rest of the run's config: only the preflight
+    and planning read it (`raypipe.api`)."""
+    section = config.input
+    if uri is not None:
+        fields = section.model_dump(exclude_unset=True) if section is not None else {}
+        try:
+            section = InputConfig(**{**fields, "uri": uri})
+        except ValidationError as e:
+            raise ConfigError("invalid configuration: input." + _describe(e)) from e
+    if section is None or not section.uri:
+        raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
+    return section

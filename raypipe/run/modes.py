@@ -56,7 +56,13 @@ def _stamp() -> str:
 
 @quiet
 @sigterm_stops_the_run()
-def _run(config: PipelineConfig, mode: str, make_plan: Callable[[CommitProtocol], Plan]) -> RunReport:
+def _run(
+    config: PipelineConfig,
+    mode: str,
+    make_plan: Callable[[CommitProtocol], Plan],
+    *,
+    input: InputConfig | None = None,
+) -> RunReport:
     # A default id names a new run: two runs started in the same second must not share one (the
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
@@ -83,7 +89,7 @@ def _run(config: PipelineConfig, mode: str, make_plan: Callable[[CommitProtocol]
     plan: Plan | None = None
     write_report = True
     try:
-        plan, todo = PlanRun(protocol, config.input, make_plan).plan(model.version, report)
+        plan, todo = PlanRun(protocol, input, make_plan).plan(model.version, report)
         executed = execute.execute(plan, todo, model, report=report)
         commit.commit(plan, todo, executed, report)
     except LeaseLostError:
@@ -99,23 +105,16 @@ def _run(config: PipelineConfig, mode: str, make_plan: Callable[[CommitProtocol]
     return report
 
 
-def _input(config: PipelineConfig, mode: str) -> InputConfig:
-    if config.input is None:
-        raise ConfigError(f"a {mode} run needs input.uri")
-    return config.input
-
-
-def backfill(config: PipelineConfig) -> RunReport:
+def backfill(config: PipelineConfig, input: InputConfig) -> RunReport:
     """Infers every row of the input; resumable by run id.
 
     Once complete, the files it read are recorded as seen (a daily after it reads only new and
     changed files) and the watermark moves to the point its input was read as of.
     """
-    input = _input(config, "backfill")
-    return _run(config, "backfill", lambda protocol: plan_input(input, "backfill", protocol))
+    return _run(config, "backfill", lambda protocol: plan_input(input, "backfill", protocol), input=input)
 
 
-def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport:
+def daily(config: PipelineConfig, input: InputConfig, *, since: datetime | None = None) -> RunReport:
     """Infers every row of the input files no run has read whole yet (new files, and files
     whose size or ETag changed), whatever their `updated_at`: late files are not lost.
 
@@ -125,8 +124,7 @@ def daily(config: PipelineConfig, *, since: datetime | None = None) -> RunReport
     """
     if since is not None and since.tzinfo is None:
         raise ConfigError("daily: `since` must be timezone-aware")
-    input = _input(config, "daily")
-    return _run(config, "daily", lambda protocol: plan_input(input, "daily", protocol, since=since))
+    return _run(config, "daily", lambda protocol: plan_input(input, "daily", protocol, since=since), input=input)
 
 
 def replay_run_id(store: OutputStore, of_run: str) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from raypipe.config import PipelineConfig
+from raypipe.config import InputConfig, PipelineConfig, run_input
 from raypipe.errors import ConfigError
 
 __all__ = ["check_input_run", "check_ray_address", "check_replay", "check_run", "parse_since"]
@@ -73,28 +73,26 @@ def parse_since(value: str | datetime | None) -> datetime | None:
 def check_run(config: PipelineConfig, mode: Mode, *, of_run: str | None = None) -> None:
     """Raises `ConfigError` or `InputError` if the run cannot start; reads, never writes.
 
-    `of_run` is the run a replay re-infers."""
+    `of_run` is the run a replay re-infers; a backfill or a daily reads `config.input`."""
     if mode == "replay":
         check_replay(config, of_run)
     else:
-        check_input_run(config, mode)
+        check_input_run(config, run_input(config, None, mode), mode)
 
 
-def check_input_run(config: PipelineConfig, mode: Literal["backfill", "daily"]) -> None:
-    """`check_run` of a backfill or a daily: the output, the input, the Ray address."""
-    _check_output(config)
-    if config.input is None:
-        raise ConfigError(f"a {mode} needs an input: --input URI (or the setting input.uri)")
+def check_input_run(config: PipelineConfig, input: InputConfig, mode: Literal["backfill", "daily"]) -> None:
+    """`check_run` of a backfill or a daily of `input` (`raypipe.config.run_input`): the
+    output, the input, the Ray address."""
+    _check_output(config.output.uri, input_uri=input.uri)
     from raypipe.plan.planning import check_input
 
-    skip = _quarantined(config.output.uri)
-    check_input(config.input, mode, quarantined=skip)
+    check_input(input, mode, quarantined=_quarantined(config.output.uri))
     _check_ray()
 
 
 def check_replay(config: PipelineConfig, of_run: str | None) -> None:
     """`check_run` of a replay of run `of_run`: the output holds it, the Ray address."""
-    _check_output(config)
+    _check_output(config.output.uri)
     if of_run is None:
         raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
     _check_replay(config.output.uri, of_run)
@@ -147,15 +145,14 @@ def check_ray_address(environ: Mapping[str, str], *, timeout_s: float = RAY_CONN
 
 
 # -- output -----------------------------------------------------------------------------------
-def _check_output(config: PipelineConfig) -> None:
-    uri = config.output.uri
+def _check_output(uri: str, *, input_uri: str | None = None) -> None:
     parsed = urlparse(uri)
     if parsed.scheme in ("s3", "s3a"):
         _check_bucket(uri, parsed.netloc)
     else:
         _check_local_output(Path(parsed.path if parsed.scheme == "file" else uri))
-    if config.input is not None:
-        _check_not_inside(uri, config.input.uri)
+    if input_uri is not None:
+        _check_not_inside(uri, input_uri)
 
 
 def _check_local_output(path: Path) -> None:

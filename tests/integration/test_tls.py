@@ -63,7 +63,8 @@ def test_backfill_through_tls_has_every_id_in_the_results(tmp_path, corpus, tls_
     ca.unlink()  # read when the config was built: neither the check nor the actors open it
     before = len(tls_proxy.sessions)
 
-    report = modes.backfill(config)
+    assert config.input is not None
+    report = modes.backfill(config, config.input)
 
     assert report.status == "completed", report.render()
     rows = raypipe.read_outcomes(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raypipe.config import PipelineConfig, default_max_actors, load_config
+from raypipe.config import PipelineConfig, default_max_actors, load_config, run_input
 from raypipe.errors import ConfigError
 
 
@@ -21,6 +21,25 @@ def test_layers_file_then_env_then_overrides(tmp_path):
     assert cfg.service.timeout_s == 7  # file kept where nothing overrides
     assert cfg.client.micro_batch_size == 8  # overrides beat file
     assert cfg.client.retry.max_attempts == 6  # env values are parsed to their types
+
+
+def test_the_run_input_is_the_input_section_with_the_named_uri_over_it(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("input: {uri: s3://bucket/in/, unit_rows: 50}\noutput: {uri: /tmp/out}\n")
+    cfg = load_config(f, {"input": {"text_column": "body"}})
+    assert run_input(cfg, None, "backfill") == cfg.input
+    named = run_input(cfg, "s3://other/in/", "daily")
+    assert (named.uri, named.unit_rows, named.text_column) == ("s3://other/in/", 50, "body")
+    # a section without a uri is complete once the run names one (the CLI's --input)
+    no_uri = load_config(None, {"output": {"uri": "/o"}, "input": {"unit_rows": 7}})
+    named = run_input(no_uri, "/data", "backfill")
+    assert (named.unit_rows, named.uri) == (7, "/data")
+    with pytest.raises(ConfigError, match="a backfill needs an input"):
+        run_input(no_uri, None, "backfill")
+    with pytest.raises(ConfigError, match="a daily needs an input"):
+        run_input(load_config(None, {"output": {"uri": "/o"}}), None, "daily")
+    with pytest.raises(ConfigError, match=r"input\.uri: .*scheme 'gs' is not supported"):
+        run_input(no_uri, "gs://b/in", "backfill")
 
 
 def test_the_lease_wait_is_bounded_by_default_and_set_from_the_cli_and_env():

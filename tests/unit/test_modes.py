@@ -12,7 +12,7 @@ import pytest
 from raypipe.api import build_config
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable, UnitCommitter, outcome_schema
-from raypipe.config import PipelineConfig
+from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan
 from raypipe.report import RunReport
@@ -27,6 +27,11 @@ def config(tmp_path: Any, **settings: Any) -> PipelineConfig:
     return build_config(
         input=str(tmp_path / "in"), output=str(tmp_path / "out"), service="127.0.0.1:1", settings=settings
     )
+
+
+def backfill(cfg: PipelineConfig) -> RunReport:
+    assert cfg.input is not None
+    return modes.backfill(cfg, cfg.input)
 
 
 class Story:
@@ -114,7 +119,7 @@ def fake_run(monkeypatch: Any, *, committed: bool = False, fail: dict[str, BaseE
 
 def test_a_run_is_told_in_its_order_and_gives_its_lease_back_last(tmp_path, monkeypatch):
     story = fake_run(monkeypatch)
-    report = modes.backfill(config(tmp_path))
+    report = backfill(config(tmp_path))
     assert story.said == [
         "protocol",
         "committed?",
@@ -132,21 +137,21 @@ def test_a_run_is_told_in_its_order_and_gives_its_lease_back_last(tmp_path, monk
 
 def test_a_committed_run_returns_its_report_without_asking_the_service(tmp_path, monkeypatch):
     story = fake_run(monkeypatch, committed=True)
-    report = modes.backfill(config(tmp_path, run_id="b1"))
+    report = backfill(config(tmp_path, run_id="b1"))
     assert story.said == ["protocol", "committed?"] and report.status == "completed"
 
 
 def test_metrics_that_cannot_start_give_the_lease_back_at_once(tmp_path, monkeypatch):
     story = fake_run(monkeypatch, fail={"metrics": RuntimeError("no statsd")})
     with pytest.raises(RuntimeError, match="no statsd"):
-        modes.backfill(config(tmp_path))
+        backfill(config(tmp_path))
     assert story.said == ["protocol", "committed?", "ask", "setup", "metrics", "release"]
 
 
 def test_a_failing_step_aborts_the_attempt_and_writes_a_failed_report(tmp_path, monkeypatch):
     story = fake_run(monkeypatch, fail={"execute": RuntimeError("boom")})
     with pytest.raises(RuntimeError, match="boom"):
-        modes.backfill(config(tmp_path))
+        backfill(config(tmp_path))
     assert story.said[-4:] == ["execute", "abort", "report", "release"]
     assert (story.reports[0].status, story.reports[0].error) == ("failed", "RuntimeError: boom")
 
@@ -155,7 +160,7 @@ def test_an_attempt_fenced_off_leaves_the_report_to_the_attempt_that_took_over(t
     lost = LeaseLostError("taken over", holder="b", expires_at="?")
     story = fake_run(monkeypatch, fail={"commit": lost})
     with pytest.raises(LeaseLostError):
-        modes.backfill(config(tmp_path))
+        backfill(config(tmp_path))
     assert story.said[-3:] == ["commit", "no report", "release"] and "abort" not in story.said
 
 
@@ -163,7 +168,7 @@ def test_a_daily_needs_an_aware_since(tmp_path):
     from datetime import datetime
 
     with pytest.raises(ConfigError, match="timezone-aware"):
-        modes.daily(config(tmp_path), since=datetime(2026, 1, 1))
+        modes.daily(config(tmp_path), InputConfig(uri=str(tmp_path / "in")), since=datetime(2026, 1, 1))
 
 
 # -- replay: its id and its plan, on a real table ---------------------------------------------------
