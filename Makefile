@@ -85,8 +85,20 @@ checkov: $(STAMP)
 	  && $(UV) pip install --quiet --python $(CHECKOV_VENV)/bin/python -r kuberay/scan-requirements.txt \
 	  && touch $(CHECKOV_VENV)/.installed; }
 
-test: lint typecheck checkov  ## lint, types, unit tests, then integration tests (real Ray, Serve, moto S3)
-	$(PY) -m pytest tests -q -ra --durations=10
+# The unit tests (no Ray, no servers) run beside the integration tests, at the lowest CPU priority:
+# the integration tests wait on Ray, Serve and S3 much of the time (about 1.2 of 2 cores busy), and
+# the unit tests take what they leave. The unit tests' output follows the integration tests'.
+UNIT_LOG := .cache/pytest-unit.log
+test: lint typecheck checkov  ## lint, types, then unit and integration tests (real Ray, Serve, moto S3) side by side
+	@mkdir -p $(dir $(UNIT_LOG)); \
+	nice -n 19 $(PY) -m pytest tests/unit -q -ra -p no:cacheprovider > $(UNIT_LOG) 2>&1 & unit=$$!; \
+	trap 'kill $$unit 2>/dev/null' INT TERM; \
+	echo "$(PY) -m pytest tests/integration -q -ra --durations=10  (tests/unit beside it: $(UNIT_LOG))"; \
+	$(PY) -m pytest tests/integration -q -ra --durations=10; integration=$$?; \
+	wait $$unit; units=$$?; \
+	echo "--- tests/unit (run beside the integration tests) ---"; cat $(UNIT_LOG); \
+	echo "make test: integration tests exit $$integration, unit tests exit $$units"; \
+	exit $$(( integration || units ))
 
 bench: $(STAMP)  ## speed, throughput, memory and precision against the ceilings (hours on 2 cores) -> bench/results/
 	$(PY) -m bench.run $(BENCH_ARGS)
