@@ -4,7 +4,9 @@ a run's report back from its output, and `connect` to join (or start) the Ray cl
 Each call builds the run's typed config from (lowest first) an optional config file, the
 `RAYPIPE_*` environment and its keyword arguments, validates it, runs, and returns the
 `RunReport` (also written to `OUTPUT/runs/<run_id>.json`). They connect to the Ray cluster
-already initialised in the process, else to `RAY_ADDRESS`, else start a local one.
+already initialised in the process, else to `RAY_ADDRESS`, else start a local one. The input
+(`input=` over the config's `input` section: `raypipe.config.run_input`) is kept apart from
+the rest of the config: only the checks and planning read it.
 
 Before any of that, `raypipe.run.preflight.check_run` checks the input, the output and the
 settings: a wrong one raises `ConfigError` or `InputError` before the model service is called,
