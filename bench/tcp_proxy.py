@@ -30,11 +30,23 @@ from typing import Any
 __all__ = ["TcpProxy", "free_port"]
 
 
+_handed_out: set[int] = set()
+_handing_out = threading.Lock()
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now (the OS picks it), and never one this process handed out
+    before: the OS picks a just-closed port again often enough that two components given ports
+    one after the other (a node's agent and metrics ports in one `ray start`) can get the same
+    one, and Ray then refuses to start."""
+    with _handing_out:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 class TcpProxy:

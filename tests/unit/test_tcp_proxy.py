@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bench.tcp_proxy import TcpProxy
+from bench.tcp_proxy import TcpProxy, free_port
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -69,3 +69,10 @@ def test_a_cut_on_a_byte_count_fires_inside_a_connection(echo_port):
                 socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
     finally:
         proxy.stop()
+
+
+def test_free_ports_are_never_handed_out_twice():
+    """The OS picks a just-closed port again (many times in 2,000 picks): a node given the same
+    port for two of its components does not start."""
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)
