@@ -88,7 +88,7 @@ checkov: $(STAMP)
 	  && touch $(CHECKOV_VENV)/.installed; }
 
 # The unit tests (no Ray, no servers) run beside the integration tests, at the lowest CPU priority:
-# the integration tests wait on Ray, Serve and S3 much of the time (about 1.2 of 2 cores busy), and
+# the integration tests wait on Ray, Serve and S3 much of the time, leaving a core partly idle, and
 # the unit tests take what they leave. The unit tests' output follows the integration tests'.
 UNIT_LOG := .cache/pytest-unit.log
 test: lint typecheck checkov  ## lint, types, then unit and integration tests (real Ray, Serve, moto S3) side by side
