@@ -375,24 +375,6 @@ class LocalNodes:
     def _start(self, name: str, num_cpus: float, resources: dict[str, float], head: bool) -> Node:
         temp_dir = self.root / name
         temp_dir.mkdir(parents=True, exist_ok=True)
-        # Ray picks the ports not given here itself, in each `ray start`; one of them may be a
-        # port this process picked for another node and has not bound yet. Ray then refuses at
-        # once, before it starts anything: start again with new ports.
-        for attempt in range(3):
-            try:
-                self._ray(*self._start_args(name, num_cpus, resources, head, temp_dir), log=f"start-{name}")
-                break
-            except RuntimeError as e:
-                if "that is used by other components" not in str(e) or attempt == 2:
-                    raise
-        node = Node(name, temp_dir, num_cpus, resources)
-        node.node_id = self._node_id(temp_dir)
-        self.nodes[name] = node
-        return node
-
-    def _start_args(
-        self, name: str, num_cpus: float, resources: dict[str, float], head: bool, temp_dir: Path
-    ) -> list[str]:
         args = [
             "start",
             *(("--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}")
@@ -410,7 +392,11 @@ class LocalNodes:
         ]  # fmt: skip
         if resources:
             args.append(f"--resources={json.dumps(resources)}")
-        return args
+        self._ray(*args, log=f"start-{name}")
+        node = Node(name, temp_dir, num_cpus, resources)
+        node.node_id = self._node_id(temp_dir)
+        self.nodes[name] = node
+        return node
 
     @staticmethod
     def _raylet(temp_dir: Path) -> psutil.Process | None:

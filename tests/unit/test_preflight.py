@@ -374,8 +374,8 @@ def test_report_of_an_unknown_run_names_the_nearest_one(tmp_path):
 def test_check_run_takes_a_replay_to_its_checks_and_a_backfill_to_the_input_checks(tmp_path):
     """`check_run` is `check_replay` for a replay (its run named first) and `check_input_run`
     for a backfill or a daily (an input required): the same refusals either way in."""
-    from raypipe.config import InputConfig, OutputConfig, run_input
-    from raypipe.run.preflight import check_input_run, check_replay
+    from raypipe.config import run_input
+    from raypipe.run.preflight import check_replay
 
     for check in (lambda c: check_run(c, "replay"), lambda c: check_replay(c, None)):
         with pytest.raises(ConfigError, match="needs the run whose dead letters to replay"):
@@ -385,10 +385,3 @@ def test_check_run_takes_a_replay_to_its_checks_and_a_backfill_to_the_input_chec
         check_run(no_input, "backfill")
     with pytest.raises(ConfigError, match="a backfill needs an input"):
         run_input(no_input, None, "backfill")
-    with pytest.raises(ConfigError, match=r"output .* is a file"):
-        (tmp_path / "file").write_text("x")
-        check_input_run(
-            config(tmp_path).model_copy(update={"output": OutputConfig(uri=str(tmp_path / "file"))}),
-            InputConfig(uri=str(tmp_path / "in")),
-            "backfill",
-        )
