@@ -78,7 +78,7 @@ unit: $(STAMP) checkov
 	$(PY) -m pytest tests/unit -q
 
 integration: $(STAMP)
-	$(PY) -m pytest tests/integration -q -m integration
+	$(PY) -m pytest tests/integration -q -ra
 
 # checkov's own virtualenv (kuberay/scan.py would make it with pip on first use, ~40 s; uv takes seconds).
 CHECKOV_VENV = $(shell $(PY) -c 'from kuberay.scan import _venv_dir; print(_venv_dir())')
@@ -87,20 +87,28 @@ checkov: $(STAMP)
 	  && $(UV) pip install --quiet --python $(CHECKOV_VENV)/bin/python -r kuberay/scan-requirements.txt \
 	  && touch $(CHECKOV_VENV)/.installed; }
 
-# The unit tests (no Ray, no servers) run beside the integration tests, at the lowest CPU priority:
-# the integration tests wait on Ray, Serve and S3 much of the time, leaving a core partly idle, and
-# the unit tests take what they leave. The unit tests' output follows the integration tests'.
+# Three lanes side by side, each its own pytest process:
+# - the integration tests of the shared session cluster (`-m shared_cluster`), in the foreground;
+# - the integration tests that need no cluster or start their own (multi-node pools, S3-only
+#   fencing, in-process models): they wait on Ray much of the time (a lost node's detection,
+#   autoscaling), and those waits overlap the first lane's runs;
+# - the unit tests (no Ray, no servers) at the lowest CPU priority, taking what the others leave.
+# Each lane's output follows the first lane's; the exit is nonzero if any lane failed.
+OWN_LOG  := .cache/pytest-own-parts.log
 UNIT_LOG := .cache/pytest-unit.log
 test: lint typecheck checkov  ## lint, types, then unit and integration tests (real Ray, Serve, moto S3) side by side
 	@mkdir -p $(dir $(UNIT_LOG)); \
 	nice -n 19 $(PY) -m pytest tests/unit -q -ra -p no:cacheprovider > $(UNIT_LOG) 2>&1 & unit=$$!; \
-	trap 'kill $$unit 2>/dev/null' INT TERM; \
-	echo "$(PY) -m pytest tests/integration -q -ra --durations=10  (tests/unit beside it: $(UNIT_LOG))"; \
-	$(PY) -m pytest tests/integration -q -ra --durations=10; integration=$$?; \
-	wait $$unit; units=$$?; \
-	echo "--- tests/unit (run beside the integration tests) ---"; cat $(UNIT_LOG); \
-	echo "make test: integration tests exit $$integration, unit tests exit $$units"; \
-	exit $$(( integration || units ))
+	$(PY) -m pytest tests/integration -m "not shared_cluster" -q -ra -p no:cacheprovider --durations=5 > $(OWN_LOG) 2>&1 & own=$$!; \
+	trap 'kill $$unit $$own 2>/dev/null' INT TERM; \
+	echo "$(PY) -m pytest tests/integration -m shared_cluster -q -ra --durations=10"; \
+	echo "  (beside it: tests/integration -m 'not shared_cluster' > $(OWN_LOG), tests/unit > $(UNIT_LOG))"; \
+	$(PY) -m pytest tests/integration -m shared_cluster -q -ra --durations=10; shared=$$?; \
+	wait $$own; owned=$$?; wait $$unit; units=$$?; \
+	echo "--- tests/integration -m 'not shared_cluster' (run beside) ---"; cat $(OWN_LOG); \
+	echo "--- tests/unit (run beside) ---"; cat $(UNIT_LOG); \
+	echo "make test: integration tests exit $$shared (shared cluster) and $$owned (own parts), unit tests exit $$units"; \
+	exit $$(( shared || owned || units ))
 
 bench: $(STAMP)  ## speed, throughput, memory and precision against the ceilings (hours on 2 cores) -> bench/results/
 	$(PY) -m bench.run $(BENCH_ARGS)

@@ -345,15 +345,20 @@ class LocalNodes:
         env: dict[str, str],
         head_cpus: float = 0,
         object_store_mb: int = 300,
+        multi_node: bool = True,
+        start_args: tuple[str, ...] = (),
     ) -> None:
         self.root = root
         self.port = port
         self.dashboard_port = dashboard_port
         # Several nodes behind one loopback address: Ray refuses a multi-node cluster on a host it
-        # thinks is a laptop unless told, and every node binds 127.0.0.1 explicitly.
-        self.env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        # thinks is a laptop unless told, and every node binds 127.0.0.1 explicitly. A single
+        # node keeps the caller's setting.
+        self.env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"} if multi_node else dict(env)
         self.head_cpus = head_cpus
         self.object_store_mb = object_store_mb
+        self.start_args = start_args
+        """More `ray start` flags for every node."""
         self.nodes: dict[str, Node] = {}
 
     @property
@@ -389,6 +394,7 @@ class LocalNodes:
             f"--object-store-memory={self.object_store_mb * 2**20}",
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
+            *self.start_args,
         ]  # fmt: skip
         if resources:
             args.append(f"--resources={json.dumps(resources)}")

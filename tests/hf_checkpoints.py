@@ -303,3 +303,50 @@ def _fine_tune_minilm(out: Path) -> float:
     save_checkpoint(model, tokenizer, out / "tf", weights="tf")
     save_checkpoint(model, tokenizer, out / "pt", weights="pt")
     return accuracy
+
+
+#: Where `minilm_exported` keeps its export, by default.
+MINILM_EXPORT_CACHE = MINILM_CACHE.with_name("byom-minilm-exported")
+
+
+def minilm_exported(cache: Path = MINILM_EXPORT_CACHE) -> Path:
+    """`minilm_emotion`'s TF checkpoint exported by `serve_app.export.export_hf_checkpoint`
+    (max length 128, no measuring), built on first use and reused while the checkpoints, the
+    code that exports (every `serve_app` source) and the versions of the libraries it uses are
+    the same: one export (~25 s) serves every test that reads it, in one pytest process or in
+    the side-by-side ones of `make test`. Callers read it and never write into it (copy it
+    first). Concurrent callers wait for one build."""
+    from serve_app.export import export_hf_checkpoint
+
+    checkpoints = minilm_emotion()
+    sources = sorted(Path(__file__).resolve().parents[1].joinpath("serve_app").rglob("*.py"))
+    digest = hashlib.sha256()
+    digest.update((checkpoints.tf_dir.parent / "build.json").read_bytes())
+    for source in sources:
+        digest.update(source.read_bytes())
+    for package in ("tensorflow", "tf-keras", "transformers", "tokenizers", "openvino"):
+        with contextlib.suppress(PackageNotFoundError):
+            digest.update(f"{package}=={version(package)}".encode())
+    fingerprint = digest.hexdigest()[:16]
+    stamp = cache / ".export-fingerprint"
+
+    def cached() -> Path | None:
+        with contextlib.suppress(OSError):
+            if stamp.read_text(encoding="utf-8") == fingerprint:
+                return cache
+        return None
+
+    if (found := cached()) is not None:
+        return found
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f".{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (found := cached()) is not None:
+            return found
+        tmp = cache.parent / f".{cache.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        export_hf_checkpoint(checkpoints.tf_dir, tmp, max_sequence_length=_MINILM_MAX_LENGTH, measure=False)
+        (tmp / stamp.name).write_text(fingerprint, encoding="utf-8")
+        shutil.rmtree(cache, ignore_errors=True)
+        os.rename(tmp, cache)
+    return cache

@@ -55,15 +55,37 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("DashboardAgent", "ray dashboard and agents"),
     ("RuntimeEnvAgent", "ray dashboard and agents"),
     ("ray-dashboard", "ray dashboard and agents"),
+    ("agent.py", "ray dashboard and agents"),
+    # A worker process before it took its first task or actor (and its title): Python starting,
+    # importing Ray and the task's modules.
+    ("default_worker.py", "workers starting"),
+    ("log_monitor.py", "ray log monitor"),
 )
 
 
 def group_of(title: str) -> str:
-    """The group of a process with this title (Ray sets a worker's title to its task or actor)."""
+    """The group of a process with this title (Ray sets a worker's title to its task or actor;
+    `process_title` names other Python processes by their script)."""
     for needle, group in _GROUPS:
         if needle in title:
             return group
     return "ray system" if title else "other"
+
+
+def process_title(cmdline: list[str], name: str = "") -> str:
+    """What `group_of` reads: the first word of the command line (Ray's title for its workers,
+    ``ray::ServeReplica:...``), or for a Python process not titled, the script or module it runs
+    (``python default_worker.py``, ``python -m ray.util.client.server``)."""
+    if not cmdline:
+        return name
+    head = cmdline[0]
+    if os.path.basename(head).startswith("python"):
+        for i, arg in enumerate(cmdline[1:], start=1):
+            if arg == "-m" and i + 1 < len(cmdline):
+                return f"python -m {cmdline[i + 1]}"
+            if arg.endswith(".py"):
+                return f"python {os.path.basename(arg)}"
+    return head
 
 
 def sweep_node(extra_pids: tuple[int, ...] = ()) -> dict[str, Any]:
@@ -106,7 +128,7 @@ def sweep_node(extra_pids: tuple[int, ...] = ()) -> dict[str, Any]:
         try:
             with proc.oneshot():
                 times = proc.cpu_times()
-                title = " ".join(proc.cmdline()[:1]) or proc.name()
+                title = process_title(proc.cmdline(), proc.name())
                 children = times.children_user + times.children_system
                 out[f"{pid}:{int(proc.create_time())}"] = (times.user + times.system, children, title)
         except psutil.Error:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +27,19 @@ pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks set here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the integration tests, and those of them that use the shared session cluster
+    (`ray_cluster`: one Ray cluster and Serve app for all of them) `shared_cluster`. `make test`
+    runs the two sets side by side, `-m shared_cluster` and `-m "not shared_cluster"` (the tests
+    that need no cluster or start their own: multi-node pools, S3-only fencing, in-process
+    models), so the waits of one set (a lost node's detection, autoscaling) overlap the runs of
+    the other."""
     for item in items:
         if "tests/integration" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+            if "ray_cluster" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.shared_cluster)
 
 
 @dataclass(frozen=True)
@@ -79,9 +87,34 @@ class Cluster:
     """What a client process needs: the token-auth and S3 settings."""
 
 
+#: Root of the session cluster's temp dirs: short (Ray's socket paths must fit in 107 bytes), and
+#: named by the test process, whose cluster's processes carry it in their command lines.
+CLUSTER_ROOT = "/tmp/rpt-"
+
+
+def _stop_orphaned_clusters() -> None:
+    """Kills the session clusters of test processes that are gone (killed before their teardown).
+    Only those: clusters of live test processes (another xdist worker's) and of users run on."""
+    import shutil
+
+    from bench.cluster import LocalNodes
+
+    for root in Path("/tmp").glob(f"{Path(CLUSTER_ROOT).name}*"):
+        owner = root.name.removeprefix(Path(CLUSTER_ROOT).name)
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            LocalNodes._kill_marked(f"{root}/")
+            shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(s3: S3) -> Iterator[Cluster]:
+    """One head node (8 logical CPUs) in its own temp dir, torn down by killing its processes:
+    `ray stop --force` would also stop the clusters the other group's tests start beside it."""
+    import shutil
+
     import ray
+
+    from bench.cluster import LocalNodes
 
     # tests/conftest.py put the token-auth and loopback settings in the environment.
     keys = (
@@ -95,37 +128,42 @@ def ray_cluster(s3: S3) -> Iterator[Cluster]:
     env = {**s3.env, **{k: os.environ[k] for k in keys}}
     # As in an activated virtualenv (or a container image): `python` in a job entrypoint is ours.
     env["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
-    gcs_port, dash_port = free_port(), free_port()
-    subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, check=False)
-    cmd = [
-        str(BIN / "ray"), "start", "--head",
-        f"--port={gcs_port}",
-        "--node-ip-address=127.0.0.1",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash_port}",
-        "--num-cpus=8",  # logical: replicas and actors are mostly waiting, the 2 cores are shared
-        "--disable-usage-stats",
-    ]  # fmt: skip
-    started = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
-    assert started.returncode == 0, started.stdout + started.stderr
+    _stop_orphaned_clusters()
+    root = Path(f"{CLUSTER_ROOT}{os.getpid()}")
+    nodes = LocalNodes(
+        root,
+        port=free_port(),
+        dashboard_port=free_port(),
+        env={**os.environ, **env},
+        head_cpus=8,  # logical: replicas and actors are mostly waiting, the 2 cores are shared
+        object_store_mb=1024,
+        multi_node=False,
+        # No test reads worker logs through the driver (log_to_driver is off everywhere): the log
+        # monitor would only tail every worker's log, a few percent of a core all session.
+        start_args=("--include-log-monitor=false",),
+    )
     patch = pytest.MonkeyPatch()
-    for key, value in env.items():
-        patch.setenv(key, value)
-    ray.init(address=f"127.0.0.1:{gcs_port}", logging_level="WARNING", log_to_driver=False)
-    from ray.data import DataContext
-
-    DataContext.get_current().enable_progress_bars = False
     try:
-        yield Cluster(f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", env)
-    finally:
-        try:
-            from ray import serve
+        with nodes:
+            env["RAY_ADDRESS"] = nodes.address  # a CLI a test starts joins this cluster, never another
+            for key, value in env.items():
+                patch.setenv(key, value)
+            ray.init(address=nodes.address, logging_level="WARNING", log_to_driver=False)
+            from ray.data import DataContext
 
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, check=False, timeout=120)
-            patch.undo()
+            DataContext.get_current().enable_progress_bars = False
+            try:
+                yield Cluster(nodes.address, nodes.dashboard_url, env)
+            finally:
+                try:
+                    from ray import serve
+
+                    serve.shutdown()
+                finally:
+                    ray.shutdown()
+    finally:
+        patch.undo()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -52,10 +52,11 @@ def minilm() -> Checkpoints:
 
 
 @pytest.fixture(scope="module")
-def exported(minilm: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_hf_checkpoint(
-        minilm.tf_dir, tmp_path_factory.mktemp("byom") / "minilm-emotion", max_sequence_length=MAX_LENGTH, measure=False
-    )  # measuring on export is tested on a small model (tests/unit/test_export.py)
+def exported(minilm: Checkpoints) -> Path:
+    """`export_hf_checkpoint` of the TF checkpoint at MAX_LENGTH, without measuring (measuring on
+    export is tested on a small model: tests/unit/test_export.py); one export for every test."""
+    assert MAX_LENGTH == 128  # the length `ck.minilm_exported` exports at
+    return ck.minilm_exported()
 
 
 def _in_process(checkpoint: Path, texts: list[str]) -> np.ndarray:

@@ -29,12 +29,10 @@ TEXTS = [t for t, _ in demo_data.sentences(200, seed=4901) + demo_data.paragraph
 
 @pytest.mark.skipif(not ck.minilm_package_version(), reason=f"{ck.MINILM_PACKAGE} is not installed")
 def test_real_weights_minilm_on_openvino_answers_as_tensorflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from serve_app.export import export_hf_checkpoint
+    import shutil
 
     monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path / "cache"))
-    model_dir = export_hf_checkpoint(
-        ck.minilm_emotion().tf_dir, tmp_path / "minilm", max_sequence_length=128, measure=False
-    )
+    model_dir = shutil.copytree(ck.minilm_exported(), tmp_path / "minilm")  # a copy: export_ir writes into it
     fp32 = EmotionModel.load(model_dir).predict(TEXTS).probabilities
     export_ir(model_dir)
     model = EmotionModel.load(model_dir, runtime="openvino", threads=2)

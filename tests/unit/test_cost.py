@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from raypipe.report import RunReport
-from raypipe.run.cost import CpuMeter, group_of
+from raypipe.run.cost import CpuMeter, group_of, process_title
 
 
 def _node(name: str, **processes: tuple[float, str]) -> dict[str, Any]:
@@ -75,7 +75,21 @@ def test_groups_follow_rays_process_titles() -> None:
     assert group_of("ray::_AutoscalingCoordinatorActor") == "ray data"
     assert group_of("ray::ActorLocationTracker") == "ray data"
     assert group_of("/usr/bin/gcs_server") == "ray gcs"
-    assert group_of("/venv/bin/python -u /venv/ray/_private/log_monitor.py") == "ray system"
+    assert group_of("python log_monitor.py") == "ray log monitor"
+    assert group_of("python -m ray.util.client.server") == "ray system"
+
+
+def test_untitled_python_processes_are_named_by_their_script() -> None:
+    python = "/venv/bin/python3.13"
+    starting = [python, "/venv/lib/site-packages/ray/_private/workers/default_worker.py", "--node-ip-address=1"]
+    assert group_of(process_title(starting)) == "workers starting"
+    agent = [python, "-u", "/venv/lib/site-packages/ray/dashboard/agent.py", "--node-ip-address=1"]
+    assert group_of(process_title(agent)) == "ray dashboard and agents"
+    assert process_title([python, "-m", "ray.util.client.server", "--port=10001"]) == "python -m ray.util.client.server"
+    # Ray's own titles and binaries are kept as they are.
+    assert process_title(["ray::InferenceActor.__call__", ""]) == "ray::InferenceActor.__call__"
+    assert group_of(process_title(["/venv/lib/ray/core/src/ray/gcs/gcs_server", "--log_dir=/x"])) == "ray gcs"
+    assert process_title([], "raylet") == "raylet"
 
 
 def test_the_report_says_what_answered_and_what_it_cost() -> None:
