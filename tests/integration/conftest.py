@@ -29,17 +29,19 @@ BIN = Path(sys.executable).parent
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks set here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks the integration tests, and those of them that use the shared session cluster
-    (`ray_cluster`: one Ray cluster and Serve app for all of them) `shared_cluster`. `make test`
-    runs the two sets side by side, `-m shared_cluster` and `-m "not shared_cluster"` (the tests
-    that need no cluster or start their own: multi-node pools, S3-only fencing, in-process
-    models), so the waits of one set (a lost node's detection, autoscaling) overlap the runs of
-    the other."""
+    """Marks the integration tests, and puts those of the side lane in it (`side_lane`).
+
+    `make test` runs two lanes side by side, `-m "not side_lane"` and `-m side_lane`, each in its
+    own pytest process with its own session cluster when a test of it needs one: so the waits of
+    one lane (a lost node's detection, autoscaling, a lease running out) overlap the runs of the
+    other. The side lane holds the tests that need no session cluster or start their own
+    (multi-node pools, S3-only fencing, in-process models), and the modules that say
+    `pytestmark = pytest.mark.side_lane` to even out the lanes' lengths."""
     for item in items:
         if "tests/integration" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
-            if "ray_cluster" in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.shared_cluster)
+            if "ray_cluster" not in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.side_lane)
 
 
 @dataclass(frozen=True)
