@@ -18,15 +18,17 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from serve_app._tf import tensorflow
+
+T = TypeVar("T")
 
 _TEXT = (
     "i am so happy sad angry scared surprised love the dog cat died passed test boss yelled "
@@ -222,25 +224,33 @@ def minilm_emotion(cache: Path = MINILM_CACHE) -> MiniLMCheckpoints:
                 return MiniLMCheckpoints(cache / "tf", cache / "pt", built["held_out_accuracy"])
         return None
 
+    def build(tmp: Path) -> None:
+        started = time.monotonic()
+        accuracy = _fine_tune_minilm(tmp)
+        build = {"fingerprint": fingerprint, "held_out_accuracy": accuracy, "seconds": time.monotonic() - started}
+        (tmp / "build.json").write_text(json.dumps(build), encoding="utf-8")
+        print(f"built the fine-tuned MiniLM checkpoints in {build['seconds']:.1f} s")
+
+    return _built_once(cache, cached, build)
+
+
+def _built_once(cache: Path, cached: Callable[[], T | None], build: Callable[[Path], None]) -> T:
+    """What `cached()` finds; else `build` fills a temp dir beside `cache` under a lock (concurrent
+    callers, in other processes too, wait for one build), renamed into place when complete."""
     if (found := cached()) is not None:
         return found
     cache.parent.mkdir(parents=True, exist_ok=True)
     with open(cache.parent / f".{cache.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (found := cached()) is not None:
-            return found
-        tmp = cache.parent / f".{cache.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        started = time.monotonic()
-        accuracy = _fine_tune_minilm(tmp)
-        build = {"fingerprint": fingerprint, "held_out_accuracy": accuracy, "seconds": time.monotonic() - started}
-        (tmp / "build.json").write_text(json.dumps(build), encoding="utf-8")
-        shutil.rmtree(cache, ignore_errors=True)
-        os.rename(tmp, cache)
-        print(f"built the fine-tuned MiniLM checkpoints in {build['seconds']:.1f} s")
-    result = cached()
-    assert result is not None
-    return result
+        if (found := cached()) is None:
+            tmp = cache.parent / f".{cache.name}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            shutil.rmtree(cache, ignore_errors=True)
+            os.rename(tmp, cache)
+            found = cached()
+    assert found is not None, f"{cache}: built, but not found"
+    return found
 
 
 def _padded(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -336,17 +346,8 @@ def minilm_exported(cache: Path = MINILM_EXPORT_CACHE) -> Path:
                 return cache
         return None
 
-    if (found := cached()) is not None:
-        return found
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.parent / f".{cache.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (found := cached()) is not None:
-            return found
-        tmp = cache.parent / f".{cache.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+    def build(tmp: Path) -> None:
         export_hf_checkpoint(checkpoints.tf_dir, tmp, max_sequence_length=_MINILM_MAX_LENGTH, measure=False)
         (tmp / stamp.name).write_text(fingerprint, encoding="utf-8")
-        shutil.rmtree(cache, ignore_errors=True)
-        os.rename(tmp, cache)
-    return cache
+
+    return _built_once(cache, cached, build)

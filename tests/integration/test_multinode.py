@@ -265,11 +265,11 @@ def _actor_nodes(nodes: LocalNodes, class_part: str) -> set[str]:
 def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(pool, corpus, s3):
     pool.serve("fixed")
     out = f"{s3.bucket('multinode')}/out-actor-loss"
-    # One actor, so the node that hosts it is known; every unit goes through it.
-    run = pool.backfill(corpus.uri, out, "mn-actor-loss", "fixed", "--set", "actors.max_actors=1")
-    wait_for(lambda: _commits(s3, out) >= 2, 300, "the first committed units")
-    # On busy cores the state API once listed no ALIVE inference actor while the run went on
-    # (its units kept committing): the one actor's node is asked for until it is listed.
+    # One actor, so the node that hosts it is known; every unit goes through it. Calls of 4 rows
+    # keep the run going for a while after its first commit.
+    run = pool.backfill(
+        corpus.uri, out, "mn-actor-loss", "fixed", "--set", "actors.max_actors=1", "--set", "client.micro_batch_size=4"
+    )
     hosts: set[str] = set()
 
     def one_host() -> bool:
@@ -277,8 +277,12 @@ def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(p
         hosts = _actor_nodes(pool.jobs, "InferenceActor")
         return len(hosts) == 1
 
-    wait_for(one_host, 60, "the state API to show the inference actor's node")
+    # The actor's node is looked up while the run starts: looked up after its first commits, on
+    # busy cores, the run was once over before the state API answered (no ALIVE actor left).
+    wait_for(one_host, 300, "the inference actor to start")
     (name,) = [n for n, node in pool.jobs.nodes.items() if node.node_id in hosts]
+    wait_for(lambda: _commits(s3, out) >= 1, 300, "the first committed unit")
+    assert run.poll() is None, "the run ended before its actor's node could be lost: " + pool.log("mn-actor-loss")
     killed_at = time.time()
     assert pool.jobs.kill_node(name) > 0
     assert run.wait(timeout=400) == 0, pool.log("mn-actor-loss")

@@ -99,9 +99,10 @@ def test_poison_rows_are_dead_lettered_alone_then_replayed_into_the_results(tmp_
     assert dead == [] and len(results) == len(all_ids)
 
 
-def backfill_in_background(input_uri, out, service, cfg, started: threading.Event | None = None):
+def backfill_in_background(input_uri, out, service, cfg, started: threading.Event | None = None, begun=None):
     """Starts a backfill in a thread and returns, once its first unit is committed (or `started`
-    is set), a `finish` that waits for the run and returns its report (or raises its error)."""
+    is set, or `begun()` is true), a `finish` that waits for the run and returns its report (or
+    raises its error)."""
     box = {}
 
     def run():
@@ -113,10 +114,12 @@ def backfill_in_background(input_uri, out, service, cfg, started: threading.Even
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
 
-    def begun() -> bool:
+    def going() -> bool:
+        if begun is not None:
+            return bool(begun())
         return (started is not None and started.is_set()) or committed_results(out) is not None
 
-    wait_for(lambda: begun() or not thread.is_alive(), 120, "a first committed unit")
+    wait_for(lambda: going() or not thread.is_alive(), 120, "a first committed unit")
 
     def finish():
         thread.join(timeout=240)
@@ -145,7 +148,13 @@ def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address,
     # (without it a kill between two calls can fail none, and the test would prove nothing).
     app = deploy_app("killable", ServerSettings(fault=FaultInjection(extra_latency_s=0.3)))
     out = tmp_path / "out"
-    finish = backfill_in_background(corpus.uri, out, serve_address, settings(app))
+
+    def answering() -> bool:  # the run's calls reach the replica: the kill lands among them
+        return sum(serve.get_app_handle(app).stats.remote().result()["calls"].values()) >= 3
+
+    # Killed once the replica answers, not once a unit is committed: on busy cores the run
+    # could be over by the time a test process sees its first commit.
+    finish = backfill_in_background(corpus.uri, out, serve_address, settings(app), begun=answering)
     ray.kill(_replica_actor(app), no_restart=False)
     report = finish()
     print(
