@@ -90,9 +90,8 @@ checkov: $(STAMP)
 # Three lanes side by side, each its own pytest process (and session cluster, where it needs one):
 # - the integration tests `-m "not side_lane"`, in the foreground;
 # - the side lane `-m side_lane` (tests/integration/conftest.py): the integration tests that need
-#   no session cluster or start their own (multi-node pools, S3-only fencing, in-process models),
-#   and modules moved there to even out the lanes. Both wait on Ray, Serve and leases much of the
-#   time, and one lane's waits overlap the other's runs;
+#   no session cluster or start their own (multi-node pools, S3-only fencing, in-process models).
+#   Both wait on Ray, Serve and leases much of the time, and one lane's waits overlap the other's runs;
 # - the unit tests (no Ray, no servers) at the lowest CPU priority, taking what the others leave.
 # Each lane's output follows the first lane's; the exit is nonzero if any lane failed.
 SIDE_LOG := .cache/pytest-side-lane.log

@@ -35,8 +35,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     own pytest process with its own session cluster when a test of it needs one: so the waits of
     one lane (a lost node's detection, autoscaling, a lease running out) overlap the runs of the
     other. The side lane holds the tests that need no session cluster or start their own
-    (multi-node pools, S3-only fencing, in-process models), and the modules that say
-    `pytestmark = pytest.mark.side_lane` to even out the lanes' lengths."""
+    (multi-node pools, S3-only fencing, in-process models). Its process never joins a cluster
+    itself: with a session cluster joined there (test_hardening's tests moved to even out the
+    lanes), the multi-node tests' state-API lookups found no inference actor and failed."""
     for item in items:
         if "tests/integration" in str(item.fspath):
             item.add_marker(pytest.mark.integration)

@@ -30,10 +30,6 @@ from tests.integration.conftest import wait_for
 from tests.integration.helpers import assert_nothing_lost, committed_units, dead_letters, ids, results
 from tests.integration.s3_proxy import S3Proxy
 
-# `make test`'s side lane (tests/integration/conftest.py): these scenarios mostly wait (a breaker
-# open, a lease taken over, a replay killed), beside the main lane's runs.
-pytestmark = pytest.mark.side_lane
-
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 FAST = {"retry": {"initial_backoff_s": 0.05, "max_backoff_s": 0.3}}
