@@ -97,7 +97,7 @@ CLUSTER_ROOT = "/tmp/rpt-"
 
 def _stop_orphaned_clusters() -> None:
     """Kills the session clusters of test processes that are gone (killed before their teardown).
-    Only those: clusters of live test processes (another xdist worker's) and of users run on."""
+    Only those: clusters of live test processes (the other lane's) and of users run on."""
     import shutil
 
     from bench.cluster import LocalNodes
@@ -112,7 +112,7 @@ def _stop_orphaned_clusters() -> None:
 @pytest.fixture(scope="session")
 def ray_cluster(s3: S3) -> Iterator[Cluster]:
     """One head node (8 logical CPUs) in its own temp dir, torn down by killing its processes:
-    `ray stop --force` would also stop the clusters the other group's tests start beside it."""
+    `ray stop --force` would also stop the clusters the other lane's tests start beside it."""
     import shutil
 
     import ray
