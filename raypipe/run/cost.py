@@ -12,8 +12,10 @@ it went. Only nodes in both sweeps count, and a sweep waits at most `SWEEP_WAIT_
 through its parent, which reaped it (its children's CPU time grows by the worker's whole
 life; what the worker had spent before the first sweep is taken off): group ``ended
 workers``. The second sweep is taken when the run's last unit is in (`CpuMeter.stop`),
-before Ray Data tears its actors down. On a cluster shared with other jobs their CPU counts
-too: the figure is the cluster's cost over the run, which is what a bill is.
+before Ray Data tears its actors down. The driver's own node is swept by the driver itself: a
+task there would wait most of a second for a worker to start (idle ones are soon stopped), twice
+on the path of every run, and that worker's start was counted as the run's. On a cluster
+shared with other jobs their CPU counts too: the figure is the cluster's cost over the run, which is what a bill is.
 
 The model's share comes from the replicas themselves: each answer carries the core-seconds of
 the forward passes it took part in (`protos.wire.TIMING_KEYS["model_cpu_s"]`), which the actors
@@ -88,15 +90,15 @@ def process_title(cmdline: list[str], name: str = "") -> str:
     return head
 
 
-def sweep_node(extra_pids: tuple[int, ...] = ()) -> dict[str, Any]:
+def sweep_node(extra_pids: tuple[int, ...] = (), *, session: str = "") -> dict[str, Any]:
     """CPU seconds of every process of this node's Ray session, by pid (run on the node).
 
-    The session is the one whose raylet started the calling worker (its parent)."""
+    The session is `session` (its directory's name) if given, else the one whose raylet started
+    the calling worker (its parent)."""
     import psutil
 
     me = psutil.Process()
-    raylet = me.parent()
-    session = ""
+    raylet = None if session else me.parent()
     if raylet is not None:
         for arg in raylet.cmdline():
             if "session_" in arg:
@@ -302,15 +304,36 @@ def _sweep_cluster() -> list[dict[str, Any]]:
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     if not nodes:
         raise RuntimeError("no alive node")
+    here = _driver_node(nodes)
     refs = [
         sweep.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
         for node_id in nodes
+        if here is None or node_id != here[0]
     ]
+    local = [sweep_node(session=here[1])] if here is not None else []
+    if not refs:
+        return local
     # A node lost a moment ago may still be listed alive: never wait on it for long. The nodes
     # that answer are the sweep (a node missing from one sweep is left out of the difference).
     ready, late = ray.wait(refs, num_returns=len(refs), timeout=SWEEP_WAIT_S)
     for ref in late:
         ray.cancel(ref, force=True)
-    if not ready:
+    if not ready and not local:
         raise RuntimeError(f"no node answered the CPU sweep within {SWEEP_WAIT_S:g} s")
-    return list(ray.get(ready))
+    return local + list(ray.get(ready))
+
+
+def _driver_node(nodes: list[str]) -> tuple[str, str] | None:
+    """(node id, session name) of the node this driver runs on, if it is one of `nodes` and
+    its session is known; None for a driver off the cluster (a Ray Client driver, say)."""
+    import ray
+    from ray._private import worker  # Ray has no public accessor of the session's name
+
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:  # a driver Ray cannot place (Ray Client): every node is swept by a task
+        return None
+    session = getattr(getattr(worker, "_global_node", None), "session_name", None)
+    if not session or node_id not in nodes:
+        return None
+    return node_id, str(session)

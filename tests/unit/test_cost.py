@@ -1,12 +1,18 @@
-"""Unit tests for a run's cost (`raypipe.run.cost`) and its line in the report: sweeps are fakes."""
+"""Unit tests for a run's cost (`raypipe.run.cost`) and its line in the report: sweeps are fakes,
+but for one node's sweep of real processes."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from typing import Any
 
+import psutil
+
 from raypipe.report import RunReport
-from raypipe.run.cost import CpuMeter, group_of, process_title
+from raypipe.run.cost import CpuMeter, group_of, process_title, sweep_node
 
 
 def _node(name: str, **processes: tuple[float, str]) -> dict[str, Any]:
@@ -122,3 +128,29 @@ def test_a_worker_that_ended_between_the_sweeps_is_counted_through_its_parent() 
     cost = meter.finish(paragraphs=100, model_cpu_s=0.0, core_hour_usd=0.04)
     assert cost is not None
     assert cost.groups == {"ended workers": 3.0, "ray raylet": 0.2}  # the driver spent nothing: no line
+
+
+def test_a_sweep_by_session_name_finds_its_processes_and_their_children_only() -> None:
+    # What the driver sweeps on its own node: processes naming the session, and their descendants.
+    session = f"session_test_{os.getpid()}_{time.monotonic_ns()}"
+    sleep = "import time; time.sleep(60)"
+    child = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleep!r}]); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", child, f"/tmp/{session}/logs"])
+    other = subprocess.Popen([sys.executable, "-c", sleep])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            swept = sweep_node(session=session)
+            if len(swept["processes"]) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        pids = {int(key.split(":")[0]) for key in swept["processes"]}
+        assert swept["session"] == session
+        assert parent.pid in pids and len(pids) == 2  # the parent and the child it started
+        assert other.pid not in pids and os.getpid() not in pids
+    finally:
+        for grandchild in psutil.Process(parent.pid).children(recursive=True):
+            grandchild.kill()  # reaped by init once its parent is gone
+        for proc in (parent, other):
+            proc.kill()
+            proc.wait()
