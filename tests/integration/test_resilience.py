@@ -293,8 +293,14 @@ def probes_within(open_s: float, reset_s: float = 1.0, cap_s: float = 4.0) -> in
     return n
 
 
+@pytest.fixture(scope="module")
+def storm_corpus(tmp_path_factory):
+    """200 calls of 4 rows: a fixed limit of 200 sends them all at once."""
+    return write_sample_corpus(str(tmp_path_factory.mktemp("in") / "s"), rows=800, parquet_shards=2, jsonl_shards=0)
+
+
 @pytest.mark.timeout(420)
-def test_adaptive_limit_avoids_the_deadline_storm_a_fixed_200_causes(tmp_path, corpus, serve_address, deploy_app):
+def test_adaptive_limit_avoids_the_deadline_storm_a_fixed_200_causes(tmp_path, storm_corpus, serve_address, deploy_app):
     app = deploy_app(
         "small",
         ServerSettings(batch_max_calls=1, fault=FaultInjection(extra_latency_s=0.02)),
@@ -305,16 +311,25 @@ def test_adaptive_limit_avoids_the_deadline_storm_a_fixed_200_causes(tmp_path, c
         return settings(
             app,
             service={"timeout_s": 1.5},
-            client={"micro_batch_size": 4, "limiter": limiter},
+            # Short waits after failures: what is compared is the storm, not how long it lasts.
+            client={
+                "micro_batch_size": 4,
+                "limiter": limiter,
+                "retry": {"max_backoff_s": 0.5},
+                "breaker": {"max_reset_timeout_s": 1.0},
+            },
             actors={"min_actors": 1, "max_actors": 1, "units_per_actor": 2},
-            input={"unit_rows": 750},
+            input={"unit_rows": 400},
         )
 
     fixed = raypipe.backfill(
-        corpus.uri, str(tmp_path / "fixed"), service=serve_address, settings=limited({"kind": "fixed", "initial": 200})
+        storm_corpus.uri,
+        str(tmp_path / "fixed"),
+        service=serve_address,
+        settings=limited({"kind": "fixed", "initial": 200}),
     )
     adaptive = raypipe.backfill(
-        corpus.uri,
+        storm_corpus.uri,
         str(tmp_path / "adaptive"),
         service=serve_address,
         settings=limited({"kind": "adaptive", "initial": 4, "max_limit": 200}),
@@ -330,7 +345,7 @@ def test_adaptive_limit_avoids_the_deadline_storm_a_fixed_200_causes(tmp_path, c
     )
     for run, out in ((fixed, "fixed"), (adaptive, "adaptive")):
         assert run.status == "completed"
-        assert_nothing_lost(tmp_path / out, corpus.ids)
+        assert_nothing_lost(tmp_path / out, storm_corpus.ids)
     storm = fixed.status_counts.get("DEADLINE_EXCEEDED", 0)
     calm = adaptive.status_counts.get("DEADLINE_EXCEEDED", 0)
     assert storm >= 50
