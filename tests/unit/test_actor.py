@@ -291,3 +291,15 @@ def test_an_actor_with_metrics_tells_its_gauges_of_each_committed_unit(tmp_path,
     with_metrics = dataclasses.replace(settings(tmp_path), metrics=MetricsSpec(ray_metrics=True))
     asyncio.run(InferenceActor(with_metrics, client_factory=ScriptedClient)(block))
     assert len(commits) == 1
+
+
+def test_rows_sharing_a_text_are_grouped_under_the_first_in_row_order():
+    from raypipe.call.actor import _duplicates_by_first
+
+    rows = np.array([3, 5, 8, 9, 12, 20], np.int64)
+    # Positions 0, 2 and 5 share a text; 1 and 4 another; 3 is alone.
+    first_of = np.array([0, 1, 0, 3, 1, 0])
+    groups = _duplicates_by_first(rows, first_of)
+    assert sorted(groups) == [3, 5]
+    assert groups[3].tolist() == [8, 20] and groups[5].tolist() == [12]
+    assert _duplicates_by_first(rows, np.arange(6)) == {}
