@@ -53,12 +53,12 @@ def test_a_broken_service_stops_the_run_and_the_same_run_id_completes_once_fixed
     a clear error and a non-zero exit after few calls, nothing is dead-lettered; rerunning the same
     run id against the fixed service puts every row in the results."""
     app = deploy_app("broken", ServerSettings(fault=FaultInjection(fail_fraction=1.0, status="INTERNAL")))
-    corpus = write_sample_corpus(str(tmp_path / "in"), rows=6000, parquet_shards=3, jsonl_shards=0,
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=3000, parquet_shards=3, jsonl_shards=0,
                                  bad_fraction=0.0, seed=81)  # fmt: skip
     out = tmp_path / "out"
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
     args = ["backfill", "--input", corpus.uri, "--output", str(out), "--service", serve_address, "--run-id", "b1",
-            "--set", "input.unit_rows=1000", "--set", "client.breaker.max_wait_s=6",
+            "--set", "input.unit_rows=500", "--set", "client.breaker.max_wait_s=6",
             "--set", "client.retry.initial_backoff_s=0.05", "--set", "client.retry.max_backoff_s=0.3"]  # fmt: skip
     failed = cli(*args, "--set", f"service.application={app}", env=env)
     print(failed.stdout[-1500:], failed.stderr[-1500:])
@@ -90,7 +90,7 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
     for the lease to expire): the first attempt stops before its next write, and every id ends
     exactly once in the results."""
     app = deploy_app("slow", ServerSettings(fault=FaultInjection(extra_latency_s=0.3)))
-    corpus = write_sample_corpus(str(tmp_path / "in"), rows=1500, parquet_shards=3, jsonl_shards=0,
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=750, parquet_shards=3, jsonl_shards=0,
                                  bad_fraction=0.0, row_group_size=50, seed=91)  # fmt: skip
     out = tmp_path / "out"
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
