@@ -318,10 +318,11 @@ def wait_until_running(
     nodes: Callable[[], list[NodeRoom]] = cluster_room,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    poll_s: float = 1.0,
+    poll_s: float = 0.25,
 ) -> None:
-    """Returns once `app_name` is RUNNING; raises `RuntimeError` if it failed to deploy, or
-    `AppNotRunningError` (what it waits for, `describe_not_running`) after `wait_s` seconds.
+    """Returns once `app_name` is RUNNING (asked every `poll_s`, one call to the controller);
+    raises `RuntimeError` if it failed to deploy, or `AppNotRunningError` (what it waits for,
+    `describe_not_running`) after `wait_s` seconds.
 
     `details` is Serve's status (`get_serve_details()`: applications -> deployments ->
     replicas) and `nodes` the cluster's room; tests pass fakes, and a clock and sleep."""
