@@ -103,7 +103,7 @@ def test_serve_waits_until_the_app_is_running():
     wait_until_running(
         "raypipe", wait_s=30, details=lambda: next(states), nodes=lambda: POOL, clock=clock, sleep=clock.sleep
     )
-    assert clock.sleeps == [1.0, 1.0]
+    assert clock.sleeps == [0.25, 0.25]
 
 
 def test_past_its_deadline_serve_names_the_replicas_their_nodes_and_what_they_wait_for():
