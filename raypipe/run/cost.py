@@ -14,8 +14,9 @@ life; what the worker had spent before the first sweep is taken off): group ``en
 workers``. The second sweep is taken when the run's last unit is in (`CpuMeter.stop`),
 before Ray Data tears its actors down. The driver's own node is swept by the driver itself: a
 task there would wait most of a second for a worker to start (idle ones are soon stopped), twice
-on the path of every run, and that worker's start was counted as the run's. On a cluster
-shared with other jobs their CPU counts too: the figure is the cluster's cost over the run, which is what a bill is.
+on the path of every run, and that worker's start would count as the run's. On a cluster shared
+with other jobs their CPU counts too: the figure is the cluster's cost over the run, which is
+what a bill is.
 
 The model's share comes from the replicas themselves: each answer carries the core-seconds of
 the forward passes it took part in (`protos.wire.TIMING_KEYS["model_cpu_s"]`), which the actors
