@@ -113,6 +113,7 @@ test: lint typecheck checkov  ## lint, types, then unit and integration tests (r
 
 bench: $(STAMP)  ## speed, throughput, memory and precision against the ceilings (hours on 2 cores) -> bench/results/
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.docs
 
 bench-quick: $(STAMP)  ## smoke run of the benchmark: MiniLM only, small counts
 	$(PY) -m bench.run --quick $(BENCH_ARGS)

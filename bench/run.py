@@ -511,6 +511,7 @@ def _environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": dirty,
         "command": "python -m bench.run " + shlex.join(argv),
+        "quick": bool(args.quick),
         "cpu": cpu_info(),
         "threads": args.threads,
         "cluster_cpus": args.cluster_cpus,
