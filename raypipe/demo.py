@@ -11,6 +11,7 @@ production.
 from __future__ import annotations
 
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,13 +33,19 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     t0 = time.monotonic()
     work = Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
+    # The demo's cluster is its own, also where one already runs on this machine (`raypipe serve
+    # --detach` starts one): "local" starts a new one rather than joining it. Its Serve proxies
+    # take free ports where the usual ones are taken (the HTTP proxy is not used).
+    if not _port_free(grpc_port):
+        taken, grpc_port = grpc_port, _free_port()
+        print(f"demo: port {taken} is taken (another Serve app?); the demo's gRPC proxy uses {grpc_port}", flush=True)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-model") as pool:
         building = pool.submit(build_demo_model, model_dir or default_demo_model_dir())
         corpus = write_sample_corpus(str(work / "input"), rows=rows, parquet_shards=4, jsonl_shards=1)
-        start_local_ray(num_cpus=2, include_dashboard=False)
+        start_local_ray(address="local", num_cpus=2, include_dashboard=False)
         try:
             # Serve's controller and gRPC proxy start while a first run still trains the model.
-            start_grpc_proxy(grpc_port)
+            start_grpc_proxy(grpc_port, http_port=_free_port())
             model = building.result()
         except BaseException:
             ray.shutdown()
@@ -75,6 +82,21 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     print(f"demo wall time: {time.monotonic() - t0:.1f} s")
     lost = len(corpus.ids) - report.rows_results - report.rows_dead_letters
     return 0 if report.status == "completed" and lost == 0 else 1
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _start_ray_data() -> None:
