@@ -187,4 +187,8 @@ def test_an_absent_agent_costs_nothing_and_warns_once(tmp_path, corpus, serve_ad
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("raypipe", "datadog"))]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert f"127.0.0.1:{port}" in warnings[0].getMessage() and "not accepting" in warnings[0].getMessage()
-    assert closed_s <= 1.5 * off_s + 5, f"closed port {closed_s:.1f} s vs off {off_s:.1f} s"
+    # The run itself is as without metrics: the same calls, none retried. (That a record never
+    # waits on the closed port is tests/unit/test_metrics.py's; wall times on shared cores are not
+    # compared here.)
+    assert report.retries == off_report.retries == 0
+    assert report.calls == off_report.calls
