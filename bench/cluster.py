@@ -382,7 +382,10 @@ class LocalNodes:
         temp_dir.mkdir(parents=True, exist_ok=True)
         args = [
             "start",
-            *(("--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}")
+            *(("--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+               # Ray Client's server: a process of its own that `ray start --head` leaves beside the
+               # raylet, on 10001 unless told (clusters side by side would contend for it).
+               f"--ray-client-server-port={free_port()}")
               if head else (f"--address={self.address}",)),
             "--node-ip-address=127.0.0.1",
             # Fixed defaults (the agent's HTTP port 52365, the metrics port) would collide between
@@ -453,6 +456,9 @@ class LocalNodes:
 
     def __exit__(self, *exc: object) -> None:
         self._kill_marked(str(self.root))
+        # Ray Client's server names neither the temp dir nor a raylet as its parent: it names the
+        # GCS. Left alone, it outlived every test cluster.
+        self._kill_marked(f"--address={self.address}")
 
 
 def watch_replicas(app: str, interval_s: float, out: Any) -> None:
