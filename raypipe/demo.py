@@ -85,7 +85,10 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on `port`. SO_REUSEADDR as servers bind: the connections of the last demo's
+    proxy, closed moments ago (TIME_WAIT), do not make it taken."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
