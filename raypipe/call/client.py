@@ -351,16 +351,21 @@ def check_service(
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 _raise_if_tls(address, security, e, timeout_s=max(0.5, deadline - time.monotonic()))
-                try:  # not TLS: the service may still be starting
-                    grpc.channel_ready_future(channel).result(timeout=max(0.0, deadline - time.monotonic()))
-                except grpc.FutureTimeoutError:
+                # Not TLS: the service may still be starting. gRPC waits for the connection within
+                # the deadline (wait_for_ready). Not `grpc.channel_ready_future`: its polling thread
+                # can outlive the channel's close and die with "Channel closed!".
+                remaining = max(0.0, deadline - time.monotonic())
+                try:
+                    info = stub.ModelInfo(request, timeout=remaining, metadata=metadata, wait_for_ready=True)
+                except grpc.RpcError as again:
+                    if again.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                        raise
                     raise ServiceUnavailable(
                         f"model service at {address} is unreachable: no connection within {timeout_s:g}s "
                         f"(last error: {e.details()})",
                         status_code="UNAVAILABLE",
                         address=address,
                     ) from e
-                info = stub.ModelInfo(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             err = map_rpc_error(e, address=address)
             raise type(err)(
