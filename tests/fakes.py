@@ -86,11 +86,11 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
         )
 
 
-async def start_fake_server(*, columns: bool = True) -> tuple[grpc.aio.Server, FakeServicer, str]:
+async def start_fake_server(*, columns: bool = True, port: int = 0) -> tuple[grpc.aio.Server, FakeServicer, str]:
     server = grpc.aio.server()
     servicer = FakeServicer(columns=columns)
     emotion_pb2_grpc.add_EmotionClassifierServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, servicer, f"127.0.0.1:{port}"
 

@@ -141,6 +141,31 @@ def test_unreachable_service_fails_fast_naming_the_address():
         check_service(f"127.0.0.1:{port}", timeout_s=1.0)
 
 
+def test_check_service_waits_for_a_service_that_comes_up_within_its_timeout():
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    found: list[object] = []
+    checking = threading.Thread(target=lambda: found.append(check_service(f"127.0.0.1:{port}", timeout_s=60)))
+    checking.start()  # nothing listens yet: its first call fails UNAVAILABLE, then it waits
+
+    async def scenario():
+        await asyncio.sleep(0.5)
+        server, _, _ = await start_fake_server(port=port)
+        try:
+            await asyncio.to_thread(checking.join, 60)
+        finally:
+            await server.stop(None)
+
+    run(scenario())
+    assert not checking.is_alive()
+    (info,) = found
+    assert info.labels == LABELS
+
+
 def test_check_service_reads_model_info():
     async def scenario():
         server, _, address = await start_fake_server()
