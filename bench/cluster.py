@@ -429,11 +429,13 @@ class LocalNodes:
         return self
 
     @staticmethod
-    def _kill_marked(marker: str) -> int:
+    def _kill_marked(marker: str, *, whole_arg: bool = False) -> int:
+        """Kills every process with `marker` in an argument (`whole_arg`: as an argument), and
+        a marked raylet's children."""
         found: dict[int, psutil.Process] = {}
         for p in psutil.process_iter(["cmdline"]):
             cmd = p.info.get("cmdline") or []
-            if any(marker in arg for arg in cmd):
+            if marker in cmd if whole_arg else any(marker in arg for arg in cmd):
                 found[p.pid] = p
                 if cmd[0].endswith("raylet"):
                     with contextlib.suppress(psutil.Error):
@@ -458,7 +460,7 @@ class LocalNodes:
         self._kill_marked(str(self.root))
         # Ray Client's server names neither the temp dir nor a raylet as its parent: it names the
         # GCS. Left alone, it outlived every test cluster.
-        self._kill_marked(f"--address={self.address}")
+        self._kill_marked(f"--address={self.address}", whole_arg=True)
 
 
 def watch_replicas(app: str, interval_s: float, out: Any) -> None:
