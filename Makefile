@@ -88,34 +88,40 @@ checkov: $(STAMP)
 	  && $(UV) pip install --quiet --python $(CHECKOV_VENV)/bin/python -r kuberay/scan-requirements.txt \
 	  && touch $(CHECKOV_VENV)/.installed; }
 
-# Four lanes side by side, each its own pytest process (and session cluster, where it needs one):
-# - the integration tests `-m "not side_lane and not fault_lane"`, in the foreground;
-# - the fault lane `-m fault_lane` (tests/integration/conftest.py): the session-cluster tests of
-#   the fault modules (killed runs, broken services, deadline storms), on a session cluster of
-#   their own; they wait on leases, backoffs and breakers much of the time;
+# Four test lanes side by side, each its own pytest process (and session cluster, where it needs
+# one), and mypy beside them:
+# - the integration tests `-m "not side_lane and not second_lane"`, in the foreground;
+# - the second lane `-m second_lane` (tests/integration/conftest.py): the session-cluster tests of
+#   the fault modules (killed runs, broken services, deadline storms, which wait on leases,
+#   backoffs and breakers much of the time) and the notebooks, on a session cluster of their own;
 # - the side lane `-m side_lane`: the integration tests that need no session cluster or start
 #   their own (multi-node pools, S3-only fencing, in-process models);
 #   the lanes' waits (a lost node's detection, autoscaling, a lease running out) overlap the others' runs;
-# - the unit tests (no Ray, no servers) at the lowest CPU priority, taking what the others leave.
-# Each lane's output follows the first lane's; the exit is nonzero if any lane failed.
+# - the unit tests (no Ray, no servers) and mypy at the lowest CPU priority, taking what the
+#   others leave (mypy without its cache, on a fresh clone, is most of a minute of one core:
+#   before the lanes, the other core sat idle through it).
+# Each lane's output follows the first lane's; the exit is nonzero if any lane or mypy failed.
 SIDE_LOG := .cache/pytest-side-lane.log
-FAULT_LOG := .cache/pytest-fault-lane.log
+SECOND_LOG := .cache/pytest-second-lane.log
 UNIT_LOG := .cache/pytest-unit.log
-test: lint typecheck checkov  ## lint, types, then unit and integration tests (real Ray, Serve, moto S3) side by side
+MYPY_LOG := .cache/mypy.log
+test: lint checkov  ## lint, then types, unit and integration tests (real Ray, Serve, moto S3) side by side
 	@mkdir -p $(dir $(UNIT_LOG)); \
+	nice -n 19 $(PY) -m mypy > $(MYPY_LOG) 2>&1 & types=$$!; \
 	nice -n 19 $(PY) -m pytest tests/unit -q -ra -p no:cacheprovider > $(UNIT_LOG) 2>&1 & unit=$$!; \
 	$(PY) -m pytest tests/integration -m side_lane -q -ra -p no:cacheprovider --durations=5 > $(SIDE_LOG) 2>&1 & side=$$!; \
-	$(PY) -m pytest tests/integration -m fault_lane -q -ra -p no:cacheprovider --durations=5 > $(FAULT_LOG) 2>&1 & fault=$$!; \
-	trap 'kill $$unit $$side $$fault 2>/dev/null' INT TERM; \
-	echo "$(PY) -m pytest tests/integration -m 'not side_lane and not fault_lane' -q -ra --durations=10"; \
-	echo "  (beside it: tests/integration -m side_lane > $(SIDE_LOG), -m fault_lane > $(FAULT_LOG), tests/unit > $(UNIT_LOG))"; \
-	$(PY) -m pytest tests/integration -m "not side_lane and not fault_lane" -q -ra --durations=10; main=$$?; \
-	wait $$side; sided=$$?; wait $$fault; faults=$$?; wait $$unit; units=$$?; \
+	$(PY) -m pytest tests/integration -m second_lane -q -ra -p no:cacheprovider --durations=5 > $(SECOND_LOG) 2>&1 & second=$$!; \
+	trap 'kill $$types $$unit $$side $$second 2>/dev/null' INT TERM; \
+	echo "$(PY) -m pytest tests/integration -m 'not side_lane and not second_lane' -q -ra --durations=10"; \
+	echo "  (beside it: mypy > $(MYPY_LOG), tests/integration -m side_lane > $(SIDE_LOG), -m second_lane > $(SECOND_LOG), tests/unit > $(UNIT_LOG))"; \
+	$(PY) -m pytest tests/integration -m "not side_lane and not second_lane" -q -ra --durations=10; main=$$?; \
+	wait $$side; sided=$$?; wait $$second; seconds=$$?; wait $$unit; units=$$?; wait $$types; typed=$$?; \
 	echo "--- tests/integration -m side_lane (run beside) ---"; cat $(SIDE_LOG); \
-	echo "--- tests/integration -m fault_lane (run beside) ---"; cat $(FAULT_LOG); \
+	echo "--- tests/integration -m second_lane (run beside) ---"; cat $(SECOND_LOG); \
 	echo "--- tests/unit (run beside) ---"; cat $(UNIT_LOG); \
-	echo "make test: integration tests exit $$main (main lane), $$sided (side lane) and $$faults (fault lane), unit tests exit $$units"; \
-	exit $$(( main || sided || faults || units ))
+	echo "--- mypy (run beside) ---"; cat $(MYPY_LOG); \
+	echo "make test: integration tests exit $$main (main lane), $$sided (side lane) and $$seconds (second lane), unit tests exit $$units, mypy exit $$typed"; \
+	exit $$(( main || sided || seconds || units || typed ))
 
 bench: $(STAMP)  ## speed, throughput, memory and precision against the ceilings (hours on 2 cores) -> bench/results/
 	$(PY) -m bench.run $(BENCH_ARGS)

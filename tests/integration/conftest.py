@@ -29,7 +29,7 @@ BIN = Path(sys.executable).parent
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks set here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks the integration tests, and puts them in `make test`'s lanes (`side_lane`, `fault_lane`).
+    """Marks the integration tests, and puts them in `make test`'s lanes (`side_lane`, `second_lane`).
 
     `make test` runs three integration lanes side by side, each in its own pytest process with its
     own session cluster when a test of it needs one: so the waits of one lane (a lost node's
@@ -37,20 +37,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     holds the tests that need no session cluster or start their own (multi-node pools, S3-only
     fencing, in-process models). Its process never joins a cluster itself: with a session cluster
     joined there, the multi-node tests' state-API lookups found no inference actor and failed. The
-    fault lane holds the session-cluster tests of `FAULT_LANE_MODULES`; the main lane the rest."""
+    second lane holds the session-cluster tests of `SECOND_LANE_MODULES`; the main lane the rest."""
     for item in items:
         if "tests/integration" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
             if "ray_cluster" not in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.side_lane)
-            elif Path(str(item.fspath)).name in FAULT_LANE_MODULES:
-                item.add_marker(pytest.mark.fault_lane)
+            elif Path(str(item.fspath)).name in SECOND_LANE_MODULES:
+                item.add_marker(pytest.mark.second_lane)
 
 
-#: Modules whose session-cluster tests run in `make test`'s fault lane, a pytest process with a
-#: session cluster of its own: killed runs, broken services and deadline storms, which wait on
-#: leases, backoffs and breakers while the main lane's tests run.
-FAULT_LANE_MODULES = frozenset({"test_hardening.py", "test_resilience.py"})
+#: Modules whose session-cluster tests run in `make test`'s second lane, a pytest process with a
+#: session cluster of its own beside the main lane's: the fault modules (killed runs, broken
+#: services and deadline storms, which wait on leases, backoffs and breakers much of the time) and
+#: the notebooks (a Jupyter kernel each), so that the two session-cluster lanes end together.
+SECOND_LANE_MODULES = frozenset({"test_hardening.py", "test_resilience.py", "test_notebooks.py"})
 
 
 @dataclass(frozen=True)
