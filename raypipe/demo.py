@@ -45,7 +45,9 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
         start_local_ray(address="local", num_cpus=2, include_dashboard=False)
         try:
             # Serve's controller and gRPC proxy start while a first run still trains the model.
-            start_grpc_proxy(grpc_port, http_port=_free_port())
+            # The cluster lives a minute: its controller keeps Ray's quick control loop, and so
+            # starts in a worker Ray already runs rather than one started for it.
+            start_grpc_proxy(grpc_port, http_port=_free_port(), controller_env=False)
             model = building.result()
         except BaseException:
             ray.shutdown()

@@ -204,17 +204,20 @@ CONTROLLER_TIMEOUT_S = 60.0
 CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0"}
 
 
-def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None) -> None:
+def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None, controller_env: bool = True) -> None:
     """Starts Serve with a gRPC proxy on grpc_port, or checks that the running one matches.
 
     `http_port` matters only when Serve is not running yet (None: Serve's default, 8000), and so
-    does `CONTROLLER_ENV`.
+    does `controller_env`: False leaves out `CONTROLLER_ENV`, for a cluster that lives a minute
+    (the demo's), where the control loop's idle cost does not matter. A controller with an
+    environment of its own needs a worker process started for it; without one, it takes a worker
+    Ray has already started, seconds sooner.
     """
     env = {k: os.environ.get(k, v) for k, v in CONTROLLER_ENV.items()}
     serve.start(
         http_options=None if http_port is None else {"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
-        controller_options={"runtime_env": {"env_vars": env}},
+        controller_options={"runtime_env": {"env_vars": env}} if controller_env else {},
     )
     import ray
     from ray.serve.context import _get_global_client
