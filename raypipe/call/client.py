@@ -352,8 +352,9 @@ def check_service(
                     raise
                 _raise_if_tls(address, security, e, timeout_s=max(0.5, deadline - time.monotonic()))
                 # Not TLS: the service may still be starting. gRPC waits for the connection within
-                # the deadline (wait_for_ready), so a transport failure ends as DEADLINE_EXCEEDED and
-                # an UNAVAILABLE now is the service's own answer (handled below, as any other).
+                # the deadline (wait_for_ready), so no connection (or a connection that never
+                # answers) ends as DEADLINE_EXCEEDED, and an UNAVAILABLE now is the service's own
+                # answer (handled below, as any other).
                 # Not `grpc.channel_ready_future`: its polling thread can outlive the channel's
                 # close and die with "Channel closed!".
                 remaining = max(0.0, deadline - time.monotonic())
@@ -363,7 +364,7 @@ def check_service(
                     if again.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise
                     raise ServiceUnavailable(
-                        f"model service at {address} is unreachable: no connection within {timeout_s:g}s "
+                        f"model service at {address} is unreachable: no answer within {timeout_s:g}s "
                         f"(last error: {e.details()})",
                         status_code="UNAVAILABLE",
                         address=address,
