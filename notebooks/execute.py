@@ -33,7 +33,11 @@ ORDER = ("backfill_and_explore.ipynb", "run_report_and_dead_letters.ipynb")
 def execute_in_place(name: str, *, timeout_s: int = 600) -> None:
     path = NOTEBOOKS / name
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(REPO)}})
+    # A kernel's start on a fresh venv (IPython and ipykernel without their bytecode) on a busy
+    # machine can take over nbclient's default 60 s.
+    client = NotebookClient(
+        nb, timeout=timeout_s, startup_timeout=240, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+    )
     WORK.mkdir(exist_ok=True)
     with open(WORK / f"{path.stem}.kernel.log", "w") as log:  # passed to the kernel's Popen
         client.execute(stdout=log, stderr=log)
