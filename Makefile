@@ -100,8 +100,9 @@ checkov: $(STAMP)
 # - the unit tests (no Ray, no servers) in two processes, the model-building modules
 #   (UNIT_MODEL_TESTS, half of the unit tests' CPU) and the rest, and mypy, all at the lowest CPU
 #   priority, taking what the others leave (mypy without its cache, on a fresh clone, is most of a
-#   minute of one core: before the lanes, the other core sat idle through it). The unit tests get
-#   the cores mostly after the integration lanes end: one process alone left the other core idle.
+#   minute of one core: before the lanes, the other core sat idle through it). The unit tests take
+#   what the lanes' waits leave, and finish after them if they must: then two processes keep both
+#   cores busy, where one alone left the other core idle.
 # Each lane's output follows the first lane's; the exit is nonzero if any lane or mypy failed.
 SIDE_LOG := .cache/pytest-side-lane.log
 SECOND_LOG := .cache/pytest-second-lane.log

@@ -50,7 +50,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: Modules whose session-cluster tests run in `make test`'s second lane, a pytest process with a
 #: session cluster of its own beside the main lane's: the fault modules (killed runs, broken
 #: services and deadline storms, which wait on leases, backoffs and breakers much of the time) and
-#: the notebooks (a Jupyter kernel each), so that the two session-cluster lanes end together.
+#: the notebooks (a Jupyter kernel each), moved here to shorten the main lane. Without the
+#: local-cluster job-submit test the main lane has become the shorter one: in fresh-clone runs
+#: this lane ends about a minute after it.
 SECOND_LANE_MODULES = frozenset({"test_hardening.py", "test_resilience.py", "test_notebooks.py"})
 
 
