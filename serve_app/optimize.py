@@ -41,7 +41,15 @@ from typing import Any
 import numpy as np
 
 from serve_app.model import EmotionModel, Tokenized, configure_tf_threads, cpu_flags, cpu_model_name
-from serve_app.runtimes import REFERENCE, Measurement, RuntimeRecord, cpu_key, supported_settings, write_record
+from serve_app.runtimes import (
+    EQUAL_ANSWER_SETTINGS,
+    REFERENCE,
+    Measurement,
+    RuntimeRecord,
+    cpu_key,
+    supported_settings,
+    write_record,
+)
 
 __all__ = [
     "OptimizeResult",
@@ -66,6 +74,8 @@ DEFAULT_ROWS = 1200
 _CALIBRATION_SHARE = 0.3
 _MAX_CALIBRATION = 300
 _SEED = 19
+#: Held-out texts each setting's speed is timed on (`measure`; its agreement uses all of them).
+SPEED_TEXTS = 400
 _Runner = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
@@ -221,12 +231,18 @@ def measure(
         runners[runtime, precision] = load_openvino_runner(
             model_dir, n_labels=n_labels, precision=precision, threads=threads, flags=flags
         )
-    results = _measure_all(model, runners, held, rounds=rounds)
+    # Agreement on every text, once; speed on the first `SPEED_TEXTS` held-out texts (shuffled),
+    # `rounds` times: more texts tighten the gate's bound, and need not all be timed again.
+    results = _measure_all(model, runners, held, rounds=1)
     beyond = _measure_all(model, runners, outside, rounds=1)
-    reference, reference_rate = results[REFERENCE]
+    timed = held if len(held) <= SPEED_TEXTS else model.tokenize(sample.held_out[:SPEED_TEXTS])
+    rates = {setting: rate for setting, (_, rate) in _measure_all(model, runners, timed, rounds=rounds).items()}
+    reference = results[REFERENCE][0]
+    reference_rate = rates[REFERENCE]
     reference_out = beyond[REFERENCE][0]
     measurements = []
-    for (runtime, precision), (probabilities, rate) in results.items():
+    for (runtime, precision), (probabilities, _) in results.items():
+        rate = rates[runtime, precision]
         inside = float((probabilities.argmax(axis=1) == reference.argmax(axis=1)).mean())
         probabilities_out = beyond[runtime, precision][0]
         outside_agreement = float((probabilities_out.argmax(axis=1) == reference_out.argmax(axis=1)).mean())
@@ -242,6 +258,8 @@ def measure(
                 note=note if precision == "int8" else "",
                 agreement_in=inside,
                 agreement_out=outside_agreement,
+                n_in=len(held),
+                n_out=len(outside),
             )
         )
     return RuntimeRecord(
@@ -346,15 +364,21 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
         f"measured {record.measured_at or '?'} on {record.cpu or 'a CPU with ' + ' '.join(record.cpu_flags)}: "
         f"{record.sample.get('held_out', '?')} held-out texts in domain ({record.sample.get('source', '?')}), "
         f"{record.sample.get('out_of_domain', 'no')} out of domain; gate {threshold:.0%} on the worse of the two",
-        "runtime     precision  para/s   speed-up  in domain  out of domain  max |dp|  gate",
+        "runtime     precision  para/s   speed-up  in domain  out of domain  max |dp|  at least  gate",
     ]
     for m in record.measurements:
         inside = "-" if m.agreement_in is None else f"{m.agreement_in:.2%}"
         outside = "-" if m.agreement_out is None else f"{m.agreement_out:.2%}"
+        bound = "-" if m.setting in EQUAL_ANSWER_SETTINGS else f"{m.gate_figure:.2%}"
         lines.append(
             f"{m.runtime:<11} {m.precision:<10} {m.para_per_s:>6.1f}  {m.speedup:>7.2f}x  {inside:>9}  {outside:>13}  "
-            f"{m.max_abs_dp:>8.4f}  {'pass' if m.passes(threshold) else 'FAIL'}{'  ' + m.note if m.note else ''}"
+            f"{m.max_abs_dp:>8.4f}  {bound:>8}  {'pass' if m.passes(threshold) else 'FAIL'}"
+            f"{'  ' + m.note if m.note else ''}"
         )
+    lines.append(
+        "at least: the worse of the two agreements' lower bounds at 95% confidence, what the gate compares"
+        " for a setting that changes answers (fp32 settings give the reference's answers)"
+    )
     return "\n".join(lines)
 
 

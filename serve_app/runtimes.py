@@ -16,13 +16,16 @@ keeps one entry for each, and every replica reads its own CPU's.
 The defaults are ``runtime: auto``, ``precision: auto``: fast by default, never different
 unmeasured.
 
-- ``precision: auto`` serves the fastest setting of this CPU's record that passes the gate.
-  **The gate**: a setting passes when the worse of its in-domain and out-of-domain agreement is
-  at least ``min_agreement``; a setting that changes answers (bf16, int8) must have both
-  measured. With no record for this CPU (or one made for other SavedModel files) the replica
-  serves the fastest *equal-answer* setting, OpenVINO fp32 where OpenVINO is installed (its
-  probabilities are TensorFlow's within 1e-4: float sums in another order), else TensorFlow
-  fp32: nothing that changes answers is picked unmeasured.
+- ``precision: auto`` serves the fastest setting of this CPU's record that passes the gate. **The
+  gate**: a setting that changes answers (bf16, int8) must have both agreements measured, and
+  passes when the worse of their *lower confidence bounds* (`agreement_lower_bound`: one sided,
+  95%, from the figure and how many texts it was measured on) is at least ``min_agreement``. A
+  point figure at the threshold is not evidence the setting reaches it: a setting that agrees on
+  990 of 1,000 texts would agree on fewer than 99% of the next 1,000 about half the time. An
+  equal-answer setting passes on its figure. With no record for this CPU (or one made for other
+  SavedModel files) the replica serves the fastest *equal-answer* setting, OpenVINO fp32 where
+  OpenVINO is installed (its probabilities are TensorFlow's within 1e-4: float sums in another
+  order), else TensorFlow fp32: nothing that changes answers is picked unmeasured.
 - An explicit precision is served if the CPU supports it, unless the record says it fails the
   gate: then the replica refuses to start (`GateError`) unless ``force_precision``. int8 exists
   only as a measured build, so it always has a record.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -56,6 +60,7 @@ __all__ = [
     "Measurement",
     "RuntimeRecord",
     "Serving",
+    "agreement_lower_bound",
     "choose",
     "cpu_key",
     "read_record",
@@ -76,6 +81,24 @@ REFERENCE = ("tensorflow", "fp32")
 #: Settings whose answers are the reference's (fp32 arithmetic, float sums in another order).
 EQUAL_ANSWER_SETTINGS = (("openvino", "fp32"), REFERENCE)
 """Fastest first, as far as every CPU measured so far goes (OpenVINO fp32 ran 1.06-1.4x TF fp32)."""
+#: Normal quantile of the gate's one-sided 95% lower bound on agreement.
+GATE_Z = 1.645
+
+
+def agreement_lower_bound(agreement: float, n: int | None, z: float = GATE_Z) -> float:
+    """The Wilson score lower bound of a proportion measured as ``agreement`` on ``n`` texts.
+
+    Wilson's interval (not the normal one) because agreements sit near 1, where the normal
+    interval overshoots 1 and is too narrow; statsmodels' ``proportion_confint(method="wilson")``
+    gives the same figure, but is not a dependency for one formula. ``n`` unknown (None or 0):
+    0.0, no evidence.
+    """
+    if not n:
+        return 0.0
+    z2 = z * z
+    centre = agreement + z2 / (2 * n)
+    spread = z * math.sqrt(agreement * (1 - agreement) / n + z2 / (4 * n * n))
+    return max(0.0, (centre - spread) / (1 + z2 / n))
 
 
 class GateError(ValueError):
@@ -111,18 +134,30 @@ class Measurement:
     """Top-label agreement with TensorFlow fp32 on the in-domain texts (the user's sample)."""
     agreement_out: float | None = None
     """The same on the out-of-domain texts the project ships; None when not measured (an old record)."""
+    n_in: int | None = None
+    """How many in-domain texts `agreement_in` was measured on (from the record's sample when older)."""
+    n_out: int | None = None
+    """How many out-of-domain texts `agreement_out` was measured on."""
 
     @property
     def setting(self) -> tuple[str, str]:
         return (self.runtime, self.precision)
 
+    @property
+    def gate_figure(self) -> float:
+        """What the gate compares with ``min_agreement``: the agreement itself for an equal-answer
+        setting; for one that changes answers, the worse lower confidence bound of the two."""
+        if self.setting in EQUAL_ANSWER_SETTINGS:
+            return self.agreement
+        if self.agreement_in is None or self.agreement_out is None:
+            return 0.0
+        return min(
+            agreement_lower_bound(self.agreement_in, self.n_in), agreement_lower_bound(self.agreement_out, self.n_out)
+        )
+
     def passes(self, min_agreement: float) -> bool:
-        """The gate (module docstring): equal-answer settings need the figure they have; others both."""
-        if self.setting == REFERENCE:
-            return True
-        if self.setting not in EQUAL_ANSWER_SETTINGS and self.agreement_out is None:
-            return False
-        return self.agreement >= min_agreement
+        """The gate (module docstring)."""
+        return self.setting == REFERENCE or self.gate_figure >= min_agreement
 
 
 def cpu_key(flags: Iterable[str]) -> tuple[str, ...]:
@@ -155,15 +190,19 @@ class RuntimeRecord:
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> RuntimeRecord:
         measurements = []
+        sample = dict(raw.get("sample", {}))
         for m in raw["measurements"]:
             m = dict(m)
             m.setdefault("agreement_in", m["agreement"])  # a v1 record measured one set of texts
+            # Records written before the counts were kept: the sample says how many texts.
+            m.setdefault("n_in", sample.get("held_out"))
+            m.setdefault("n_out", sample.get("out_of_domain") if m.get("agreement_out") is not None else None)
             measurements.append(Measurement(**m))
         return cls(
             saved_model=str(raw["saved_model"]),
             measurements=tuple(measurements),
             cpu_flags=tuple(raw.get("cpu_flags", ())),
-            sample=dict(raw.get("sample", {})),
+            sample=sample,
             versions=dict(raw.get("versions", {})),
             measured_at=str(raw.get("measured_at", "")),
             cpu=str(raw.get("cpu", "")),
@@ -368,7 +407,10 @@ def _auto(
 def _figures(m: Measurement) -> str:
     inside = "?" if m.agreement_in is None else f"{m.agreement_in:.2%}"
     outside = "not measured" if m.agreement_out is None else f"{m.agreement_out:.2%}"
-    return f"top-label agreement with TensorFlow fp32 {inside} in domain, {outside} out of domain"
+    figures = f"top-label agreement with TensorFlow fp32 {inside} in domain, {outside} out of domain"
+    if m.setting in EQUAL_ANSWER_SETTINGS or m.agreement_out is None:
+        return figures
+    return f"{figures} (at least {m.gate_figure:.2%} at 95% confidence, on {m.n_in} and {m.n_out} texts)"
 
 
 def _unsupported(precision: str, runtimes: tuple[str, ...], flags: frozenset[str], openvino: bool) -> str:

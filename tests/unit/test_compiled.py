@@ -199,12 +199,14 @@ def test_int8_is_built_measured_and_gated(model_dir: Path) -> None:
     model = EmotionModel.load(model_dir, runtime="openvino", precision="int8", threads=1)
     assert model._run.path == model_dir / "openvino" / "int8.xml"  # type: ignore[attr-defined]
     assert model.predict(TEXTS[:8]).probabilities.shape == (8, len(demo_data.LABELS))
-    # The gate reads what was just measured: a threshold above it refuses int8, unless forced.
-    at_record = ServerSettings(runtime="openvino", precision="int8", min_agreement=int8.agreement)
-    assert resolve(model_dir, at_record, flags=frozenset({"avx2"})).precision == "int8"
-    if int8.agreement < 1.0:
-        above = ServerSettings(runtime="openvino", precision="int8", min_agreement=1.0)
-        with pytest.raises(GateError):
-            resolve(model_dir, above, flags=frozenset({"avx2"}))
+    # The gate reads what was just measured: its lower bound on agreement (counts of texts kept),
+    # and a threshold above that bound refuses int8, unless forced.
+    assert (int8.n_in, int8.n_out) == (len(sample.held_out), 1000)
+    assert int8.gate_figure < int8.agreement
+    at_bound = ServerSettings(runtime="openvino", precision="int8", min_agreement=int8.gate_figure)
+    assert resolve(model_dir, at_bound, flags=frozenset({"avx2"})).precision == "int8"
+    above = ServerSettings(runtime="openvino", precision="int8", min_agreement=int8.agreement)
+    with pytest.raises(GateError, match="at 95% confidence"):
+        resolve(model_dir, above, flags=frozenset({"avx2"}))
     forced = ServerSettings(runtime="openvino", precision="int8", min_agreement=1.0, force_precision=True)
     assert resolve(model_dir, forced, flags=frozenset({"avx2"})).version_suffix == "+ov-int8"

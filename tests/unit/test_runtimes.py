@@ -16,6 +16,7 @@ from serve_app.runtimes import (
     Measurement,
     RuntimeRecord,
     Serving,
+    agreement_lower_bound,
     choose,
     cpu_key,
     read_record,
@@ -33,8 +34,11 @@ BF16 = VNNI | {"avx512_bf16"}
 AMX = BF16 | {"amx_bf16", "amx_int8", "amx_tile"}
 
 
-def _m(runtime: str, precision: str, rate: float, agreement: float, outside: float | None = None) -> Measurement:
-    """A measurement; ``outside`` (out-of-domain agreement) defaults to the in-domain figure."""
+def _m(
+    runtime: str, precision: str, rate: float, agreement: float, outside: float | None = None, n: int = 5000
+) -> Measurement:
+    """A measurement on ``n`` texts in and out of domain; ``outside`` (out-of-domain agreement)
+    defaults to the in-domain figure."""
     outside = agreement if outside is None else outside
     return Measurement(
         runtime,
@@ -45,6 +49,8 @@ def _m(runtime: str, precision: str, rate: float, agreement: float, outside: flo
         speedup=rate / 10,
         agreement_in=agreement,
         agreement_out=outside,
+        n_in=n,
+        n_out=n,
     )
 
 
@@ -114,6 +120,31 @@ def test_the_gate_takes_the_worse_of_in_and_out_of_domain() -> None:
     assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
     with pytest.raises(GateError, match=r"99\.80% in domain, 98\.90% out of domain"):
         _choose("bf16", BF16, record)
+
+
+def test_the_gate_compares_a_lower_confidence_bound_not_the_point_figure() -> None:
+    # 990 of 1,000 out of domain is 99.0% measured, but the next 1,000 texts agree on fewer than
+    # 99% about half the time: refused. The same 99.5% passes on 5,000 texts, not on 1,000.
+    edge = _record(_m("openvino", "fp32", 13, 1.0), _m("openvino", "bf16", 24, 0.998, outside=0.990, n=1000))
+    assert _choose("auto", BF16, edge).setting == "openvino:fp32"
+    with pytest.raises(GateError, match=r"at least 98\.3\d% at 95% confidence, on 1000 and 1000 texts"):
+        _choose("bf16", BF16, edge)
+    for n, served in ((5000, "openvino:bf16"), (1000, "openvino:fp32")):
+        record = _record(_m("openvino", "fp32", 13, 1.0), _m("openvino", "bf16", 24, 0.995, n=n))
+        assert _choose("auto", BF16, record).setting == served
+    # An equal-answer setting passes on its figure: a tie broken the other way is not a change.
+    assert _m("openvino", "fp32", 13, 0.999, n=1000).passes(0.99)
+
+
+@pytest.mark.parametrize(
+    ("agreed", "n", "bound"),
+    # Wilson score lower bounds at z = 1.645 (statsmodels' proportion_confint(k, n, alpha=0.1,
+    # method="wilson")[0] gives the same figures).
+    [(990, 1000, 0.98334), (996, 1000, 0.99112), (1000, 1000, 0.99730), (418, 420, 0.98571), (4975, 5000, 0.99307)],
+)
+def test_agreement_lower_bound_is_wilsons(agreed: int, n: int, bound: float) -> None:
+    assert agreement_lower_bound(agreed / n, n) == pytest.approx(bound, abs=1e-5)
+    assert agreement_lower_bound(agreed / n, None) == 0.0  # no count: no evidence
 
 
 def test_a_setting_that_changes_answers_needs_an_out_of_domain_figure() -> None:
@@ -268,6 +299,22 @@ def test_a_record_of_the_first_format_is_still_read(tmp_path: Path) -> None:
     m = record.get("openvino", "bf16")
     assert m is not None and m.agreement_in == 0.995 and m.agreement_out is None
     assert not m.passes(0.99)  # measured in domain only: not enough for a setting that changes answers
+
+
+def test_a_record_written_before_the_counts_takes_them_from_its_sample(tmp_path: Path) -> None:
+    write_record(tmp_path, _record(_m("openvino", "bf16", 24, 418 / 420, outside=0.996), flags=BF16))
+    import json
+
+    raw = json.loads((tmp_path / "runtimes.json").read_text())
+    for m in raw["records"][0]["measurements"]:
+        del m["n_in"], m["n_out"]
+    raw["records"][0]["sample"] = {"held_out": 420, "out_of_domain": 1000}
+    (tmp_path / "runtimes.json").write_text(json.dumps(raw))
+    record = read_record(tmp_path, flags=BF16)
+    assert record is not None
+    m = record.get("openvino", "bf16")
+    assert m is not None and (m.n_in, m.n_out) == (420, 1000)
+    assert not m.passes(0.99)  # 418 of 420 in domain: at least 98.6% at 95% confidence
 
 
 def test_resolve_reads_the_record_beside_the_model(tmp_path: Path) -> None:
