@@ -50,7 +50,28 @@ def start_local_ray(**init_kwargs: Any) -> None:
         auth_logger.removeFilter(_drop_token_auth_enabled)
         if isinstance(on_sigterm, _StopOnSigterm):
             signal.signal(signal.SIGTERM, on_sigterm)  # `ray.init` sets its own (`sys.exit`); a run's stays
+    _stop_autoscaler_monitor()
     quiet_ray_loggers()
+
+
+def _stop_autoscaler_monitor() -> None:
+    """Stop the autoscaler monitor of a cluster `ray.init` just started in this process.
+
+    It has nothing to scale (one local node, no autoscaling config), and at `ray.shutdown` Ray
+    stops it after the GCS: its SIGTERM handler then reports its end to a GCS that is gone and
+    is killed after a 1 s wait, on every exit of a demo, notebook or script (the run itself never
+    needs it: Ray Data's resource requests only go to the GCS). Nothing to do when `ray.init`
+    joined a running cluster: this process then owns no Ray process. Uses Ray's node object,
+    which `ray.init` has no option for; a Ray without it leaves the monitor running.
+    """
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    for info in getattr(node, "all_processes", {}).get("monitor", []):
+        process = info.process
+        if process.poll() is None:
+            process.kill()  # SIGKILL: its handler would report the stop as an autoscaler failure
+            process.wait(timeout=5)
 
 
 #: `ray start --head` flags of the local cluster `raypipe serve --detach` starts when there is none

@@ -1,5 +1,6 @@
 """The driver around a run (`raypipe.run.driver`): SIGTERM stops a run as Ctrl-C would, once,
-and the handler before it is back afterwards. No Ray."""
+and the handler before it is back afterwards; the autoscaler monitor of an in-process cluster is
+stopped. No Ray cluster."""
 
 from __future__ import annotations
 
@@ -53,3 +54,33 @@ def test_quiet_runs_the_run_and_keeps_what_it_returns(caplog):
         return x + 1
 
     assert run(1) == 2 and "running" in caplog.text and run.__name__ == "run"
+
+
+def test_the_autoscaler_monitor_of_a_cluster_started_here_is_stopped_and_a_joined_one_left(monkeypatch):
+    """A fake of Ray's node object around a real child process standing in for the monitor."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import ray
+
+    from raypipe.run.driver import _stop_autoscaler_monitor
+
+    monitor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started_here = SimpleNamespace(
+            all_processes={"monitor": [SimpleNamespace(process=monitor)], "raylet": [SimpleNamespace(process=other)]}
+        )
+        monkeypatch.setattr(ray._private.worker, "_global_node", started_here, raising=False)
+        _stop_autoscaler_monitor()
+        assert monitor.poll() is not None and other.poll() is None
+        _stop_autoscaler_monitor()  # already stopped: nothing to do
+        monkeypatch.setattr(ray._private.worker, "_global_node", SimpleNamespace(all_processes={}), raising=False)
+        _stop_autoscaler_monitor()  # joined a running cluster: owns no Ray process
+        monkeypatch.setattr(ray._private.worker, "_global_node", None, raising=False)
+        _stop_autoscaler_monitor()
+    finally:
+        for p in (monitor, other):
+            p.kill()
+            p.wait()
