@@ -1,5 +1,5 @@
 """`python -m raypipe ...`: the CLI, e.g. as a `ray job submit` entrypoint."""
 
-from raypipe.cli import main
+from raypipe.cli import run
 
-raise SystemExit(main())
+run()

@@ -1,0 +1,33 @@
+"""The console entry point's quick exit (`raypipe.cli.run`): main's exit code, with everything a
+normal exit would have done first (non-daemon threads joined, atexit handlers run, buffered
+output flushed). A child process, since the entry point ends its process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+_SCRIPT = """
+import atexit, sys, threading, time
+atexit.register(lambda: print("exit handler ran"))
+def late():
+    time.sleep(0.3)
+    print("thread finished")
+threading.Thread(target=late).start()
+sys.argv = ["raypipe", "report", "--output", sys.argv[1], "--run-id", "x"]
+from raypipe.cli import run
+print("buffered line")
+run()
+print("not reached")
+"""
+
+
+def test_the_entry_point_exits_with_mains_code_after_what_a_normal_exit_does(tmp_path: Path) -> None:
+    # stdout is a pipe, so every print is buffered until the exit flushes it.
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr  # main's code for a run with no report
+    assert "no report for run x" in done.stderr
+    assert done.stdout.splitlines() == ["buffered line", "thread finished", "exit handler ran"]
