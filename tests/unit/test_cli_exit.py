@@ -12,12 +12,15 @@ _SCRIPT = """
 import atexit, sys, threading, time
 atexit.register(lambda: print("exit handler ran"))
 def late():
-    time.sleep(0.3)
+    # Until the exit has begun (the main thread counts as stopped once it joins the others),
+    # so only an exit that waits for this thread sees its line.
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
     print("thread finished")
+print("buffered line")
 threading.Thread(target=late).start()
 sys.argv = ["raypipe", "report", "--output", sys.argv[1], "--run-id", "x"]
 from raypipe.cli import run
-print("buffered line")
 run()
 print("not reached")
 """
