@@ -29,7 +29,7 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_INCOMPLETE, EXIT_STOPPED = 0, 1, 2, 3, 143
 
