@@ -65,9 +65,10 @@ def _stop_autoscaler_monitor() -> None:
     which `ray.init` has no option for; a Ray without it leaves the monitor running.
     """
     import ray
+    from ray._private.ray_constants import PROCESS_TYPE_MONITOR
 
     node = getattr(ray._private.worker, "_global_node", None)
-    for info in getattr(node, "all_processes", {}).get("monitor", []):
+    for info in getattr(node, "all_processes", {}).get(PROCESS_TYPE_MONITOR, []):
         process = info.process
         if process.poll() is None:
             process.kill()  # SIGKILL: its handler would report the stop as an autoscaler failure
