@@ -105,12 +105,9 @@ def _free_port() -> int:
 
 
 def _start_ray_data() -> None:
-    """A one-row dataset through a map: what a cluster's first run would otherwise start. It
-    asks for no CPU: the replica holds most of the demo cluster's."""
+    """A one-row dataset: Ray Data starts a cluster's stats and autoscaling-coordinator actors
+    with its first dataset. No map: a map's task would start a worker process of its own (which
+    the run's actor cannot use) on the cores the replica is starting on."""
     import ray
 
-    ray.data.from_items([{"x": 1}]).map_batches(_same, batch_size=None, num_cpus=0).take_all()
-
-
-def _same(batch: dict) -> dict:
-    return batch
+    ray.data.from_items([{"x": 1}]).take_all()
