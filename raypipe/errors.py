@@ -50,6 +50,7 @@ __all__ = [
     "ConfigError",
     "InputError",
     "InvalidIdError",
+    "InvalidRowError",
     "InvalidTextError",
     "LeaseLostError",
     "MissingIdError",
@@ -139,6 +140,12 @@ class InvalidIdError(BadRowError):
     """The id is not valid UTF-8."""
 
     kind = "invalid_id"
+
+
+class InvalidRowError(BadRowError):
+    """A JSON-lines line that is not a JSON object (the message says what it is, and its line)."""
+
+    kind = "invalid_row"
 
 
 class MissingIdError(BadRowError):

@@ -69,6 +69,7 @@ from raypipe.errors import (
     CircuitOpenError,
     ConfigError,
     InvalidIdError,
+    InvalidRowError,
     InvalidTextError,
     LeaseLostError,
     MissingIdError,
@@ -98,7 +99,8 @@ def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
     if reason is None:
         return MissingIdError("the id is null or empty: the row cannot be told apart; see source and row")
     kind, _, detail = reason.partition(": ")
-    return (InvalidIdError if kind == "invalid_id" else InvalidTextError)(f"{kind.replace('_', ' ')}: {detail}")
+    error = {"invalid_id": InvalidIdError, "invalid_row": InvalidRowError}.get(kind, InvalidTextError)
+    return error(f"{kind.replace('_', ' ')}: {detail}")
 
 
 def _duplicates_by_first(rows: np.ndarray, first_of: np.ndarray) -> dict[int, np.ndarray]:

@@ -10,8 +10,11 @@ lost. A replay's unit is read from the outcomes table: the dead letters it re-in
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -75,7 +78,7 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: D
             data = f.read()
         if not data.strip():
             return pa.table({c: pa.array([], pa.string()) for c in wanted})
-        table = pajson.read_json(io.BytesIO(_jsonl_valid_utf8(data, columns)))
+        table = _read_jsonl(data, columns)
         check_columns(table.column_names, unit.shard, columns, window is not None)
         table = table.select([c for c in [*wanted, _BAD_JSON_FIELD] if c in table.column_names])
     else:
@@ -114,33 +117,120 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: D
 _BAD_JSON_FIELD = "__raypipe_bad"
 
 
-def _jsonl_valid_utf8(data: bytes, columns: ColumnNames) -> bytes:
-    """JSON lines with each line that is not valid UTF-8 replaced by one holding its id, a null
-    text and the reason (Arrow's JSON reader would silently turn the bad bytes into U+FFFD)."""
+def _read_jsonl(data: bytes, columns: ColumnNames) -> pa.Table:
+    """A JSON-lines file as a table: by Arrow's reader where the file is valid UTF-8 and every
+    line a JSON object of one type per field; otherwise line by line (`_jsonl_lines`), so that a
+    malformed line is that row's dead letter and the rest of the file is inferred. (Arrow's
+    reader fails the whole file on one bad line, and silently turns bad bytes into U+FFFD.)"""
     try:
         data.decode("utf-8")
-        return data
-    except UnicodeDecodeError:
-        pass
-    lines = []
-    for line in data.splitlines():
-        try:
-            line.decode("utf-8")
-            lines.append(line)
+        table = pajson.read_json(io.BytesIO(data))
+    except (UnicodeDecodeError, pa.ArrowInvalid):
+        return _jsonl_lines(data, columns)
+    # A field of one unusable type on every line (float ids, object texts) is each line's
+    # reason too: in JSON lines a type belongs to a line, not to a column as in Parquet.
+    # (A null-typed id column, ids null on every line, is each line's missing id likewise.)
+    names = table.column_names
+    if columns.id in names and not _typed(table, columns.id, pa.types.is_integer):
+        return _jsonl_lines(data, columns)
+    if columns.text in names and not _typed(table, columns.text, pa.types.is_null):
+        return _jsonl_lines(data, columns)
+    return table
+
+
+def _typed(table: pa.Table, name: str, also: Callable[[pa.DataType], bool]) -> bool:
+    """The column holds strings (or what `also` accepts)."""
+    t = table.schema.field(name).type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or also(t)
+
+
+def _jsonl_lines(data: bytes, columns: ColumnNames) -> pa.Table:
+    """One row per non-blank line (JSON Lines: lines end in \\n, \\r\\n allowed), in the
+    columns the file's objects have (so a file whose objects lack the id column is still a
+    `SchemaError`) plus `_BAD_JSON_FIELD`: the reason a line cannot be sent, or null. A line
+    that is not valid UTF-8 or not a JSON object, or whose id or text has an unusable JSON
+    type, has a null text and its reason; its id is kept where the line names one."""
+    wanted = (columns.id, columns.text, columns.updated_at)
+    values: dict[str, list[Any]] = {name: [] for name in wanted}
+    seen: set[str] = set()
+    reasons: list[str | None] = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        line = raw.removesuffix(b"\r")
+        if not line.strip():
             continue
-        except UnicodeDecodeError as e:
-            start = max(0, e.start - 8)
-            reason = (
-                f"invalid_text: line of {len(line)} bytes, invalid at byte {e.start}: {line[start : e.start + 8].hex()}"
-            )
-        try:
-            row = json.loads(line.decode("utf-8", errors="replace"))
-            row_id = row.get(columns.id) if isinstance(row, dict) else None
-        except json.JSONDecodeError:
-            row_id = None
-        fixed = {columns.id: row_id, columns.text: None, _BAD_JSON_FIELD: reason}
-        lines.append(json.dumps(fixed).encode())
-    return b"\n".join(lines) + b"\n"
+        row, reason = _jsonl_line(line, number, columns)
+        seen.update(k for k in wanted if k in row)
+        for name in wanted:
+            values[name].append(row.get(name))
+        reasons.append(reason)
+    present = [name for name in wanted if name in seen]
+    table = {name: pa.array(values[name], pa.string()) for name in present}
+    return pa.table({**table, _BAD_JSON_FIELD: pa.array(reasons, pa.string())})
+
+
+def _jsonl_line(line: bytes, number: int, columns: ColumnNames) -> tuple[dict[str, str | None], str | None]:
+    """One line's {column: string or None} and the reason it cannot be sent (None if it can)."""
+    try:
+        decoded = line.decode("utf-8")
+        reason = None
+    except UnicodeDecodeError as e:
+        start = max(0, e.start - 8)
+        decoded = line.decode("utf-8", errors="replace")
+        where = f"invalid at byte {e.start}: {line[start : e.start + 8].hex()}"
+        reason = f"invalid_text: line of {len(line)} bytes, {where}"
+    try:
+        value = json.loads(decoded)
+    except json.JSONDecodeError as e:
+        row_id = _id_named(decoded, columns.id)
+        why = reason or f"invalid_row: line {number} is not JSON: {e.msg}: character {e.pos}"
+        return {columns.id: row_id}, why
+    if not isinstance(value, dict):
+        return {}, reason or f"invalid_row: line {number} is a JSON {_json_kind(value)}, not an object"
+    row: dict[str, str | None] = {}
+    row_id = value.get(columns.id)
+    if columns.id in value:
+        if isinstance(row_id, str) or row_id is None:
+            row[columns.id] = row_id
+        elif isinstance(row_id, int) and not isinstance(row_id, bool):
+            row[columns.id] = str(row_id)  # integer ids become their decimal strings, as in Parquet
+        else:
+            row[columns.id] = None
+            shown = json.dumps(row_id)[:40]
+            reason = reason or f"invalid_id: a JSON {_json_kind(row_id)} ({shown}), not a string or integer"
+    if columns.text in value:
+        text = value[columns.text]
+        if isinstance(text, str) and reason is None:
+            row[columns.text] = text
+        else:
+            row[columns.text] = None
+            if text is not None and not isinstance(text, str):
+                reason = reason or f"invalid_text: a JSON {_json_kind(text)}, not a string"
+    if columns.updated_at in value:
+        stamp = value[columns.updated_at]
+        # Not a string: kept as its JSON, which the column's timestamp check then names.
+        row[columns.updated_at] = stamp if isinstance(stamp, str) or stamp is None else json.dumps(stamp)
+    return row, reason
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+def _id_named(line: str, name: str) -> str | None:
+    match = _id_pattern(name).search(line)
+    try:
+        return None if match is None else str(json.loads(match.group(1)))
+    except json.JSONDecodeError:  # a string with an escape JSON does not have
+        return None
+
+
+@functools.cache
+def _id_pattern(name: str) -> re.Pattern[str]:
+    """`"name": "value"` or `"name": 123` in a line that is not JSON as a whole (a truncated
+    line, a stray quote after the id): the row's dead letter keeps the id its line names."""
+    return re.compile(re.escape(json.dumps(name)) + r'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)(?=\s*(?:[,}]|$))')
 
 
 def _utf8_checked(column: pa.ChunkedArray | pa.Array, what: str) -> tuple[pa.Array, list[str | None]]:

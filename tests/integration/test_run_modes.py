@@ -154,6 +154,9 @@ def test_bad_input_outcomes(tmp_path, serve_address):
                    in_dir / "int_ids.parquet")  # fmt: skip
     dup_ids = good.ids[:3]
     pq.write_table(pa.table({"id": dup_ids, "text": ["dup a", "dup b", "dup c"]}), in_dir / "dups.parquet")
+    # JSON lines Arrow's reader refuses whole: a cut-off line, an array, integer and string ids.
+    (in_dir / "lines.jsonl").write_text('{"id": "j1", "text": "a good line"}\n{"id": "j2", "text": "cut of\n[1]\n'
+                                        '{"id": 12, "text": "an integer id"}\n')  # fmt: skip
     out = tmp_path / "out"
 
     # Default: a bad shard stops the run before any inference, naming the shard.
@@ -174,7 +177,14 @@ def test_bad_input_outcomes(tmp_path, serve_address):
     for dup in dup_ids:
         rows = [r for r in table.to_pylist() if r["id"] == dup]
         assert len(rows) == 2 and len({r["source"] for r in rows}) == 2
-    assert sorted(set(ids)) == sorted(set(good.ids) | {"10", "11"})
+    assert sorted(set(ids)) == sorted(set(good.ids) | {"10", "11", "j1", "12"})
+    # Each malformed line is a dead letter with its reason, the id it names kept; nothing else is lost.
+    lines = {r["row"]: r for r in dead_letters(out).to_pylist() if r["source"].endswith("lines.jsonl")}
+    assert {row: (r["id"], r["error_kind"]) for row, r in lines.items()} == {
+        1: ("j2", "invalid_row"),
+        2: (None, "invalid_row"),
+    }
+    assert "line 2 is not JSON" in lines[1]["message"] and report.dead_letter_kinds == {"invalid_row": 2}
 
     # Fixing the bad shards and running the same run id again completes the run.
     pq.write_table(pa.table({"id": ["fixed2"], "text": ["renamed columns, fixed"]}), in_dir / "other_schema.parquet")

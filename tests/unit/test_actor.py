@@ -255,6 +255,23 @@ def test_an_invalid_utf8_line_of_json_lines_is_a_dead_letter_not_a_replacement_c
     )
 
 
+def test_malformed_json_lines_are_dead_letters_with_their_kind_and_the_file_is_inferred(tmp_path):
+    (tmp_path / "in.jsonl").write_bytes(
+        b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "cut\n"not an object"\n'
+        b'{"id": [1], "text": "x"}\n{"id": "e", "text": "fine"}\n'
+    )
+    units, _ = plan_units(list_shards(str(tmp_path / "in.jsonl")), unit_rows=1000, columns=ColumnNames())
+    block = read_unit(units[0], ColumnNames())
+    client = ScriptedClient()
+    summary = asyncio.run(InferenceActor(settings(tmp_path), client_factory=lambda: client)(block))
+    assert summary.column("fatal").to_pylist() == [None]
+    results, dead = outcomes(tmp_path)
+    assert sorted(results.column("id").to_pylist()) == ["a", "e"]
+    fates = {r["row"]: (r["id"], r["error_kind"]) for r in dead.to_pylist()}
+    assert fates == {1: ("b", "invalid_row"), 2: (None, "invalid_row"), 3: (None, "invalid_id")}
+    assert client.calls == 1
+
+
 def test_a_text_with_a_committed_answer_costs_no_call_and_duplicates_are_sent_once(tmp_path):
     """Rows whose text has an answer of this model in the index are copied, under their own ids;
     rows of the unit sharing a text are sent once."""

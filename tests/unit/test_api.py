@@ -57,6 +57,7 @@ def test_every_name_exported_resolves_and_the_list_is_sorted():
 INTERNAL_ERRORS = {
     "BadRowError",
     "InvalidIdError",
+    "InvalidRowError",
     "InvalidTextError",
     "MissingIdError",
     "RequestRejected",

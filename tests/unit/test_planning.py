@@ -128,6 +128,19 @@ def test_integer_ids_become_strings_and_other_types_are_rejected(tmp_path):
         plan_units(list_shards(str(tmp_path / "b.parquet")), unit_rows=10, columns=COLS)
 
 
+def test_a_jsonl_shard_is_checked_on_its_first_object_and_refused_with_none(tmp_path):
+    # A malformed first line is its row's dead letter when read, not the shard's failure.
+    (tmp_path / "a.jsonl").write_text('{"id": "1", "text": "cut\n\n{"id": "2", "text": "x"}\n')
+    units, _ = plan_units(list_shards(str(tmp_path / "a.jsonl")), unit_rows=10, columns=COLS)
+    assert [u.format for u in units] == ["jsonl"]
+    (tmp_path / "b.jsonl").write_text('{"id": "1", "body": "x"}\n')
+    with pytest.raises(SchemaError, match="column 'text' is missing"):
+        plan_units(list_shards(str(tmp_path / "b.jsonl")), unit_rows=10, columns=COLS)
+    (tmp_path / "c.jsonl").write_text("id,text\n1,a csv file named .jsonl\n")
+    with pytest.raises(InputError, match=r"no JSON object in its first 2 non-blank lines \(line 1 is not JSON"):
+        plan_units(list_shards(str(tmp_path / "c.jsonl")), unit_rows=10, columns=COLS)
+
+
 def test_jsonl_units_and_custom_column_names(tmp_path):
     lines = [{"pid": i, "body": f"text {i}", "ts": "2026-01-02T00:00:00Z"} for i in range(5)]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")

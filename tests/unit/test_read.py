@@ -8,7 +8,9 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
+from raypipe.errors import SchemaError
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 from raypipe.run.read import marker_block, read_unit, unit_block_schema
 
@@ -35,6 +37,68 @@ def test_a_json_line_of_bad_bytes_keeps_its_id_and_says_why(tmp_path):
     assert block.column("id").to_pylist() == ["a", "b"] and block.column("text").to_pylist() == ["ok", None]
     reason = block.column("_bad").to_pylist()[1]
     assert reason.startswith("invalid_text: line of") and "ff" in reason
+
+
+def test_a_malformed_json_line_is_that_rows_reason_and_the_rest_of_the_file_is_read(tmp_path):
+    (tmp_path / "in.jsonl").write_bytes(
+        b'{"id": "a", "text": "first"}\n'
+        b'{"id": "b", "text": "cut off mid-stri\n'  # Arrow's reader would refuse the whole file
+        b"\n"
+        b"[1, 2]\n"
+        b'{"id": 7, "text": "an integer id"}\n'
+        b'{"id": 1.5, "text": "a float id"}\n'
+        b'{"id": "c", "text": 5}\n'
+        b'{"id": "d", "text": "bad \xff bytes"}\n'
+        b'{"id": "e", "text": "last"}\r\n'
+    )
+    block = read_unit(WorkUnit(str(tmp_path / "in.jsonl"), "jsonl", 0, None), COLS)
+    rows = block.select(["id", "text", "_row", "_bad"]).to_pylist()
+    assert [(r["id"], r["text"], r["_row"]) for r in rows] == [
+        ("a", "first", 0),
+        ("b", None, 1),  # the id the broken line names
+        (None, None, 2),
+        ("7", "an integer id", 3),
+        (None, None, 4),
+        ("c", None, 5),
+        ("d", None, 6),
+        ("e", "last", 7),
+    ]
+    reasons = [r["_bad"] for r in rows]
+    assert reasons[0] is None and reasons[3] is None and reasons[7] is None
+    assert reasons[1].startswith("invalid_row: line 2 is not JSON: Unterminated string")
+    assert reasons[2] == "invalid_row: line 4 is a JSON array, not an object"
+    assert reasons[4] == "invalid_id: a JSON number (1.5), not a string or integer"
+    assert reasons[5] == "invalid_text: a JSON number, not a string"
+    assert reasons[6].startswith("invalid_text: line of") and "ff" in reasons[6]
+
+
+def test_json_lines_with_integer_and_string_ids_are_read_whole(tmp_path):
+    # Arrow's reader refuses a field whose JSON type changes between lines.
+    lines = ['{"id": 1, "text": "x"}', '{"id": "b2", "text": "y", "updated_at": "2026-03-01T00:00:00Z"}']
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    block = read_unit(WorkUnit(str(tmp_path / "in.jsonl"), "jsonl", 0, None), COLS)
+    assert block.column("id").to_pylist() == ["1", "b2"] and block.column("text").to_pylist() == ["x", "y"]
+    assert block.column("updated_at").to_pylist() == [None, T] and block.column("_bad").to_pylist() == [None, None]
+
+
+def test_json_lines_of_one_unusable_type_throughout_are_each_lines_reason(tmp_path):
+    # Arrow reads these whole (a double id column, a struct text column): each line says why.
+    (tmp_path / "ids.jsonl").write_text('{"id": 1.5, "text": "x"}\n{"id": 2.5, "text": "y"}\n')
+    block = read_unit(WorkUnit(str(tmp_path / "ids.jsonl"), "jsonl", 0, None), COLS)
+    assert block.column("id").to_pylist() == [None, None]
+    assert [r.split(" (")[0] for r in block.column("_bad").to_pylist()] == ["invalid_id: a JSON number"] * 2
+    (tmp_path / "null-ids.jsonl").write_text('{"id": null, "text": "x"}\n')
+    block = read_unit(WorkUnit(str(tmp_path / "null-ids.jsonl"), "jsonl", 0, None), COLS)
+    assert block.column("id").to_pylist() == [None] and block.column("_bad").to_pylist() == [None]  # missing_id
+    (tmp_path / "texts.jsonl").write_text('{"id": "a", "text": {"k": 1}}\n')
+    block = read_unit(WorkUnit(str(tmp_path / "texts.jsonl"), "jsonl", 0, None), COLS)
+    assert block.column("_bad").to_pylist() == ["invalid_text: a JSON object, not a string"]
+
+
+def test_json_lines_without_the_text_column_are_still_a_schema_error(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "body": "x"}\n{"id": "b", "body": "y\n')
+    with pytest.raises(SchemaError, match="column 'text' is missing"):
+        read_unit(WorkUnit(str(tmp_path / "in.jsonl"), "jsonl", 0, None), COLS)
 
 
 def test_times_are_read_as_utc_and_a_window_keeps_its_start_but_no_row_without_a_time(tmp_path):
