@@ -11,7 +11,7 @@ import pyarrow as pa
 from raypipe.errors import SchemaError
 from raypipe.plan.units import ColumnNames
 
-__all__ = ["check_columns", "check_types"]
+__all__ = ["check_columns", "check_types", "is_text_type"]
 
 
 def check_columns(names: Iterable[str], shard: str, columns: ColumnNames, need_updated_at: bool) -> None:
@@ -22,16 +22,35 @@ def check_columns(names: Iterable[str], shard: str, columns: ColumnNames, need_u
             raise SchemaError(f"column {col!r} is missing; the shard has {sorted(present)}", shard=shard, column=col)
 
 
+def is_text_type(t: pa.DataType) -> bool:
+    """A column of strings, however stored: any string or byte-string layout (Parquet byte arrays
+    written without a UTF-8 annotation, as Hive and older Spark do, read as binary; each value's
+    UTF-8 is checked when the unit is read), or a dictionary of them (pandas categoricals)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return any(
+        check(t)
+        for check in (
+            pa.types.is_string,
+            pa.types.is_large_string,
+            pa.types.is_string_view,
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+            pa.types.is_binary_view,
+        )
+    )
+
+
 def check_types(schema: pa.Schema, shard: str, columns: ColumnNames) -> None:
     id_type = schema.field(columns.id).type
-    if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
+    if not (is_text_type(id_type) or pa.types.is_integer(id_type)):
         raise SchemaError(
             f"id column {columns.id!r} has type {id_type}; ids must be strings or integers",
             shard=shard,
             column=columns.id,
         )
     text_type = schema.field(columns.text).type
-    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_null(text_type)):
+    if not (is_text_type(text_type) or pa.types.is_null(text_type)):
         raise SchemaError(
             f"text column {columns.text!r} has type {text_type}; it must hold strings", shard=shard, column=columns.text
         )

@@ -233,6 +233,20 @@ def _id_pattern(name: str) -> re.Pattern[str]:
     return re.compile(re.escape(json.dumps(name)) + r'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)(?=\s*(?:[,}]|$))')
 
 
+_STRING_OF = {pa.binary(): pa.string(), pa.large_binary(): pa.large_string(), pa.binary_view(): pa.string_view()}
+
+
+def _as_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The column as `pa.string()`, its bytes not checked yet (`_utf8_checked` does): dictionary
+    values decoded, byte strings taken as strings, integers as their decimal strings."""
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    if column.type in _STRING_OF:
+        string = _STRING_OF[column.type]
+        column = pa.chunked_array([chunk.view(string) for chunk in column.chunks], type=string)
+    return column if column.type == pa.string() else pc.cast(column, pa.string())
+
+
 def _utf8_checked(column: pa.ChunkedArray | pa.Array, what: str) -> tuple[pa.Array, list[str | None]]:
     """The strings with invalid UTF-8 replaced by null, and each row's reason (or None).
 
@@ -328,11 +342,8 @@ def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None =
         return _read_dead_letters(unit)
     wanted = [columns.id, columns.text, columns.updated_at]
     raw = _read_raw(unit, columns, wanted, window)
-    ids = raw.column(columns.id)
-    if not (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
-        ids = pc.cast(ids, pa.string())  # integer ids become their decimal strings
-    id_values, bad_ids = _utf8_checked(ids, "id")
-    texts, bad_texts = _utf8_checked(raw.column(columns.text), "text")
+    id_values, bad_ids = _utf8_checked(_as_strings(raw.column(columns.id)), "id")
+    texts, bad_texts = _utf8_checked(_as_strings(raw.column(columns.text)), "text")
     out: dict[str, Any] = {
         "id": id_values,
         "text": texts,

@@ -31,6 +31,26 @@ def test_bad_bytes_in_a_parquet_text_are_that_rows_reason_and_rows_keep_their_nu
     assert set(block.column("_unit").to_pylist()) == {unit.key} and block.column("_unit_rows").to_pylist() == [2, 2]
 
 
+def test_strings_in_every_arrow_layout_are_read_and_byte_strings_checked_row_by_row(tmp_path):
+    # Dictionaries (pandas categoricals), views (Polars), large strings, and byte arrays written
+    # without a UTF-8 annotation (Hive, older Spark): strings all, each value's bytes checked.
+    layouts = {
+        "dictionary": (pa.array(["a", "b"]).dictionary_encode(), pa.array(["x", "y"]).dictionary_encode()),
+        "view": (pa.array(["a", "b"], pa.string_view()), pa.array(["x", "y"], pa.string_view())),
+        "large": (pa.array(["a", "b"], pa.large_string()), pa.array(["x", "y"], pa.large_string())),
+        "bytes": (pa.array([b"a", b"\xffb"], pa.binary()), pa.array([b"x", b"bad \xfe"], pa.large_binary())),
+    }
+    for name, (ids, texts) in layouts.items():
+        pq.write_table(pa.table({"id": ids, "text": texts}), tmp_path / f"{name}.parquet")
+        block = read_unit(WorkUnit(str(tmp_path / f"{name}.parquet"), "parquet", 0, 2), COLS)
+        assert block.schema == unit_block_schema(), name
+        if name != "bytes":
+            assert block.column("id").to_pylist() == ["a", "b"] and block.column("text").to_pylist() == ["x", "y"]
+            assert block.column("_bad").to_pylist() == [None, None], name
+    assert block.column("id").to_pylist() == ["a", None] and block.column("text").to_pylist() == ["x", None]
+    assert block.column("_bad").to_pylist()[1].startswith("invalid_id: 2 bytes, invalid at byte 0: ff")
+
+
 def test_a_json_line_of_bad_bytes_keeps_its_id_and_says_why(tmp_path):
     (tmp_path / "in.jsonl").write_bytes(b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "bad \xff text"}\n')
     block = read_unit(WorkUnit(str(tmp_path / "in.jsonl"), "jsonl", 0, None), COLS)
