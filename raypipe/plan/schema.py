@@ -43,7 +43,8 @@ def is_text_type(t: pa.DataType) -> bool:
 
 def check_types(schema: pa.Schema, shard: str, columns: ColumnNames) -> None:
     id_type = schema.field(columns.id).type
-    if not (is_text_type(id_type) or pa.types.is_integer(id_type)):
+    # A null column: ids null on every row, each row's `missing_id` dead letter.
+    if not (is_text_type(id_type) or pa.types.is_integer(id_type) or pa.types.is_null(id_type)):
         raise SchemaError(
             f"id column {columns.id!r} has type {id_type}; ids must be strings or integers",
             shard=shard,

@@ -154,6 +154,7 @@ def _jsonl_lines(data: bytes, columns: ColumnNames) -> pa.Table:
     values: dict[str, list[Any]] = {name: [] for name in wanted}
     seen: set[str] = set()
     reasons: list[str | None] = []
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as Arrow's reader skips it
     for number, raw in enumerate(data.split(b"\n"), start=1):
         line = raw.removesuffix(b"\r")
         if not line.strip():

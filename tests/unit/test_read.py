@@ -49,6 +49,9 @@ def test_strings_in_every_arrow_layout_are_read_and_byte_strings_checked_row_by_
             assert block.column("_bad").to_pylist() == [None, None], name
     assert block.column("id").to_pylist() == ["a", None] and block.column("text").to_pylist() == ["x", None]
     assert block.column("_bad").to_pylist()[1].startswith("invalid_id: 2 bytes, invalid at byte 0: ff")
+    pq.write_table(pa.table({"id": pa.nulls(2), "text": ["x", "y"]}), tmp_path / "null-ids.parquet")
+    block = read_unit(WorkUnit(str(tmp_path / "null-ids.parquet"), "parquet", 0, 2), COLS)
+    assert block.column("id").to_pylist() == [None, None] and block.column("_bad").to_pylist() == [None, None]
 
 
 def test_a_json_line_of_bad_bytes_keeps_its_id_and_says_why(tmp_path):
@@ -61,7 +64,7 @@ def test_a_json_line_of_bad_bytes_keeps_its_id_and_says_why(tmp_path):
 
 def test_a_malformed_json_line_is_that_rows_reason_and_the_rest_of_the_file_is_read(tmp_path):
     (tmp_path / "in.jsonl").write_bytes(
-        b'{"id": "a", "text": "first"}\n'
+        b'\xef\xbb\xbf{"id": "a", "text": "first"}\n'
         b'{"id": "b", "text": "cut off mid-stri\n'  # Arrow's reader would refuse the whole file
         b"\n"
         b"[1, 2]\n"
