@@ -80,7 +80,7 @@ from raypipe.report import UnitStats
 from raypipe.store import OutputStore
 from raypipe.tally import WRITE_INTERVAL_S, CallTally, tally_path
 
-__all__ = ["SUMMARY_SCHEMA", "ActorSettings", "InferenceActor"]
+__all__ = ["CALL_TEXT_BYTES", "SUMMARY_SCHEMA", "ActorSettings", "InferenceActor", "micro_batches"]
 
 logger = logging.getLogger("raypipe")
 
@@ -92,6 +92,28 @@ _CANARY_TEXT = "The weather is fine today."
 
 # (latency, dropped, answer) of an attempt the limiter may learn from.
 _Sample = tuple[float, bool, BatchResult | None]
+
+
+#: The most text bytes one call carries, a quarter of the channel's message limit
+#: (`raypipe.call.channel`): a micro-batch of very long documents is cut short rather than
+#: refused by gRPC (the model reads only its first tokens of each anyway).
+CALL_TEXT_BYTES = 16 * 2**20
+
+
+def micro_batches(order: np.ndarray, nbytes: np.ndarray, size: int, max_bytes: int) -> list[np.ndarray]:
+    """`order` cut into runs of at most `size` rows and `max_bytes` of text (`nbytes`, in the
+    same order), a longer text alone in its run."""
+    starts = np.arange(0, len(order), size)
+    if not len(order) or (np.add.reduceat(nbytes, starts) <= max_bytes).all():
+        return [order[i : i + size] for i in starts]
+    batches, start, total = [], 0, 0
+    for i, n in enumerate(nbytes.tolist()):
+        if i > start and (i - start == size or total + n > max_bytes):
+            batches.append(order[start:i])
+            start, total = i, 0
+        total += n
+    batches.append(order[start:])
+    return batches
 
 
 def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
@@ -342,10 +364,9 @@ class InferenceActor:
         hashes = text_hash.fill_null(0).to_numpy(zero_copy_only=False)
         copied, sendable, duplicates = await self._reuse_answers(sendable, hashes, stats)
         # Length-sorted micro-batches: neighbours pad to the same bucket on the server.
-        lengths = pc.utf8_length(rows.column("text")).to_numpy(zero_copy_only=False)
+        lengths = pc.binary_length(rows.column("text")).fill_null(0).to_numpy(zero_copy_only=False)
         order = sendable[np.argsort(lengths[sendable], kind="stable")]
-        size = self._settings.client.micro_batch_size
-        batches = [order[i : i + size] for i in range(0, len(order), size)]
+        batches = micro_batches(order, lengths[order], self._settings.client.micro_batch_size, CALL_TEXT_BYTES)
         # A TaskGroup: when one batch raises (the service stayed down), the others are cancelled.
         try:
             async with asyncio.TaskGroup() as group:

@@ -12,7 +12,7 @@ import pyarrow.compute
 import pyarrow.parquet as pq
 import pytest
 
-from raypipe.call.actor import ActorSettings, InferenceActor
+from raypipe.call.actor import CALL_TEXT_BYTES, ActorSettings, InferenceActor, micro_batches
 from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.table import OutcomeTable, UnitCommitter
 from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
@@ -270,6 +270,27 @@ def test_malformed_json_lines_are_dead_letters_with_their_kind_and_the_file_is_i
     fates = {r["row"]: (r["id"], r["error_kind"]) for r in dead.to_pylist()}
     assert fates == {1: ("b", "invalid_row"), 2: (None, "invalid_row"), 3: (None, "invalid_id")}
     assert client.calls == 1
+
+
+def test_micro_batches_hold_at_most_their_rows_and_bytes_a_longer_text_alone():
+    order = np.arange(10)[::-1]
+    small = np.full(10, 100)
+    assert [b.tolist() for b in micro_batches(order, small, 4, 10_000)] == [[9, 8, 7, 6], [5, 4, 3, 2], [1, 0]]
+    assert micro_batches(order[:0], small[:0], 4, 10_000) == []
+    grow = np.array([100, 100, 100, 400, 400, 900, 5000, 5000, 20_000, 30])
+    runs = micro_batches(order, grow, 4, 1000)
+    assert [b.tolist() for b in runs] == [[9, 8, 7, 6], [5], [4], [3], [2], [1], [0]]  # 700, 400, 900, ...
+
+
+def test_a_unit_of_long_documents_is_sent_in_calls_under_the_byte_cap(tmp_path):
+    texts = ["short one", "x" * (CALL_TEXT_BYTES // 3), "y" * (CALL_TEXT_BYTES // 3), "z" * (CALL_TEXT_BYTES // 2)]
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "text": texts}), tmp_path / "in.parquet")
+    units, _ = plan_units(list_shards(str(tmp_path / "in.parquet")), unit_rows=1000, columns=ColumnNames())
+    client = ScriptedClient()
+    asyncio.run(InferenceActor(settings(tmp_path), client_factory=lambda: client)(read_unit(units[0], ColumnNames())))
+    results, dead = outcomes(tmp_path)
+    assert sorted(results.column("id").to_pylist()) == ["a", "b", "c", "d"] and dead is None
+    assert client.calls == 2  # a, b, c under the cap; d alone
 
 
 def test_a_text_with_a_committed_answer_costs_no_call_and_duplicates_are_sent_once(tmp_path):
