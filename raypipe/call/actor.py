@@ -364,7 +364,7 @@ class InferenceActor:
         hashes = text_hash.fill_null(0).to_numpy(zero_copy_only=False)
         copied, sendable, duplicates = await self._reuse_answers(sendable, hashes, stats)
         # Length-sorted micro-batches: neighbours pad to the same bucket on the server.
-        lengths = pc.binary_length(rows.column("text")).fill_null(0).to_numpy(zero_copy_only=False)
+        lengths = pc.binary_length(rows.column("text")).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         order = sendable[np.argsort(lengths[sendable], kind="stable")]
         batches = micro_batches(order, lengths[order], self._settings.client.micro_batch_size, CALL_TEXT_BYTES)
         # A TaskGroup: when one batch raises (the service stayed down), the others are cancelled.

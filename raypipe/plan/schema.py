@@ -11,7 +11,7 @@ import pyarrow as pa
 from raypipe.errors import SchemaError
 from raypipe.plan.units import ColumnNames
 
-__all__ = ["check_columns", "check_types", "is_text_type"]
+__all__ = ["check_columns", "check_types"]
 
 
 def check_columns(names: Iterable[str], shard: str, columns: ColumnNames, need_updated_at: bool) -> None:
@@ -22,7 +22,7 @@ def check_columns(names: Iterable[str], shard: str, columns: ColumnNames, need_u
             raise SchemaError(f"column {col!r} is missing; the shard has {sorted(present)}", shard=shard, column=col)
 
 
-def is_text_type(t: pa.DataType) -> bool:
+def _is_text_type(t: pa.DataType) -> bool:
     """A column of strings, however stored: any string or byte-string layout (Parquet byte arrays
     written without a UTF-8 annotation, as Hive and older Spark do, read as binary; each value's
     UTF-8 is checked when the unit is read), or a dictionary of them (pandas categoricals)."""
@@ -44,14 +44,14 @@ def is_text_type(t: pa.DataType) -> bool:
 def check_types(schema: pa.Schema, shard: str, columns: ColumnNames) -> None:
     id_type = schema.field(columns.id).type
     # A null column: ids null on every row, each row's `missing_id` dead letter.
-    if not (is_text_type(id_type) or pa.types.is_integer(id_type) or pa.types.is_null(id_type)):
+    if not (_is_text_type(id_type) or pa.types.is_integer(id_type) or pa.types.is_null(id_type)):
         raise SchemaError(
             f"id column {columns.id!r} has type {id_type}; ids must be strings or integers",
             shard=shard,
             column=columns.id,
         )
     text_type = schema.field(columns.text).type
-    if not (is_text_type(text_type) or pa.types.is_null(text_type)):
+    if not (_is_text_type(text_type) or pa.types.is_null(text_type)):
         raise SchemaError(
             f"text column {columns.text!r} has type {text_type}; it must hold strings", shard=shard, column=columns.text
         )
