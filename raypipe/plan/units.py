@@ -41,7 +41,8 @@ class DeltaWindow:
     A window applies only to a file a run has read before (a unit with its own `since`: a
     daily's `--since`, a rewrite's newer rows); new files are read whole. Rows whose
     `updated_at` is null are never in a window: they are read with the file that holds them,
-    when it is new.
+    when it is new. (A JSON-lines line that is not an object and names no time is in every
+    window: its dead letter is recorded each time its file is read, `raypipe.run.read`.)
     """
 
     after: datetime | None

@@ -182,11 +182,14 @@ def _jsonl_line(line: bytes, number: int, columns: ColumnNames) -> tuple[dict[st
     try:
         value = json.loads(decoded)
     except json.JSONDecodeError as e:
-        row_id = _id_named(decoded, columns.id)
-        why = reason or f"invalid_row: line {number} is not JSON: {e.msg}: character {e.pos}"
-        return {columns.id: row_id}, why
+        # Not JSON, whatever its bytes: an `invalid_row`, with the id and time it names, if any.
+        why = f"invalid_row: line {number} is not JSON: {e.msg}: character {e.pos}" + (f" ({reason})" if reason else "")
+        named = {columns.id: _named(decoded, columns.id), columns.updated_at: _named_time(decoded, columns.updated_at)}
+        return {k: v for k, v in named.items() if v is not None}, why
     if not isinstance(value, dict):
-        return {}, reason or f"invalid_row: line {number} is a JSON {_json_kind(value)}, not an object"
+        return {}, f"invalid_row: line {number} is a JSON {_json_kind(value)}, not an object" + (
+            f" ({reason})" if reason else ""
+        )
     row: dict[str, str | None] = {}
     row_id = value.get(columns.id)
     if columns.id in value:
@@ -219,18 +222,28 @@ def _json_kind(value: Any) -> str:
     )
 
 
-def _id_named(line: str, name: str) -> str | None:
-    match = _id_pattern(name).search(line)
+def _named(line: str, name: str) -> str | None:
+    """The value a line that is not JSON as a whole (a truncated line, a stray quote) names
+    for `name` before the damage: `"name": "value"` or `"name": 123`, else None."""
+    match = _value_pattern(name).search(line)
     try:
         return None if match is None else str(json.loads(match.group(1)))
     except json.JSONDecodeError:  # a string with an escape JSON does not have
         return None
 
 
+def _named_time(line: str, name: str) -> str | None:
+    """`_named` where it is a string that reads as a timestamp, else None."""
+    value = _named(line, name)
+    try:
+        pc.cast(pa.array([value], pa.string()), pa.timestamp("us", tz="UTC"))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    return value
+
+
 @functools.cache
-def _id_pattern(name: str) -> re.Pattern[str]:
-    """`"name": "value"` or `"name": 123` in a line that is not JSON as a whole (a truncated
-    line, a stray quote after the id): the row's dead letter keeps the id its line names."""
+def _value_pattern(name: str) -> re.Pattern[str]:
     return re.compile(re.escape(json.dumps(name)) + r'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)(?=\s*(?:[,}]|$))')
 
 
@@ -357,7 +370,10 @@ def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None =
     line_bad = raw.column(_BAD_JSON_FIELD).to_pylist() if _BAD_JSON_FIELD in raw.column_names else bad_texts
     out["_bad"] = pa.array([i or t or j for i, t, j in zip(bad_ids, bad_texts, line_bad, strict=True)], pa.string())
     if window is not None:
-        keep = _in_window(out["updated_at"], window)
+        # A JSON-lines line that is not an object and names no time is in every window: it is
+        # recorded (a dead letter) each time its file is read, never skipped unseen.
+        unknown = pc.and_(pc.is_null(out["updated_at"]), pc.starts_with(out["_bad"], "invalid_row"))
+        keep = pc.or_(_in_window(out["updated_at"], window), pc.fill_null(unknown, False))
         out = {k: pc.filter(v, keep) for k, v in out.items()}
         rows = pc.filter(rows, keep)
     n = len(rows)

@@ -95,6 +95,21 @@ def test_a_malformed_json_line_is_that_rows_reason_and_the_rest_of_the_file_is_r
     assert reasons[6].startswith("invalid_text: line of") and "ff" in reasons[6]
 
 
+def test_a_window_keeps_a_malformed_line_unless_the_time_it_names_is_outside(tmp_path):
+    # A daily re-reading a rewritten file: a line that names no time is recorded, never skipped.
+    (tmp_path / "in.jsonl").write_text(
+        '{"id": "old", "text": "x", "updated_at": "2026-02-01T00:00:00Z"}\n'
+        '{"id": "cut-new", "updated_at": "2026-03-02T00:00:00Z", "text": "cut\n'
+        '{"id": "cut-old", "updated_at": "2026-02-02T00:00:00Z", "text": "cut\n'
+        '["no", "time"]\n'
+        '{"id": "new", "text": "y", "updated_at": "2026-03-03T00:00:00Z"}\n'
+    )
+    block = read_unit(WorkUnit(str(tmp_path / "in.jsonl"), "jsonl", 0, None), COLS, DeltaWindow.since(T))
+    assert block.column("id").to_pylist() == ["cut-new", None, "new"] and block.column("_row").to_pylist() == [1, 3, 4]
+    assert [(r or "").split(":")[0] for r in block.column("_bad").to_pylist()] == ["invalid_row", "invalid_row", ""]
+    assert block.column("updated_at").to_pylist() == [T + timedelta(days=1), None, T + timedelta(days=2)]
+
+
 def test_json_lines_with_integer_and_string_ids_are_read_whole(tmp_path):
     # Arrow's reader refuses a field whose JSON type changes between lines.
     lines = ['{"id": 1, "text": "x"}', '{"id": "b2", "text": "y", "updated_at": "2026-03-01T00:00:00Z"}']
