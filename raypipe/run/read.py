@@ -149,7 +149,7 @@ def _jsonl_lines(data: bytes, columns: ColumnNames) -> pa.Table:
     columns the file's objects have (so a file whose objects lack the id column is still a
     `SchemaError`) plus `_BAD_JSON_FIELD`: the reason a line cannot be sent, or null. A line
     that is not valid UTF-8 or not a JSON object, or whose id or text has an unusable JSON
-    type, has a null text and its reason; its id is kept where the line names one."""
+    type, has a null text and its reason; its id and time are kept where the line names them."""
     wanted = (columns.id, columns.text, columns.updated_at)
     values: dict[str, list[Any]] = {name: [] for name in wanted}
     seen: set[str] = set()
