@@ -89,14 +89,18 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
     """A retried job takes over the run (here with --force, as an operator would; without it, it waits
     for the lease to expire): the first attempt stops before its next write, and every id ends
     exactly once in the results."""
-    app = deploy_app("slow", ServerSettings(fault=FaultInjection(extra_latency_s=0.3)))
+    # One unit at a time, 1 s a call: the 12 units after the first 3 take the first attempt over
+    # 12 s, longer than the second attempt's start even on a loaded machine (at 0.3 s a call and
+    # two units at a time, a fast machine finished the first attempt before the takeover).
+    app = deploy_app("slow", ServerSettings(fault=FaultInjection(extra_latency_s=1.0)))
     corpus = write_sample_corpus(str(tmp_path / "in"), rows=750, parquet_shards=3, jsonl_shards=0,
                                  bad_fraction=0.0, row_group_size=50, seed=91)  # fmt: skip
     out = tmp_path / "out"
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
     common = ["--input", corpus.uri, "--output", str(out), "--service", serve_address, "--run-id", "twice",
               "--set", f"service.application={app}", "--set", "input.unit_rows=50",
-              "--set", "actors.max_actors=1", "--set", "output.lease_s=30"]  # fmt: skip
+              "--set", "actors.max_actors=1", "--set", "actors.units_per_actor=1",
+              "--set", "output.lease_s=30"]  # fmt: skip
     first = subprocess.Popen([PYTHON, "-m", "raypipe", "backfill", *common], env=env, cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -108,7 +112,7 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
         if first.poll() is None:
             first.send_signal(signal.SIGKILL)
     print("first:", err1[-800:], "\nsecond:", second.stdout[-600:])
-    assert first.returncode != 0
+    assert first.returncode != 0, "the first attempt finished before the second took over"
     assert "LeaseLostError" in err1
     assert second.returncode == 0, second.stderr[-2000:]
     results_ids, dead = assert_nothing_lost(out, corpus.ids)
