@@ -121,7 +121,7 @@ def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
     if reason is None:
         return MissingIdError("the id is null or empty: the row cannot be told apart; see source and row")
     kind, _, detail = reason.partition(": ")
-    error = {"invalid_id": InvalidIdError, "invalid_row": InvalidRowError}.get(kind, InvalidTextError)
+    error = {cls.kind: cls for cls in (InvalidIdError, InvalidRowError, InvalidTextError)}.get(kind, InvalidTextError)
     return error(f"{kind.replace('_', ' ')}: {detail}")
 
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 from raypipe.errors import SchemaError
 from raypipe.plan.units import ColumnNames
 
-__all__ = ["check_columns", "check_types"]
+__all__ = ["check_columns", "check_types", "usable_id_type", "usable_text_type"]
 
 
 def check_columns(names: Iterable[str], shard: str, columns: ColumnNames, need_updated_at: bool) -> None:
@@ -41,17 +41,26 @@ def _is_text_type(t: pa.DataType) -> bool:
     )
 
 
+def usable_id_type(t: pa.DataType) -> bool:
+    """Strings, integers (their decimal strings), or nulls only (each row's `missing_id`)."""
+    return _is_text_type(t) or pa.types.is_integer(t) or pa.types.is_null(t)
+
+
+def usable_text_type(t: pa.DataType) -> bool:
+    """Strings, or nulls only (each row's `empty_text`)."""
+    return _is_text_type(t) or pa.types.is_null(t)
+
+
 def check_types(schema: pa.Schema, shard: str, columns: ColumnNames) -> None:
     id_type = schema.field(columns.id).type
-    # A null column: ids null on every row, each row's `missing_id` dead letter.
-    if not (_is_text_type(id_type) or pa.types.is_integer(id_type) or pa.types.is_null(id_type)):
+    if not usable_id_type(id_type):
         raise SchemaError(
             f"id column {columns.id!r} has type {id_type}; ids must be strings or integers",
             shard=shard,
             column=columns.id,
         )
     text_type = schema.field(columns.text).type
-    if not (_is_text_type(text_type) or pa.types.is_null(text_type)):
+    if not usable_text_type(text_type):
         raise SchemaError(
             f"text column {columns.text!r} has type {text_type}; it must hold strings", shard=shard, column=columns.text
         )

@@ -14,7 +14,6 @@ import functools
 import io
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -23,9 +22,9 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from raypipe.errors import SchemaError, ShardChangedError
+from raypipe.errors import InvalidRowError, SchemaError, ShardChangedError
 from raypipe.plan.planning import filesystem, fingerprint
-from raypipe.plan.schema import check_columns, check_types
+from raypipe.plan.schema import check_columns, check_types, usable_id_type, usable_text_type
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 
 __all__ = ["marker_block", "read_unit", "unit_block_schema"]
@@ -129,19 +128,12 @@ def _read_jsonl(data: bytes, columns: ColumnNames) -> pa.Table:
         return _jsonl_lines(data, columns)
     # A field of one unusable type on every line (float ids, object texts) is each line's
     # reason too: in JSON lines a type belongs to a line, not to a column as in Parquet.
-    # (A null-typed id column, ids null on every line, is each line's missing id likewise.)
-    names = table.column_names
-    if columns.id in names and not _typed(table, columns.id, pa.types.is_integer):
+    schema, names = table.schema, table.column_names
+    if columns.id in names and not usable_id_type(schema.field(columns.id).type):
         return _jsonl_lines(data, columns)
-    if columns.text in names and not _typed(table, columns.text, pa.types.is_null):
+    if columns.text in names and not usable_text_type(schema.field(columns.text).type):
         return _jsonl_lines(data, columns)
     return table
-
-
-def _typed(table: pa.Table, name: str, also: Callable[[pa.DataType], bool]) -> bool:
-    """The column holds strings (or what `also` accepts)."""
-    t = table.schema.field(name).type
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or also(t)
 
 
 def _jsonl_lines(data: bytes, columns: ColumnNames) -> pa.Table:
@@ -183,13 +175,12 @@ def _jsonl_line(line: bytes, number: int, columns: ColumnNames) -> tuple[dict[st
         value = json.loads(decoded)
     except json.JSONDecodeError as e:
         # Not JSON, whatever its bytes: an `invalid_row`, with the id and time it names, if any.
-        why = f"invalid_row: line {number} is not JSON: {e.msg}: character {e.pos}" + (f" ({reason})" if reason else "")
+        why = f"{InvalidRowError.kind}: line {number} is not JSON: {e.msg}: character {e.pos}"
         named = {columns.id: _named(decoded, columns.id), columns.updated_at: _named_time(decoded, columns.updated_at)}
-        return {k: v for k, v in named.items() if v is not None}, why
+        return {k: v for k, v in named.items() if v is not None}, why + (f" ({reason})" if reason else "")
     if not isinstance(value, dict):
-        return {}, f"invalid_row: line {number} is a JSON {_json_kind(value)}, not an object" + (
-            f" ({reason})" if reason else ""
-        )
+        why = f"{InvalidRowError.kind}: line {number} is a JSON {_json_kind(value)}, not an object"
+        return {}, why + (f" ({reason})" if reason else "")
     row: dict[str, str | None] = {}
     row_id = value.get(columns.id)
     if columns.id in value:
@@ -261,14 +252,12 @@ def _as_strings(column: pa.ChunkedArray) -> pa.ChunkedArray:
     return column if column.type == pa.string() else pc.cast(column, pa.string())
 
 
-def _utf8_checked(column: pa.ChunkedArray | pa.Array, what: str) -> tuple[pa.Array, list[str | None]]:
-    """The strings with invalid UTF-8 replaced by null, and each row's reason (or None).
+def _utf8_checked(column: pa.ChunkedArray, what: str) -> tuple[pa.Array, list[str | None]]:
+    """The strings (`_as_strings`) with invalid UTF-8 replaced by null, and each row's reason (or None).
 
     Readers do not validate UTF-8 (a Parquet string column can hold any bytes), and one bad
     value would fail the whole unit where Python decodes it; so each invalid value becomes its
     row's reason, `invalid_<what>: <first bytes in hex>`, and the row a dead letter."""
-    column = pa.chunked_array([column]) if isinstance(column, pa.Array) else column
-    column = column.cast(pa.string())
     reasons: list[str | None] = [None] * len(column)
     try:
         column.validate(full=True)
@@ -372,7 +361,7 @@ def read_unit(unit: WorkUnit, columns: ColumnNames, window: DeltaWindow | None =
     if window is not None:
         # A JSON-lines line that is not an object and names no time is in every window: it is
         # recorded (a dead letter) each time its file is read, never skipped unseen.
-        unknown = pc.and_(pc.is_null(out["updated_at"]), pc.starts_with(out["_bad"], "invalid_row"))
+        unknown = pc.and_(pc.is_null(out["updated_at"]), pc.starts_with(out["_bad"], f"{InvalidRowError.kind}:"))
         keep = pc.or_(_in_window(out["updated_at"], window), pc.fill_null(unknown, False))
         out = {k: pc.filter(v, keep) for k, v in out.items()}
         rows = pc.filter(rows, keep)
