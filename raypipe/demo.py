@@ -25,7 +25,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
 
     from raypipe import api
     from raypipe.commit.outcomes import latest
-    from raypipe.run.driver import start_local_ray
+    from raypipe.run.driver import start_local_ray, start_ray_data_helpers
     from raypipe.samples import write_sample_corpus
     from serve_app.demo_model import build_demo_model, default_demo_model_dir
     from serve_app.deploy import DeploymentOptions, deploy, fit_replicas, start_grpc_proxy
@@ -57,10 +57,9 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     try:
         replicas, cpus = fit_replicas(2)  # the defaults `raypipe serve` picks on a 2-CPU cluster
         options = DeploymentOptions(num_replicas=replicas, num_cpus=cpus)
-        # Ray Data starts its helper actors (stats, autoscaling coordinator) with a cluster's first
-        # dataset: here while the replica loads, not on the run's path.
+        # Ray Data's helper actors start here while the replica loads, not on the run's path.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-warm") as pool:
-            warm = pool.submit(_start_ray_data)
+            warm = pool.submit(start_ray_data_helpers)
             address = deploy(model, grpc_port=grpc_port, options=options)
             warm.result()
         print(f"demo: Serve gRPC app up at {address} after {time.monotonic() - t0:.1f} s", flush=True)
@@ -102,12 +101,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _start_ray_data() -> None:
-    """A one-row dataset: Ray Data starts a cluster's stats and autoscaling-coordinator actors
-    with its first dataset. No map: a map's task would start a worker process of its own (which
-    the run's actor cannot use) on the cores the replica is starting on."""
-    import ray
-
-    ray.data.from_items([{"x": 1}]).take_all()

@@ -193,6 +193,12 @@ def test_replicas_only_on_pool_nodes_and_the_readme_job_submit_reaches_them_from
     nodes = pool.replicas("fixed")
     pool_ids = {pool.service.nodes[n].node_id for n in ("pool-a", "pool-b")}
     assert len(nodes) == 2 and set(nodes) == pool_ids, (nodes, pool_ids)  # one per pool node, none on the head
+    # Ray Data's cluster-wide helpers were started by `serve`, not by a first run's start.
+    helpers = pool.on_service(
+        "from ray.util.state import list_actors\n"
+        "out = sorted(a.class_name for a in list_actors(filters=[('state', '=', 'ALIVE')], limit=1000))"
+    )
+    assert {"_StatsActor", "ActorLocationTracker"} <= set(helpers), helpers  # type: ignore[call-overload]
 
     words = readme_job_submit()
     assert words[:3] == ["ray", "job", "submit"], words

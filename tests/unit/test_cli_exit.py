@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
+
+import pytest
 
 _SCRIPT = """
 import atexit, sys, threading, time
@@ -20,8 +23,9 @@ def late():
 print("buffered line")
 threading.Thread(target=late).start()
 sys.argv = ["raypipe", "report", "--output", sys.argv[1], "--run-id", "x"]
-from raypipe.cli import run
-run()
+import raypipe.cli
+raypipe.cli._disconnect_ray = lambda: print("ray disconnected")
+raypipe.cli.run()
 print("not reached")
 """
 
@@ -33,4 +37,25 @@ def test_the_entry_point_exits_with_mains_code_after_what_a_normal_exit_does(tmp
     )
     assert done.returncode == 2, done.stderr  # main's code for a run with no report
     assert "no report for run x" in done.stderr
-    assert done.stdout.splitlines() == ["buffered line", "thread finished", "exit handler ran"]
+    assert done.stdout.splitlines() == ["buffered line", "thread finished", "ray disconnected", "exit handler ran"]
+
+
+def test_ray_is_disconnected_as_a_caller_does_not_as_its_exit_hook_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ray.shutdown()` with no arguments: Ray's own atexit hook passes `_exiting_interpreter=True`,
+    which sleeps half a second first; its later call finds Ray down and does nothing."""
+    from raypipe import cli
+
+    calls: list[dict[str, object]] = []
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: not calls, shutdown=lambda **kw: calls.append(kw))
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    cli._disconnect_ray()
+    cli._disconnect_ray()
+    assert calls == [{}]
+
+
+def test_no_ray_is_no_disconnect(monkeypatch: pytest.MonkeyPatch) -> None:
+    from raypipe import cli
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    cli._disconnect_ray()  # a command that never imported Ray does not import it to exit
+    assert "ray" not in sys.modules
