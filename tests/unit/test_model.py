@@ -15,12 +15,14 @@ from transformers import AutoTokenizer
 from serve_app import demo_data, demo_model
 from serve_app.demo_model import build_demo_model, recipe_fingerprint
 from serve_app.model import (
+    PASS_COST_TOKENS,
     EmotionModel,
     ModelCard,
     ModelDirError,
     Tokenized,
     configure_precision,
     configure_tf_threads,
+    cut_sorted,
     padded_length,
     read_model_card,
 )
@@ -316,6 +318,43 @@ def test_chunks_pad_to_their_longest_row_and_keep_the_budget(demo_model_dir: Pat
     # Sorted by length: a chunk never mixes a short row with a much longer one when the
     # budget would have let the short row go with rows like it.
     assert sum(c.padded_tokens for c in chunks) <= 1.35 * sum(lengths)
+
+
+def _greedy_stops(padded: list[int], budget: int) -> list[int]:
+    """Each chunk as full as the budget allows (the cut before `cut_sorted`)."""
+    stops, start = [], 0
+    for stop in range(1, len(padded) + 1):
+        if stop == len(padded) or (stop - start + 1) * padded[stop] > budget:
+            stops.append(stop)
+            start = stop
+    return stops
+
+
+def _cost(padded: list[int], stops: list[int], pass_cost: int) -> int:
+    return sum(pass_cost + (b - a) * padded[b - 1] for a, b in zip([0, *stops[:-1]], stops, strict=True))
+
+
+def test_passes_are_cut_where_the_lengths_jump_not_where_the_budget_is_full() -> None:
+    # Greedy filling puts the 10 short rows in the long rows' pass: 15 x 128 = 1,920 tokens
+    # for 800 real ones. Two passes pad 160 + 640.
+    padded = [16] * 10 + [128] * 5
+    assert _greedy_stops(padded, 2048) == [15]
+    assert cut_sorted(np.array(padded), 2048) == [10, 15]
+    # A pass costs PASS_COST_TOKENS: 3 rows x 8 tokens of padding do not pay for one.
+    assert cut_sorted(np.array([16] * 3 + [24]), 2048) == [4]
+    assert cut_sorted(np.array([16] * 5 + [24]), 2048) == [5, 6]
+    assert cut_sorted(np.array([], dtype=np.int64), 2048) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_cut_keeps_the_budget_and_never_costs_more_than_filling_each_pass(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = np.sort(rng.integers(1, 513, size=int(rng.integers(1, 400))))
+    padded = [padded_length(int(n), 512) for n in lengths]
+    stops = cut_sorted(np.array(padded), 2048)
+    assert stops[-1] == len(padded) and stops == sorted(set(stops))
+    assert all((b - a) * padded[b - 1] <= 2048 for a, b in zip([0, *stops[:-1]], stops, strict=True))
+    assert _cost(padded, stops, PASS_COST_TOKENS) <= _cost(padded, _greedy_stops(padded, 2048), PASS_COST_TOKENS)
 
 
 def test_a_batchs_chunks_run_in_any_order_give_infers_answers(model: EmotionModel) -> None:
