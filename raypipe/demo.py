@@ -33,7 +33,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     t0 = time.monotonic()
     work = Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
-    # The demo's cluster is its own, also where one already runs on this machine (`raypipe serve
+    # The demo's cluster is its own, also where one already runs on the same machine (`raypipe serve
     # --detach` starts one): "local" starts a new one rather than joining it. Its Serve proxies
     # take free ports where the usual ones are taken (the HTTP proxy is not used).
     if not _port_free(grpc_port):

@@ -85,7 +85,7 @@ LOCAL_CLUSTER_FLAGS = ("--include-dashboard=false", "--include-log-monitor=false
 
 
 def start_local_cluster(*, timeout_s: float = 120.0) -> None:
-    """``ray start --head`` with `LOCAL_CLUSTER_FLAGS`: a cluster on this machine that outlives
+    """``ray start --head`` with `LOCAL_CLUSTER_FLAGS`: a cluster on the local machine that outlives
     the calling process (``ray stop`` stops it). Raises `RuntimeError` with Ray's own words if it
     does not start within `timeout_s`."""
     import subprocess
