@@ -203,15 +203,15 @@ def padded_length(longest: int, max_sequence_length: int) -> int:
 
 #: What a forward pass costs beyond its padded tokens, in tokens: `cut_sorted` makes a pass
 #: more only where it saves more padding than this. Measured with OpenVINO on one thread, a
-#: pass of r rows x L tokens costs about (c + r x L) tokens' time with c of 3-12 (bert-base
-#: fp32, minilm-l6 bf16, L of 64 and 128), and a pass of one or two rows 10-20% more per token
+#: pass of r rows x L tokens costs about (c + r x L) tokens' time with c of at most 12 (bert-base
+#: fp32, minilm-l6 bf16, L of 64 and 128), and a pass of one or two rows 6-20% more per token
 #: than one of four or more: 32 leaves a margin for both.
 PASS_COST_TOKENS = 32
 
 
-def cut_sorted(padded: np.ndarray, budget: int, pass_cost: int = PASS_COST_TOKENS) -> list[int]:
-    """Where to cut rows of ascending padded lengths into passes: the ends (exclusive) of
-    consecutive chunks, each within `budget` rows x its longest row, that minimise the padded
+def cut_sorted(padded: np.ndarray, budget: int, pass_cost: int = PASS_COST_TOKENS) -> list[tuple[int, int]]:
+    """Where to cut rows of ascending padded lengths into passes: consecutive chunks, as
+    (start, stop) ranges, each within `budget` rows x its longest row, that minimise the padded
     tokens plus `pass_cost` per pass.
 
     A shortest-path over the cut points (the cost of a chunk [i, j) is pass_cost + (j - i) x
@@ -229,11 +229,11 @@ def cut_sorted(padded: np.ndarray, budget: int, pass_cost: int = PASS_COST_TOKEN
         cost = best[first:stop] + pass_cost + (stop - np.arange(first, stop)) * length
         k = int(np.argmin(cost))  # the first minimum: the longer chunk where costs tie
         best[stop], prev[stop] = cost[k], first + k
-    stops = []
+    ranges = []
     while n > 0:
-        stops.append(n)
+        ranges.append((int(prev[n]), n))
         n = int(prev[n])
-    return stops[::-1]
+    return ranges[::-1]
 
 
 Precision = Literal["fp32", "bf16", "int8", "auto"]
@@ -452,12 +452,9 @@ class EmotionModel:
         lengths = np.fromiter((len(x) for x in tokenized.ids), dtype=np.int64, count=len(tokenized))
         order = np.argsort(lengths, kind="stable")
         padded = np.array([padded_length(int(n), max_len) for n in lengths[order]], dtype=np.int64)
-        stops = cut_sorted(padded, self.token_budget)
-        if not stops:
-            return []
         return [
             Chunk(rows=order[start:stop], length=int(padded[stop - 1]))
-            for start, stop in zip([0, *stops[:-1]], stops, strict=True)
+            for start, stop in cut_sorted(padded, self.token_budget)
         ]
 
     def run_chunk(self, tokenized: Tokenized, chunk: Chunk) -> np.ndarray:

@@ -320,29 +320,29 @@ def test_chunks_pad_to_their_longest_row_and_keep_the_budget(demo_model_dir: Pat
     assert sum(c.padded_tokens for c in chunks) <= 1.35 * sum(lengths)
 
 
-def _greedy_stops(padded: list[int], budget: int) -> list[int]:
+def _greedy(padded: list[int], budget: int) -> list[tuple[int, int]]:
     """Each chunk as full as the budget allows (the cut before `cut_sorted`)."""
-    stops, start = [], 0
+    ranges, start = [], 0
     for stop in range(1, len(padded) + 1):
         if stop == len(padded) or (stop - start + 1) * padded[stop] > budget:
-            stops.append(stop)
+            ranges.append((start, stop))
             start = stop
-    return stops
+    return ranges
 
 
-def _cost(padded: list[int], stops: list[int], pass_cost: int) -> int:
-    return sum(pass_cost + (b - a) * padded[b - 1] for a, b in zip([0, *stops[:-1]], stops, strict=True))
+def _cost(padded: list[int], ranges: list[tuple[int, int]], pass_cost: int) -> int:
+    return sum(pass_cost + (b - a) * padded[b - 1] for a, b in ranges)
 
 
 def test_passes_are_cut_where_the_lengths_jump_not_where_the_budget_is_full() -> None:
     # Greedy filling puts the 10 short rows in the long rows' pass: 15 x 128 = 1,920 tokens
     # for 800 real ones. Two passes pad 160 + 640.
     padded = [16] * 10 + [128] * 5
-    assert _greedy_stops(padded, 2048) == [15]
-    assert cut_sorted(np.array(padded), 2048) == [10, 15]
+    assert _greedy(padded, 2048) == [(0, 15)]
+    assert cut_sorted(np.array(padded), 2048) == [(0, 10), (10, 15)]
     # A pass costs PASS_COST_TOKENS: 3 rows x 8 tokens of padding do not pay for one.
-    assert cut_sorted(np.array([16] * 3 + [24]), 2048) == [4]
-    assert cut_sorted(np.array([16] * 5 + [24]), 2048) == [5, 6]
+    assert cut_sorted(np.array([16] * 3 + [24]), 2048) == [(0, 4)]
+    assert cut_sorted(np.array([16] * 5 + [24]), 2048) == [(0, 5), (5, 6)]
     assert cut_sorted(np.array([], dtype=np.int64), 2048) == []
 
 
@@ -351,10 +351,10 @@ def test_the_cut_keeps_the_budget_and_never_costs_more_than_filling_each_pass(se
     rng = np.random.default_rng(seed)
     lengths = np.sort(rng.integers(1, 513, size=int(rng.integers(1, 400))))
     padded = [padded_length(int(n), 512) for n in lengths]
-    stops = cut_sorted(np.array(padded), 2048)
-    assert stops[-1] == len(padded) and stops == sorted(set(stops))
-    assert all((b - a) * padded[b - 1] <= 2048 for a, b in zip([0, *stops[:-1]], stops, strict=True))
-    assert _cost(padded, stops, PASS_COST_TOKENS) <= _cost(padded, _greedy_stops(padded, 2048), PASS_COST_TOKENS)
+    ranges = cut_sorted(np.array(padded), 2048)
+    assert [a for a, _ in ranges] == [0, *(b for _, b in ranges[:-1])] and ranges[-1][1] == len(padded)
+    assert all(a < b and (b - a) * padded[b - 1] <= 2048 for a, b in ranges)
+    assert _cost(padded, ranges, PASS_COST_TOKENS) <= _cost(padded, _greedy(padded, 2048), PASS_COST_TOKENS)
 
 
 def test_a_batchs_chunks_run_in_any_order_give_infers_answers(model: EmotionModel) -> None:
