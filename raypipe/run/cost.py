@@ -52,6 +52,7 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("AutoscalingRequester", "ray data"),
     ("_AutoscalingCoordinatorActor", "ray data"),
     ("ActorLocationTracker", "ray data"),
+    ("_UsageCollectionActor", "ray data"),
     ("gcs_server", "ray gcs"),
     ("raylet", "ray raylet"),
     ("dashboard", "ray dashboard and agents"),

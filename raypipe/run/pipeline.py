@@ -29,6 +29,7 @@ from raypipe.config import ActorPoolConfig, default_max_actors
 from raypipe.errors import InputError, ShardChangedError
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 from raypipe.report import UnitStats
+from raypipe.run.driver import no_ray_data_usage_actor
 from raypipe.run.read import marker_block, read_unit, unit_block_schema
 
 __all__ = ["UnitDatasource", "UnitResult", "run_units"]
@@ -115,6 +116,7 @@ def run_units(
     max_actors = actors.max_actors or max(
         actors.min_actors, default_max_actors(ray.cluster_resources().get("CPU", 0.0))
     )
+    no_ray_data_usage_actor()
     ctx = DataContext.get_current()
     # Unit blocks must reach the actors whole: never split them into smaller blocks.
     ctx.target_max_block_size = max(ctx.target_max_block_size or 0, 512 * 1024 * 1024)

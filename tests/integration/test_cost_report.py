@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import ray
+
 import raypipe
 from raypipe.samples import write_sample_corpus
 from serve_app.model import read_model_card
 
 
 def test_a_default_run_is_answered_by_the_equal_answer_setting_and_reports_its_cost(
-    tmp_path, serve_address, demo_model_dir
+    tmp_path, serve_address, demo_model_dir, monkeypatch
 ):
+    # Ray's usage stats on, as in a user's shell (the tests turn them off): the run still starts
+    # no usage collection actor of Ray Data's (`raypipe.run.driver.no_ray_data_usage_actor`).
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
+    monkeypatch.delenv("RAY_DATA_USAGE_DISABLED", raising=False)
     corpus = write_sample_corpus(str(tmp_path / "in"), rows=600, parquet_shards=2, jsonl_shards=0, bad_fraction=0.0)
     report = raypipe.backfill(corpus.uri, str(tmp_path / "out"), service=serve_address, run_id="cost")
     assert report.status == "completed"
@@ -36,3 +43,5 @@ def test_a_default_run_is_answered_by_the_equal_answer_setting_and_reports_its_c
     assert "CPU-s per 1,000 paragraphs" in report.render()
     saved = json.loads((tmp_path / "out" / "runs" / "cost.json").read_text())
     assert saved["cost"]["cpu_s"] == cost["cpu_s"] and saved["answered_by"] == report.answered_by
+    with pytest.raises(ValueError):
+        ray.get_actor("DataUsageCollectionActor", namespace="DataUsageCollectionActor")
