@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from bench.tcp_proxy import free_port
-from raypipe.run.driver import LOCAL_CLUSTER_FLAGS
+from raypipe.run.driver import LOCAL_CLUSTER_FLAGS, with_fast_start
 
 __all__ = [
     "Cluster",
@@ -212,12 +212,12 @@ def measured_backfill(
 class Cluster:
     """``ray start --head --num-cpus N`` on private ports, stopped (``--force``) on exit: the
     cluster `raypipe serve --detach` starts where there is none (`LOCAL_CLUSTER_FLAGS`: no
-    dashboard or log monitor), unless `lean` is False (Ray's defaults)."""
+    dashboard or log monitor; `FAST_START_ENV`), unless `lean` is False (Ray's defaults)."""
 
     def __init__(self, *, num_cpus: int = 2, env: dict[str, str] | None = None, logs: Path, lean: bool = True) -> None:
         self.num_cpus = num_cpus
         self.lean = lean
-        self.env = bench_env(env)
+        self.env = with_fast_start(bench_env(env)) if lean else bench_env(env)
         self.logs = logs
         self.marker = TEMP_DIR
 
@@ -354,7 +354,9 @@ class LocalNodes:
         # Several nodes behind one loopback address: Ray refuses a multi-node cluster on a host it
         # thinks is a laptop unless told, and every node binds 127.0.0.1 explicitly. A single
         # node keeps the caller's setting.
-        self.env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"} if multi_node else dict(env)
+        # Ray's connect retries as on the clusters raypipe starts (`raypipe.run.driver.FAST_START_ENV`).
+        env = with_fast_start(env)
+        self.env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"} if multi_node else env
         self.head_cpus = head_cpus
         self.object_store_mb = object_store_mb
         self.start_args = start_args

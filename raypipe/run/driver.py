@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from raypipe.errors import RunStopped
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from raypipe.report import RunReport
 
 __all__ = [
+    "FAST_START_ENV",
     "LOCAL_CLUSTER_FLAGS",
     "ensure_ray",
     "no_ray_data_usage_actor",
@@ -30,9 +31,28 @@ __all__ = [
     "start_local_cluster",
     "start_local_ray",
     "start_ray_data_helpers",
+    "with_fast_start",
 ]
 
 logger = logging.getLogger("raypipe")
+
+
+#: Ray's settings, as environment variables, for the clusters raypipe starts on the local machine
+#: (`start_local_ray`, `start_local_cluster`); the environment's own values win. A raylet connects
+#: to its object store, which it has just started on a thread of its own; when the store's socket
+#: is not there yet, it tries again after `raylet_client_connect_timeout_milliseconds` (Ray's
+#: default: 1,000 ms, 10 attempts). Half of the local starts measured lost exactly that second:
+#: `ray.init` of a new local cluster took 2.5-2.7 s or 3.6-3.7 s, and 2.5-2.7 s with these. 100
+#: attempts 100 ms apart give up after as long as Ray's default does.
+FAST_START_ENV = {
+    "RAY_raylet_client_connect_timeout_milliseconds": "100",
+    "RAY_raylet_client_num_connect_attempts": "100",
+}
+
+
+def with_fast_start(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with `FAST_START_ENV` where it does not set those variables itself."""
+    return {**FAST_START_ENV, **environ}
 
 
 def start_local_ray(**init_kwargs: Any) -> None:
@@ -47,6 +67,9 @@ def start_local_ray(**init_kwargs: Any) -> None:
     auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     auth_logger.addFilter(_drop_token_auth_enabled)
     on_sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    # A cluster `ray.init` starts takes its settings from this process's environment.
+    for key, value in FAST_START_ENV.items():
+        os.environ.setdefault(key, value)
     try:
         ray.init(**{"logging_level": logging.WARNING, "log_to_driver": False, **init_kwargs})
     finally:
@@ -96,7 +119,7 @@ def start_local_cluster(*, timeout_s: float = 120.0) -> None:
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     cmd = [*ray_cli, "start", "--head", "--disable-usage-stats", *LOCAL_CLUSTER_FLAGS]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=with_fast_start(os.environ))
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"`ray start --head` did not finish within {timeout_s:g} s") from e
     if done.returncode != 0:

@@ -1,10 +1,11 @@
 """The driver around a run (`raypipe.run.driver`): SIGTERM stops a run as Ctrl-C would, once,
 and the handler before it is back afterwards; the autoscaler monitor of an in-process cluster is
-stopped. No Ray cluster."""
+stopped; the Ray settings raypipe's local clusters and runs start with. No Ray cluster."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -84,3 +85,47 @@ def test_the_autoscaler_monitor_of_a_cluster_started_here_is_stopped_and_a_joine
         for p in (monitor, other):
             p.kill()
             p.wait()
+
+
+def test_local_clusters_start_with_fast_connect_retries_unless_the_environment_sets_them(monkeypatch):
+    """`ray start` (`raypipe serve` with no cluster) and `ray.init` of a new local cluster get
+    `FAST_START_ENV`; a value the user's environment sets stays."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import ray
+
+    from raypipe.run import driver
+
+    key, other = sorted(driver.FAST_START_ENV)
+    monkeypatch.setenv(key, "250")
+    monkeypatch.setenv(other, "")  # so that teardown restores it as it was, set or not
+    monkeypatch.delenv(other)
+    seen: list[dict[str, str]] = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(kwargs["env"])
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    driver.start_local_cluster()
+    assert seen[0][key] == "250" and seen[0][other] == driver.FAST_START_ENV[other]
+
+    environ_at_init: list[dict[str, str]] = []
+    monkeypatch.setattr(ray, "init", lambda **kw: environ_at_init.append(dict(os.environ)))
+    monkeypatch.setattr(driver, "_stop_autoscaler_monitor", lambda: None)
+    monkeypatch.setattr(driver, "quiet_ray_loggers", lambda: None)
+    driver.start_local_ray(address="local")
+    assert environ_at_init[0][key] == "250" and environ_at_init[0][other] == driver.FAST_START_ENV[other]
+
+
+def test_runs_record_no_ray_data_usage_unless_the_environment_says(monkeypatch):
+    from raypipe.run.driver import no_ray_data_usage_actor
+
+    monkeypatch.setenv("RAY_DATA_USAGE_DISABLED", "")  # so that teardown restores it as it was
+    monkeypatch.delenv("RAY_DATA_USAGE_DISABLED")
+    no_ray_data_usage_actor()
+    assert os.environ["RAY_DATA_USAGE_DISABLED"] == "1"
+    monkeypatch.setenv("RAY_DATA_USAGE_DISABLED", "0")
+    no_ray_data_usage_actor()
+    assert os.environ["RAY_DATA_USAGE_DISABLED"] == "0"
