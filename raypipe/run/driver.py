@@ -184,8 +184,8 @@ def no_ray_data_usage_actor() -> None:
     Prometheus server on localhost every 10 s for the cluster's spills and worker kills. The
     actor's worker process cost a 3,000-paragraph first run 0.8 CPU-seconds to start (1.38 CPU-s
     per 1,000 paragraphs against 1.12 without it) and then about 5 ms of CPU a second for as long
-    as the cluster lives, on the cores the model shares. Ray's own usage stats (``ray start --disable-usage-stats``,
-    ``RAY_USAGE_STATS_ENABLED``) stay the cluster's choice."""
+    as the cluster lives, on the cores the model shares. Ray's own usage stats
+    (``ray start --disable-usage-stats``, ``RAY_USAGE_STATS_ENABLED``) stay the cluster's choice."""
     os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
 
 
