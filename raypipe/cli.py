@@ -376,6 +376,7 @@ def _serve(args: argparse.Namespace) -> int:
         POOL_RESOURCE,
         AppNotRunningError,
         Autoscaling,
+        ControllerUnreachableError,
         DeploymentOptions,
         deploy,
         pool_nodes,
@@ -461,6 +462,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except AppNotRunningError as e:
         print(f"raypipe: {e} (it stays deployed; `serve status` follows it, --wait-s waits longer)", file=sys.stderr)
+        return EXIT_FAILED
+    except ControllerUnreachableError as e:
+        print(f"raypipe: {e}", file=sys.stderr)
         return EXIT_FAILED
     warm.join(timeout=WARM_WAIT_S)
     shape = (

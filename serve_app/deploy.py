@@ -36,9 +36,11 @@ __all__ = [
     "SERVICER_FUNCTION",
     "AppNotRunningError",
     "Autoscaling",
+    "ControllerUnreachableError",
     "DeploymentOptions",
     "NodeRoom",
     "build_app",
+    "check_controller_answers",
     "cluster_room",
     "deploy",
     "describe_not_running",
@@ -214,6 +216,7 @@ def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None, controller
     Ray has already started, seconds sooner.
     """
     env = {k: os.environ.get(k, v) for k, v in CONTROLLER_ENV.items()}
+    check_controller_answers()
     serve.start(
         http_options=None if http_port is None else {"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
@@ -230,6 +233,63 @@ def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None, controller
             f"Serve is already running with gRPC port {running.port} and servicers "
             f"{running.grpc_servicer_functions}; restart Serve to use port {grpc_port}"
         )
+
+
+class ControllerUnreachableError(TimeoutError):
+    """Serve's controller exists but did not answer by the deadline (the message says where it is)."""
+
+
+def check_controller_answers(
+    *, timeout_s: float = CONTROLLER_TIMEOUT_S, describe: Callable[[Any], str] | None = None
+) -> None:
+    """Raises `ControllerUnreachableError` where Serve's controller exists but does not answer
+    within `timeout_s`; does nothing where Serve is not running yet.
+
+    Serve keeps its controller on the head node and restarts it without end: where that node's
+    raylet died (and the GCS lives on), the controller stays restarting, and `serve.start`, which
+    asks it for its HTTP options without a deadline, would wait forever. This asks the same
+    question with one. `describe` (tests pass a fake) says where the controller is.
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return  # no Serve yet: serve.start starts its controller
+    try:
+        ray.get(controller.get_http_config.remote(), timeout=timeout_s)
+    except GetTimeoutError:
+        try:
+            where = (describe or describe_controller)(controller)
+        except Exception as e:  # the message must not fail where the controller did
+            where = f"where it is could not be read ({e})"
+        raise ControllerUnreachableError(
+            f"Serve's controller did not answer within {timeout_s:g} s: {where}. Serve keeps its controller "
+            "on the head node, so no application can be deployed until Ray runs there again "
+            "(restart Ray on the head node, or the cluster)"
+        ) from None
+
+
+def describe_controller(controller: Any) -> str:
+    """The controller actor's state, whether a head node is alive, and the dead nodes (from the
+    GCS: no dashboard needed)."""
+    import ray
+    from ray._common.constants import HEAD_NODE_RESOURCE_NAME
+
+    actor_id = controller._actor_id.hex()
+    state = (ray._private.state.actors(actor_id=actor_id) or {}).get("State", "UNKNOWN")
+    nodes = ray.nodes()
+    heads = [n for n in nodes if n.get("Alive") and HEAD_NODE_RESOURCE_NAME in (n.get("Resources") or {})]
+    dead = [n for n in nodes if not n.get("Alive")]
+    head = (
+        f"the head node {heads[0].get('NodeManagerAddress', '?')} ({str(heads[0]['NodeID'])[:8]}) is alive"
+        if heads
+        else "no alive node is the head node"
+    )
+    lost = ", ".join(f"{n.get('NodeManagerAddress', '?')} ({str(n['NodeID'])[:8]})" for n in dead[:3])
+    return f"actor {actor_id[:8]} {state}; {head}" + (f"; {len(dead)} node(s) dead: {lost}" if dead else "")
 
 
 #: `raypipe serve`'s default deadline for the app to be RUNNING: a replica of a bert-base model

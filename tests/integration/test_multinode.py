@@ -37,14 +37,17 @@ from tests.integration.helpers import assert_nothing_lost, dead_letters
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = {POOL_RESOURCE: POOL_RESOURCE_PER_NODE}
-# A killed node is declared dead after 3 missed health checks 1 s apart (Ray's defaults: 5, 3 s
-# apart). What the tests prove (nothing lost, the run goes on) does not depend on how soon Ray
-# notices; only how long they wait for it does.
+# A killed node is declared dead after 8 missed health checks 1 s apart, each given 1 s (Ray's
+# defaults: 5, 3 s apart, 10 s each): about 16 s. What the tests prove (nothing lost, the run
+# goes on) does not depend on how soon Ray notices; only how long they wait for it does. Fewer
+# checks were too few: with the other test lanes on the same 2 cores, a raylet's main thread once
+# took 1.5-4.7 s to start each of four worker processes, missed 3 checks and was declared dead
+# alive (it then exits), and with it the head node Serve's controller lives on.
 FAST_DETECTION = {
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "1000",
     "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_failure_threshold": "8",
 }
 # Replicas and the proxy report their load to Serve's autoscaler every second (default 10 s), as
 # often as the autoscaled app's 5 s look-back needs: it scales on a short backfill.

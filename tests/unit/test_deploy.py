@@ -159,3 +159,39 @@ def test_a_failed_deploy_raises_at_once_and_a_vanished_app_is_named():
     assert not isinstance(e.value, AppNotRunningError) and clock.sleeps == []
     with pytest.raises(AppNotRunningError, match="Serve does not know it"):
         wait_until_running("raypipe", wait_s=1, details=lambda: {}, nodes=lambda: POOL, clock=clock, sleep=clock.sleep)
+
+
+def test_a_controller_that_does_not_answer_is_named_by_the_deadline_not_waited_for(monkeypatch):
+    """`serve.start` asks an existing controller without a deadline: where its node died, it would
+    wait forever. The check asks first, with one, and names where the controller is."""
+    from types import SimpleNamespace
+
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from serve_app.deploy import ControllerUnreachableError, check_controller_answers
+
+    asked: list[float | None] = []
+
+    controller = SimpleNamespace(get_http_config=SimpleNamespace(remote=lambda: "ref"))
+
+    def no_controller(name: str, namespace: str) -> None:
+        raise ValueError(f"Failed to look up actor {name}")
+
+    monkeypatch.setattr(ray, "get_actor", no_controller)
+    check_controller_answers(timeout_s=5)  # no Serve yet: serve.start starts one
+
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace: controller)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: asked.append(timeout) or {"port": 8000})
+    check_controller_answers(timeout_s=5)  # it answers
+    assert asked == [5]
+
+    def silent(ref: str, timeout: float | None = None) -> None:
+        raise GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "get", silent)
+    where = "actor 1a2b3c4d RESTARTING, last on node 127.0.0.1 (ab12cd34), dead"
+    with pytest.raises(ControllerUnreachableError) as raised:
+        check_controller_answers(timeout_s=5, describe=lambda controller: where)
+    message = str(raised.value)
+    assert "did not answer within 5 s" in message and where in message and "head node" in message
