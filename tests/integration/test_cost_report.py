@@ -23,7 +23,8 @@ def test_a_default_run_is_answered_by_the_equal_answer_setting_and_reports_its_c
     # Ray's usage stats on, as in a user's shell (the tests turn them off): the run still starts
     # no usage collection actor of Ray Data's (`raypipe.run.driver.no_ray_data_usage_actor`).
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
-    monkeypatch.delenv("RAY_DATA_USAGE_DISABLED", raising=False)
+    monkeypatch.setenv("RAY_DATA_USAGE_DISABLED", "")  # so that teardown restores it as it was
+    monkeypatch.delenv("RAY_DATA_USAGE_DISABLED")
     corpus = write_sample_corpus(str(tmp_path / "in"), rows=600, parquet_shards=2, jsonl_shards=0, bad_fraction=0.0)
     report = raypipe.backfill(corpus.uri, str(tmp_path / "out"), service=serve_address, run_id="cost")
     assert report.status == "completed"

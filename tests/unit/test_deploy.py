@@ -190,7 +190,7 @@ def test_a_controller_that_does_not_answer_is_named_by_the_deadline_not_waited_f
         raise GetTimeoutError("timed out")
 
     monkeypatch.setattr(ray, "get", silent)
-    where = "actor 1a2b3c4d RESTARTING, last on node 127.0.0.1 (ab12cd34), dead"
+    where = "actor 1a2b3c4d RESTARTING; no alive node is the head node; 1 node(s) dead: 127.0.0.1 (ab12cd34)"
     with pytest.raises(ControllerUnreachableError) as raised:
         check_controller_answers(timeout_s=5, describe=lambda controller: where)
     message = str(raised.value)
