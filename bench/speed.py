@@ -127,6 +127,7 @@ def _e2e_entry(line: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
         "answered_by": report.get("answered_by"),
         "model_version": report.get("model_version"),
         "cost": report.get("cost"),
+        "startup": report.get("startup"),
         "limiter": report.get("limiter"),
         "peak_rss_bytes": line.get("peak_rss_bytes"),
         "peak_rss_started_bytes": line.get("peak_rss_started_bytes"),
@@ -230,6 +231,7 @@ def speed_tables(speed: dict[str, Any]) -> list[str]:
             f"| {prof.get('outside_replica_over_replica', '–')} | {prof.get('cores_busy', '–')} "
             f"| {m['e2e'].get('retries', '–')} | {'–' if rss is None else f'{rss / 2**30:.2f}'} |"
         )
+    lines += _startup_table(speed)
     for label, m in speed.get("models", {}).items():
         prof = m.get("profile") or {}
         per = prof.get("ms_per_para") or {}
@@ -245,6 +247,36 @@ def speed_tables(speed: dict[str, Any]) -> list[str]:
             *(f"| {k} | {v:.3f} |" for k, v in per.items()),
         ]
     return lines
+
+
+def _startup_table(speed: dict[str, Any]) -> list[str]:
+    """Where each end-to-end command's wall went before the model worked: outside the run's own
+    clock (the CLI's start and exit), then the report's start-up figures (`RunReport.startup`)."""
+    rows = []
+    for label, m in speed.get("models", {}).items():
+        for key in ("e2e", "short"):
+            line = m.get(key)
+            startup = (line or {}).get("startup")
+            if not startup or startup.get("first_call_s") is None:
+                continue
+            outside = line["wall_s"] - line["report_wall_s"]
+            before = outside + startup["first_call_s"]
+            rows.append(
+                f"| {label} | {line['paragraphs']:,} | {line['wall_s']:.2f} | {outside:.2f} "
+                f"| {startup.get('ray_s', float('nan')):.2f} | {startup['first_call_s']:.2f} "
+                f"| {startup.get('first_unit_s', float('nan')):.2f} | {before / line['wall_s']:.3f} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "Start-up of each end-to-end command (seconds; the run's figures count from its own start):",
+        "",
+        "| model | paragraphs | command wall | outside the run's clock | Ray ready | first call | first unit done "
+        "| share of the wall before the first call |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
 
 
 def _pct(x: float | None) -> str:

@@ -25,6 +25,7 @@ __all__ = [
     "RunReport",
     "UnitStats",
     "render_cost",
+    "render_startup",
 ]
 
 #: Relative error of every latency quantile the report states: the sketch answers a value
@@ -143,6 +144,8 @@ class UnitStats:
     """Rows the service answered, by the runtime x precision that computed them ("openvino:fp32")."""
     model_cpu_s: float = 0.0
     """Core-seconds the replicas' forward passes spent on this unit's calls (their own report)."""
+    first_call_at: float | None = None
+    """Unix time the unit's first call went out (None: no call, every row answered without one)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -294,6 +297,12 @@ class AttemptStats(CallTally):
         return cls(**d)
 
 
+def render_startup(startup: dict[str, float]) -> str:
+    """The report's start-up line: seconds from the attempt's start to each step reached."""
+    steps = (("ray_s", "Ray ready"), ("first_call_s", "first call"), ("first_unit_s", "first unit done"))
+    return " | ".join(f"{label} {startup[key]:,.1f} s" for key, label in steps if startup.get(key) is not None)
+
+
 def render_cost(cost: dict[str, Any]) -> str:
     """The report's cost line from `raypipe.run.cost.Cost.to_dict`."""
     return (
@@ -357,6 +366,10 @@ class RunReport:
     answered_by: dict[str, int] = field(default_factory=dict)
     """Rows the service answered, by runtime x precision ("openvino:bf16"), over every attempt: on a
     pool of mixed CPUs each replica serves its own CPU's fastest gated setting."""
+    startup: dict[str, float] | None = None
+    """Seconds from this attempt's start until Ray was ready (`ray_s`: joined or started), the
+    first call went out (`first_call_s`: the inference actors started, their first unit read) and
+    the first unit was done (`first_unit_s`): what a short run spends before the model works."""
     cost: dict[str, Any] | None = None
     """What this attempt cost (`raypipe.run.cost.Cost.to_dict`): CPU-seconds of every process of the
     cluster per 1,000 paragraphs, the model's share, the price per million paragraphs."""
@@ -457,6 +470,8 @@ class RunReport:
                 + " | ".join(f"{k} {v:,} rows" for k, v in sorted(self.answered_by.items(), key=lambda kv: -kv[1]))
                 + f" | without a call {self.rows_copied:,}"
             )
+        if self.startup:
+            lines.append("  start-up      " + render_startup(self.startup))
         if self.cost:
             lines.append("  cost          " + render_cost(self.cost))
         if self.dead_letter_kinds:

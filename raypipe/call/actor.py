@@ -570,6 +570,8 @@ class InferenceActor:
         if not breaker.admits(permit):
             raise _StalePermit()
         started = time.monotonic()
+        if stats.first_call_at is None:
+            stats.first_call_at = time.time()
         try:
             result = await client.classify(ids, texts)
         except ModelServiceError as e:

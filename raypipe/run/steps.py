@@ -36,7 +36,7 @@ from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConf
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
 from raypipe.plan.planning import Plan, resume, with_whole_file_maxima
 from raypipe.plan.units import WorkUnit
-from raypipe.report import AttemptStats, RunReport
+from raypipe.report import AttemptStats, RunReport, UnitStats
 from raypipe.run.cost import CpuMeter
 from raypipe.run.driver import ensure_ray
 from raypipe.run.pipeline import run_units
@@ -145,6 +145,29 @@ class Executed:
     bad_shards: list[dict[str, Any]]
 
 
+@dataclass
+class Startup:
+    """The report's start-up figures (`RunReport.startup`), in seconds from the attempt's start."""
+
+    report: RunReport
+    started: float
+    """Unix time of the attempt's start (the report's `started_at`)."""
+
+    @classmethod
+    def begin(cls, report: RunReport) -> Startup:
+        started = datetime.fromisoformat(report.started_at).timestamp() if report.started_at else time.time()
+        report.startup = {"ray_s": round(time.time() - started, 3)}
+        return cls(report, started)
+
+    def unit_done(self, stats: UnitStats) -> None:
+        figures = self.report.startup if self.report.startup is not None else {}
+        figures.setdefault("first_unit_s", round(time.time() - self.started, 3))
+        if stats.first_call_at is not None:  # actors' clocks: the same host's, or NTP's across nodes
+            first = round(max(0.0, stats.first_call_at - self.started), 3)
+            figures["first_call_s"] = min(figures.get("first_call_s", first), first)
+        self.report.startup = figures
+
+
 class ExecuteRun:
     """Streams the units still to do through the actor pool; the actors commit each unit
     (results and dead letters in one fenced commit). Keeps this attempt's call statistics
@@ -164,6 +187,8 @@ class ExecuteRun:
         committed: set[str] = set()
         if not todo:
             return Executed(committed, bad)
+        ensure_ray()  # joined or started here: the start-up line counts from the attempt's start
+        startup = Startup.begin(report)
         actor_settings = ActorSettings(
             committer=self.protocol.unit_committer(),
             text_index=self._text_index(model, report),
@@ -175,7 +200,6 @@ class ExecuteRun:
             replay=plan.mode == "replay",
             metrics=self.metrics.spec,
         )
-        ensure_ray()
         self.meter = meter = CpuMeter.start()
         progress = Progress(
             len(todo),
@@ -195,6 +219,7 @@ class ExecuteRun:
             ):
                 if outcome.stats is not None:
                     self.attempt.add(outcome.stats)
+                    startup.unit_done(outcome.stats)
                 if outcome.fatal is not None:
                     raise _fatal_error(outcome.fatal)
                 if self.protocol.lease_lost:

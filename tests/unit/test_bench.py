@@ -315,3 +315,23 @@ def test_the_speed_table_has_a_line_per_model_and_where_its_cpu_went() -> None:
     assert "| 0.176 | 0.143 | 2.0 | 0 | 3.00 |" in text
     assert "| bert-base | openvino:fp32 | 5.0 | 4.7 | **0.94** | 0.95 | – |" in text
     assert "CPU per paragraph, minilm-l6" in text and "| replica outside the model | 1.000 |" in text
+    assert "Start-up of each" not in text  # no line reported its start-up figures
+
+
+def test_the_speed_section_shows_where_each_commands_wall_went_before_the_first_call() -> None:
+    from bench.speed import speed_tables
+
+    line = {"paragraphs": 6000, "para_per_s": 300.0, "wall_s": 20.0, "report_wall_s": 19.0}
+    model = {
+        "paragraphs": 6000,
+        "inproc": {"setting": "openvino:bf16", "para_per_s": 350.0},
+        "e2e": {**line, "startup": {"ray_s": 0.2, "first_call_s": 1.4, "first_unit_s": 5.0}},
+        "short": {**line, "startup": {"ray_s": 0.25}},  # no call went out: no line
+        "ratio": 0.86,
+        "run_ratio": 0.9,
+        "agreement": {},
+        "profile": {},
+    }
+    text = "\n".join(speed_tables({"models": {"minilm-l6": model}}))
+    assert "| minilm-l6 | 6,000 | 20.00 | 1.00 | 0.20 | 1.40 | 5.00 | 0.120 |" in text
+    assert text.count("| minilm-l6 | 6,000 |") == 1

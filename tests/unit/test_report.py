@@ -205,7 +205,11 @@ def test_an_attempt_counts_its_calls_as_a_call_tally_over_the_same_units_does():
 def test_unit_stats_round_trip():
     u = unit("u", "a", "x", 1, rows=3, ok=3)
     u.latency.add(0.01)
+    u.first_call_at = 1_790_000_000.25
     assert UnitStats.from_dict(u.to_dict()) == u
+    earlier = u.to_dict()
+    del earlier["first_call_at"]  # a marker an earlier release wrote
+    assert UnitStats.from_dict(earlier).first_call_at is None
 
 
 @pytest.mark.parametrize("status", ["completed", "incomplete", "failed"])

@@ -11,7 +11,7 @@ import pytest
 from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
-from raypipe.report import AttemptStats, RunReport
+from raypipe.report import AttemptStats, RunReport, UnitStats
 from raypipe.run import steps
 from raypipe.run.steps import (
     CommitRun,
@@ -179,6 +179,32 @@ def test_nothing_to_do_executes_nothing_and_keeps_the_plans_bad_shards():
     done = execute.execute(_plan(bad=bad), [], model, report=RunReport("r1", "backfill"))
     assert done == Executed(set(), bad) and execute.meter is None
     assert execute.attempt.attempt == "a1"
+
+
+def test_the_start_up_figures_count_from_the_attempts_start_and_keep_the_earliest_first_call(monkeypatch):
+    started = datetime(2026, 1, 1, tzinfo=UTC)
+    now = [started.timestamp() + 1.25]
+    monkeypatch.setattr(steps.time, "time", lambda: now[0])
+    report = RunReport("r1", "backfill", started_at=started.isoformat())
+    startup = steps.Startup.begin(report)
+    assert report.startup == {"ray_s": 1.25}
+
+    def unit(first_call_after: float | None) -> UnitStats:
+        at = None if first_call_after is None else started.timestamp() + first_call_after
+        return UnitStats("u", "/in/a", "a1", "actor", first_call_at=at)
+
+    now[0] = started.timestamp() + 6.0
+    startup.unit_done(unit(2.5))
+    now[0] = started.timestamp() + 7.0
+    startup.unit_done(unit(2.25))  # another actor's unit went out earlier, and ended later
+    startup.unit_done(unit(None))  # every row answered without a call
+    assert report.startup == {"ray_s": 1.25, "first_unit_s": 6.0, "first_call_s": 2.25}
+    assert "start-up      Ray ready 1.2 s | first call 2.2 s | first unit done 6.0 s" in report.render()
+
+
+def test_a_report_without_start_up_figures_has_no_start_up_line():
+    assert "start-up" not in RunReport("r1", "backfill").render()  # nothing was run (all committed)
+    assert RunReport.from_dict({"run_id": "r", "mode": "daily"}).startup is None  # an earlier release's
 
 
 def test_an_actors_fatal_error_comes_back_typed():
