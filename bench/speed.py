@@ -273,7 +273,7 @@ def _startup_table(speed: dict[str, Any]) -> list[str]:
         "Start-up of each end-to-end command (seconds; the run's figures count from its own start):",
         "",
         "| model | paragraphs | command wall | outside the run's clock | Ray ready | first call | first unit done "
-        "| share of the wall before the first call |",
+        "| share of the wall outside the run or before its first call |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
