@@ -45,10 +45,10 @@ def test_each_cpu_and_model_takes_its_newest_run_and_names_the_file(tmp_path):
     assert (avx2["big"].line["ratio"], avx2["big"].file) == (0.60, "bench/results/bench-20260101T000000Z.md")
 
     readme = "\n".join(docs.readme_block(lines))
-    assert "0.90 for small" in readme and "bench-20260103T000000Z.md" in readme
-    assert "0.80" not in readme  # the README speaks of the newest run's CPU only
+    assert "0.900 for small" in readme and "bench-20260103T000000Z.md" in readme
+    assert "0.800" not in readme  # the README speaks of the newest run's CPU only
     table = "\n".join(docs.docs_block(lines))
-    assert "| small | openvino:fp32 | 100.0 | 80.0 | **0.80** |" in table
+    assert "| small | openvino:fp32 | 100.0 | 80.0 | **0.800** |" in table
     assert "`bench/results/bench-20260101T000000Z.md` (2026010) |" in table
     assert "99.50%" in table
 
@@ -65,7 +65,7 @@ def test_main_rewrites_only_between_the_markers_and_check_reports_a_stale_file(t
     assert docs.main(["--root", str(tmp_path)]) == 0
     readme = (tmp_path / "README.md").read_text()
     assert readme.startswith("before\n") and readme.endswith(f"{docs.END}\nafter\n")
-    assert "0.99" not in readme and "0.70 for small" in readme
+    assert "0.99" not in readme and "0.700 for small" in readme
     assert docs.main(["--check", "--root", str(tmp_path)]) == 0
 
 
