@@ -149,23 +149,23 @@ class Executed:
 class Startup:
     """The report's start-up figures (`RunReport.startup`), in seconds from the attempt's start."""
 
-    report: RunReport
     started: float
     """Unix time of the attempt's start (the report's `started_at`)."""
+    figures: dict[str, float]
+    """The report's own `startup` dict, filled in as the run goes."""
 
     @classmethod
     def begin(cls, report: RunReport) -> Startup:
+        """Ray is ready now: the first figure, in a dict the report holds from here on."""
         started = datetime.fromisoformat(report.started_at).timestamp() if report.started_at else time.time()
         report.startup = {"ray_s": round(time.time() - started, 3)}
-        return cls(report, started)
+        return cls(started, report.startup)
 
     def unit_done(self, stats: UnitStats) -> None:
-        figures = self.report.startup if self.report.startup is not None else {}
-        figures.setdefault("first_unit_s", round(time.time() - self.started, 3))
+        self.figures.setdefault("first_unit_s", round(time.time() - self.started, 3))
         if stats.first_call_at is not None:  # actors' clocks: the same host's, or NTP's across nodes
             first = round(max(0.0, stats.first_call_at - self.started), 3)
-            figures["first_call_s"] = min(figures.get("first_call_s", first), first)
-        self.report.startup = figures
+            self.figures["first_call_s"] = min(self.figures.get("first_call_s", first), first)
 
 
 class ExecuteRun:
@@ -248,9 +248,8 @@ class ExecuteRun:
         maps it from there); None when reuse is off or the index would pass its cap."""
         if not self.settings.dedup.enabled:
             return None
-        # Ray first: the index is built by Ray tasks into the object store (shards by hash
-        # range), so the driver holds references, not 33 bytes per committed text.
-        ensure_ray()
+        # Built by Ray tasks into the object store (shards by hash range; `execute` has joined
+        # Ray), so the driver holds references, not 33 bytes per committed text.
         index, index_stats = build_index(
             self.protocol.output.uri, model.version, model.labels, max_rows=self.settings.dedup.max_index_rows
         )
