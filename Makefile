@@ -62,7 +62,7 @@ demo: $(STAMP)  ## the whole path on a local cluster: model, corpus, Serve gRPC 
 	$(PY) -m raypipe demo --workdir demo-output
 
 notebooks: $(STAMP)  ## install Jupyter (the notebooks extra), execute notebooks/ in place with their outputs
-	$(UV) pip install --quiet --python $(PY) -c constraints.txt -e '.[dev,notebooks]'
+	$(UV) pip install --quiet --python $(PY) -c constraints.txt --override notebooks/overrides.txt -e '.[dev,notebooks]'
 	$(PY) notebooks/execute.py
 
 lab: notebooks  ## open the notebooks in JupyterLab
