@@ -63,6 +63,7 @@ demo: $(STAMP)  ## the whole path on a local cluster: model, corpus, Serve gRPC 
 
 notebooks: $(STAMP)  ## install Jupyter (the notebooks extra), execute notebooks/ in place with their outputs
 	$(UV) pip install --quiet --python $(PY) -c constraints.txt --override notebooks/overrides.txt -e '.[dev,notebooks]'
+	$(UV) pip uninstall --quiet --python $(PY) rfc3987-syntax  # a venv that got it from an earlier install
 	$(PY) notebooks/execute.py
 
 lab: notebooks  ## open the notebooks in JupyterLab
