@@ -15,7 +15,9 @@ emotion model) on the CPU the bench runs on:
    serve --model DIR`` with no runtime or precision flag, ``raypipe backfill`` with defaults.
    Its report's cost (`raypipe.run.cost`) gives the CPU of every process of the cluster by group, the
    model's own CPU (the runtime's threads in the replica), and so the CPU outside the model and
-   the idle share of the cores.
+   the idle share of the cores. Before the runs, the served cluster is left idle for `IDLE_S`
+   seconds and the CPU of its own processes measured by group (`_background`): what every run pays
+   per second on top of its paragraphs, whatever it computes.
 4. **Agreement** of the default setting's answers with TensorFlow fp32, in process: in domain
    (generated emotion paragraphs of a seed nothing trained on) and out of domain (the shipped
    texts the gate never measures on, `serve_app.gate_texts.held_out`). Meaningful for the
@@ -27,6 +29,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,8 @@ QUICK_ROWS = {"bert-base": 400}
 QUICK_DEFAULT_ROWS = 2000
 #: A short run (a daily's size) of the MiniLM shapes, where start-up weighs more.
 SHORT_ROWS = 6000
+#: Seconds the served cluster is measured idle before the end-to-end runs.
+IDLE_S = 10.0
 
 
 def run_speed(bench: Any, models: dict[str, Path], corpus: Path) -> dict[str, Any]:
@@ -94,6 +100,7 @@ def _model(bench: Any, label: str, model_dir: Path, corpus: Path) -> dict[str, A
     runs = {"e2e": n, **({"short": short} if short else {})}
     with heavy_lock(bench.lock), Cluster(num_cpus=bench.args.cluster_cpus, logs=bench.logs) as cluster:
         address = cluster.serve(model_dir)
+        entry["background"] = _background(cluster, IDLE_S)
         for key, rows in runs.items():
             shards = bench.write_shards(corpus, rows, bench.work / f"input-speed-{rows}")
             name = f"speed-{model_dir.name}-{key}"
@@ -182,6 +189,39 @@ def _profile(cost: dict[str, Any], cores: int) -> dict[str, Any]:
     }
 
 
+def _background(cluster: Cluster, seconds: float) -> dict[str, Any]:
+    """The CPU the served cluster's own processes spend while no run is in it (ms a second, by
+    `raypipe.run.cost.group_of` group, and the share of the cluster's cores): two sweeps of the
+    session's processes `seconds` apart, as a run's report takes them."""
+    from raypipe.run.cost import group_of, sweep_node
+
+    session = cluster.session()
+    before = sweep_node(session=session)["processes"]
+    start = time.monotonic()
+    time.sleep(seconds)
+    after = sweep_node(session=session)["processes"]
+    wall = time.monotonic() - start
+    return background_figures(before, after, wall, cluster.num_cpus, group_of)
+
+
+def background_figures(
+    before: dict[str, Any], after: dict[str, Any], wall_s: float, cores: int, group_of: Any
+) -> dict[str, Any]:
+    """`_background`'s figures from two sweeps (`sweep_node`'s "processes"); a process in only
+    one of them (started or ended between) is left out."""
+    groups: dict[str, float] = defaultdict(float)
+    for key, (cpu_s, _children, title) in after.items():
+        if key in before:
+            groups[group_of(title)] += max(0.0, cpu_s - before[key][0])
+    total = sum(groups.values())
+    return {
+        "seconds": round(wall_s, 2),
+        "ms_per_s": {g: round(1000 * v / wall_s, 2) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "total_ms_per_s": round(1000 * total / wall_s, 1),
+        "cores_share": round(total / wall_s / cores, 4),
+    }
+
+
 def _agreement(bench: Any, model_dir: Path) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -232,6 +272,7 @@ def speed_tables(speed: dict[str, Any]) -> list[str]:
             f"| {m['e2e'].get('retries', '–')} | {'–' if rss is None else f'{rss / 2**30:.2f}'} |"
         )
     lines += _startup_table(speed)
+    lines += _background_table(speed)
     for label, m in speed.get("models", {}).items():
         prof = m.get("profile") or {}
         per = prof.get("ms_per_para") or {}
@@ -277,6 +318,40 @@ def _startup_table(speed: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
+
+
+def _background_table(speed: dict[str, Any]) -> list[str]:
+    """What the served cluster's own processes cost with no run in it, per model's cluster, and
+    what that is per paragraph at the end-to-end run's rate and as a share of its CPU."""
+    groups: list[str] = []
+    rows = []
+    for label, m in speed.get("models", {}).items():
+        bg = m.get("background")
+        if not bg:
+            continue
+        rate = m["e2e"].get("run_para_per_s") or m["e2e"]["para_per_s"]
+        per_para = bg["total_ms_per_s"] / rate
+        total = (m.get("profile") or {}).get("total_ms_per_para")
+        share = f"{per_para / total:.3f}" if total else "–"
+        rows.append((label, bg, per_para, share))
+        groups += [g for g in bg["ms_per_s"] if g not in groups]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"The served cluster with no run in it ({rows[0][1]['seconds']:.0f} s before the runs): CPU of its own "
+        "processes in ms a second, the share of the cluster's cores, and that CPU per paragraph at the "
+        "end-to-end run's rate and as a share of the run's CPU per paragraph:",
+        "",
+        f"| model | in all | share of the cores | ms per paragraph | share of the run's CPU | {' | '.join(groups)} |",
+        "|---|" + "---:|" * (4 + len(groups)),
+    ]
+    for label, bg, per_para, share in rows:
+        cells = " | ".join(f"{bg['ms_per_s'].get(g, 0.0):.1f}" for g in groups)
+        lines.append(
+            f"| {label} | {bg['total_ms_per_s']:.1f} | {bg['cores_share']:.3f} | {per_para:.3f} | {share} | {cells} |"
+        )
+    return lines
 
 
 def _pct(x: float | None) -> str:

@@ -335,3 +335,40 @@ def test_the_speed_section_shows_where_each_commands_wall_went_before_the_first_
     text = "\n".join(speed_tables({"models": {"minilm-l6": model}}))
     assert "| minilm-l6 | 6,000 | 20.00 | 1.00 | 0.20 | 1.40 | 5.00 | 0.120 |" in text
     assert text.count("| minilm-l6 | 6,000 |") == 1
+
+
+def test_the_speed_section_shows_what_the_served_cluster_costs_with_no_run_in_it() -> None:
+    from bench.speed import background_figures, speed_tables
+    from raypipe.run.cost import group_of
+
+    before = {
+        "1:100": (10.0, 0.0, "ray::ServeController.listen_for_change"),
+        "2:100": (5.0, 0.0, "ray::ProxyActor"),
+        "3:100": (1.0, 0.0, "gcs_server"),
+        "4:100": (2.0, 0.0, "ray::_StatsActor"),  # ended between the sweeps: left out
+    }
+    after = {
+        "1:100": (10.1, 0.0, "ray::ServeController.listen_for_change"),
+        "2:100": (5.1, 0.0, "ray::ProxyActor"),
+        "3:100": (1.05, 0.0, "gcs_server"),
+        "5:101": (0.5, 0.0, "ray::ActorLocationTracker"),  # started between them: left out
+    }
+    bg = background_figures(before, after, 10.0, 2, group_of)
+    assert bg["ms_per_s"] == {"serve controller": 10.0, "serve proxy": 10.0, "ray gcs": 5.0}
+    assert bg["total_ms_per_s"] == 25.0 and bg["cores_share"] == 0.0125
+    model = {
+        "paragraphs": 6000,
+        "inproc": {"setting": "openvino:bf16", "para_per_s": 350.0},
+        "e2e": {"para_per_s": 300.0, "run_para_per_s": 312.5},
+        "ratio": 0.86,
+        "run_ratio": 0.89,
+        "agreement": {},
+        "profile": {"total_ms_per_para": 8.0},
+        "background": bg,
+    }
+    text = "\n".join(speed_tables({"models": {"minilm-l6": model, "bert-base": {**model, "background": None}}}))
+    head = "| model | in all | share of the cores | ms per paragraph | share of the run's CPU | serve controller |"
+    assert head in text
+    # 25 ms a second at 312.5 paragraphs a second: 0.080 ms a paragraph, 1% of 8 ms
+    assert "| minilm-l6 | 25.0 | 0.013 | 0.080 | 0.010 | 10.0 | 10.0 | 5.0 |" in text
+    assert "| bert-base | 25.0 |" not in text
