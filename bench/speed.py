@@ -30,7 +30,6 @@ import json
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -190,29 +189,22 @@ def _profile(cost: dict[str, Any], cores: int) -> dict[str, Any]:
 
 
 def _background(cluster: Cluster, seconds: float) -> dict[str, Any]:
-    """The CPU the served cluster's own processes spend while no run is in it (ms a second, by
-    `raypipe.run.cost.group_of` group, and the share of the cluster's cores): two sweeps of the
-    session's processes `seconds` apart, as a run's report takes them."""
-    from raypipe.run.cost import group_of, sweep_node
+    """The CPU the served cluster's own processes spend while no run is in it: a run's
+    `raypipe.run.cost.CpuMeter` over its session's processes (no driver), `seconds` apart."""
+    from raypipe.run.cost import CpuMeter, sweep_node
 
     session = cluster.session()
-    before = sweep_node(session=session)["processes"]
-    start = time.monotonic()
+    meter = CpuMeter.start(sweep=lambda: [sweep_node(session=session)], driver_cpu=lambda: 0.0)
+    if meter is None:
+        return {}
     time.sleep(seconds)
-    after = sweep_node(session=session)["processes"]
-    wall = time.monotonic() - start
-    return background_figures(before, after, wall, cluster.num_cpus, group_of)
+    cost = meter.finish(paragraphs=0, model_cpu_s=0.0, core_hour_usd=0.0)
+    return background_figures(cost.groups, cost.wall_s, cluster.num_cpus) if cost else {}
 
 
-def background_figures(
-    before: dict[str, Any], after: dict[str, Any], wall_s: float, cores: int, group_of: Any
-) -> dict[str, Any]:
-    """`_background`'s figures from two sweeps (`sweep_node`'s "processes"); a process in only
-    one of them (started or ended between) is left out."""
-    groups: dict[str, float] = defaultdict(float)
-    for key, (cpu_s, _children, title) in after.items():
-        if key in before:
-            groups[group_of(title)] += max(0.0, cpu_s - before[key][0])
+def background_figures(groups: dict[str, float], wall_s: float, cores: int) -> dict[str, Any]:
+    """`_background`'s figures from CPU seconds by group over `wall_s`: ms a second by group, in
+    all, and the share of the cluster's cores."""
     total = sum(groups.values())
     return {
         "seconds": round(wall_s, 2),
