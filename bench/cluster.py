@@ -226,10 +226,6 @@ class Cluster:
         """What every process of a bench cluster has in its command line."""
         return TEMP_DIR
 
-    def session(self) -> str:
-        """The name of the cluster's session directory (what its processes' command lines hold)."""
-        return (Path(TEMP_DIR) / "session_latest").resolve().name
-
     def _ray(self, *args: str, check: bool = True) -> None:
         ray = str(Path(sys.executable).with_name("ray"))
         with (self.logs / "ray-cli.log").open("a") as out:

@@ -190,11 +190,11 @@ def _profile(cost: dict[str, Any], cores: int) -> dict[str, Any]:
 
 def _background(cluster: Cluster, seconds: float) -> dict[str, Any]:
     """The CPU the served cluster's own processes spend while no run is in it: a run's
-    `raypipe.run.cost.CpuMeter` over its session's processes (no driver), `seconds` apart."""
+    `raypipe.run.cost.CpuMeter` over the processes whose command lines hold the cluster's
+    marker (its temp dir, as `ProcessSampler` finds them; no driver), `seconds` apart."""
     from raypipe.run.cost import CpuMeter, sweep_node
 
-    session = cluster.session()
-    meter = CpuMeter.start(sweep=lambda: [sweep_node(session=session)], driver_cpu=lambda: 0.0)
+    meter = CpuMeter.start(sweep=lambda: [sweep_node(session=cluster.marker)], driver_cpu=lambda: 0.0)
     if meter is None:
         return {}
     time.sleep(seconds)
