@@ -339,6 +339,7 @@ class EmotionClassifier:
         self._paragraphs: Counter[str] = Counter()
         self._model_counts: Counter[str] = Counter()
         self._timing_us: Counter[str] = Counter()
+        self._in_flight = 0  # calls arrived and not yet answered
         if self._fault.enabled:
             logger.warning("fault injection is ON for this replica: %s", self._fault)
         self._metrics = ServerMetrics.build(
@@ -350,6 +351,15 @@ class EmotionClassifier:
         )
 
     async def Classify(
+        self, request: emotion_pb2.ClassifyRequest, grpc_context: RayServegRPCContext
+    ) -> emotion_pb2.ClassifyResponse:
+        self._in_flight += 1
+        try:
+            return await self._classify(request, grpc_context)
+        finally:
+            self._in_flight -= 1
+
+    async def _classify(
         self, request: emotion_pb2.ClassifyRequest, grpc_context: RayServegRPCContext
     ) -> emotion_pb2.ClassifyResponse:
         arrived = time.monotonic()
@@ -475,8 +485,10 @@ class EmotionClassifier:
         """This replica's own counts of answered calls and paragraphs per status code, of its
         forward passes (`model`: batches, tokens, busy_ms), and the summed timing of answered
         calls in microseconds (`timing_us`: calls, tokenize, queue_s (tokenize included),
-        compute_s, replica_s; the `TIMING_KEYS` names)."""
+        compute_s, replica_s; the `TIMING_KEYS` names), and the calls it holds now
+        (`in_flight`: calls)."""
         return {
+            "in_flight": {"calls": self._in_flight},
             "calls": dict(self._calls),
             "paragraphs": dict(self._paragraphs),
             "model": dict(self._model_counts),

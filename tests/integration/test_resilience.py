@@ -143,19 +143,21 @@ def _replica_actor(app: str):
 
 
 @pytest.mark.timeout(300)
-def test_a_replica_killed_mid_run_loses_nothing(tmp_path, corpus, serve_address, deploy_app):
-    # Each call is held 0.3 s on the server, so calls are in flight whenever the kill lands
-    # (without it a kill between two calls can fail none, and the test would prove nothing).
-    app = deploy_app("killable", ServerSettings(fault=FaultInjection(extra_latency_s=0.3)))
+def test_a_replica_killed_mid_run_loses_nothing(tmp_path, serve_address, deploy_app):
+    # Each call is held 1 s on the server, and the kill lands once the replica has answered
+    # some calls and holds others: a kill between two units' calls fails none (Serve's router
+    # sends calls not yet on a replica to its successor), and the test would prove nothing.
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=500, parquet_shards=2, jsonl_shards=0, seed=29)
+    app = deploy_app("killable", ServerSettings(fault=FaultInjection(extra_latency_s=1.0)))
+    replica = _replica_actor(app)  # found before the run: the state API can take seconds
     out = tmp_path / "out"
 
-    def answering() -> bool:  # the run's calls reach the replica: the kill lands among them
-        return sum(serve.get_app_handle(app).stats.remote().result()["calls"].values()) >= 3
+    def holding() -> bool:
+        stats = serve.get_app_handle(app).stats.remote().result()
+        return sum(stats["calls"].values()) >= 3 and stats["in_flight"]["calls"] > 0
 
-    # Killed once the replica answers, not once a unit is committed: on busy cores the run
-    # could be over by the time a test process sees its first commit.
-    finish = backfill_in_background(corpus.uri, out, serve_address, settings(app), begun=answering)
-    ray.kill(_replica_actor(app), no_restart=False)
+    finish = backfill_in_background(corpus.uri, out, serve_address, settings(app), begun=holding)
+    ray.kill(replica, no_restart=False)
     report = finish()
     print(
         f"replica killed: {report.status_counts}, retries {report.retries}, "
