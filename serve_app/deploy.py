@@ -49,6 +49,7 @@ __all__ = [
     "pool_nodes",
     "size_replicas",
     "start_grpc_proxy",
+    "start_serve",
     "wait_until_running",
 ]
 
@@ -217,10 +218,12 @@ def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None, controller
     """
     env = {k: os.environ.get(k, v) for k, v in CONTROLLER_ENV.items()}
     check_controller_answers()
-    serve.start(
-        http_options=None if http_port is None else {"host": "127.0.0.1", "port": http_port},
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
-        controller_options={"runtime_env": {"env_vars": env}} if controller_env else {},
+    start_serve(
+        lambda: serve.start(
+            http_options=None if http_port is None else {"host": "127.0.0.1", "port": http_port},
+            grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
+            controller_options={"runtime_env": {"env_vars": env}} if controller_env else {},
+        )
     )
     import ray
     from ray.serve.context import _get_global_client
@@ -233,6 +236,53 @@ def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None, controller
             f"Serve is already running with gRPC port {running.port} and servicers "
             f"{running.grpc_servicer_functions}; restart Serve to use port {grpc_port}"
         )
+
+
+#: How long `start_serve` waits for a proxy the controller started again (its ready checks give
+#: a restarted proxy 10 s, then 15 s, and so on).
+PROXY_WAIT_S = 120.0
+
+
+def _proxy_statuses() -> dict[str, str]:
+    return {node: _name(status) for node, status in serve.status().proxies.items()}
+
+
+def start_serve(
+    start: Callable[[], object],
+    *,
+    proxies: Callable[[], Mapping[str, str]] = _proxy_statuses,
+    wait_s: float = PROXY_WAIT_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """`start()` (`serve.start`), and where its proxy died starting, connects again and waits
+    until every proxy is HEALTHY; `TimeoutError` after `wait_s` seconds.
+
+    Serve's controller gives a new proxy 5 s to say it is ready; on a busy node (its 2 cores
+    shared with the jobs' actors, a replica loading) a proxy can take longer, and the controller
+    kills it and starts another with a longer deadline. `serve.start` has already raised for the
+    first one by then, though Serve is up and its next proxy on the way: this waits for that one
+    instead of failing the deploy. Tests pass fakes for `start`, `proxies`, the clock and sleep.
+    """
+    from ray.exceptions import ActorDiedError
+
+    try:
+        start()
+        return
+    except ActorDiedError:  # the one actor `serve.start` waits on is the proxy
+        pass
+    start()  # Serve's controller runs now: this connects to it
+    began = clock()
+    while True:
+        statuses = dict(proxies())
+        if statuses and all(status == "HEALTHY" for status in statuses.values()):
+            return
+        if clock() - began >= wait_s:
+            raise TimeoutError(
+                f"Serve's proxy died while starting and the next one was not HEALTHY after {wait_s:g} s "
+                f"({statuses or 'no proxy'}); see the proxy's log under the session's logs/serve/"
+            )
+        sleep(0.5)
 
 
 class ControllerUnreachableError(TimeoutError):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+from ray.exceptions import ActorDiedError
 
 from serve_app.deploy import (
     POOL_RESOURCE,
@@ -195,3 +198,39 @@ def test_a_controller_that_does_not_answer_is_named_by_the_deadline_not_waited_f
         check_controller_answers(timeout_s=5, describe=lambda controller: where)
     message = str(raised.value)
     assert "did not answer within 5 s" in message and where in message and "head node" in message
+
+
+def starts(failures: int) -> tuple[list[int], Callable[[], None]]:
+    """A fake `serve.start` whose first `failures` calls raise as a proxy killed while starting."""
+    calls: list[int] = []
+
+    def start() -> None:
+        calls.append(1)
+        if len(calls) <= failures:
+            raise ActorDiedError()
+
+    return calls, start
+
+
+def test_a_proxy_killed_while_starting_is_waited_for_not_a_failed_deploy():
+    """On a busy node the controller kills a proxy slow to start and starts another: `serve.start`
+    raises for the first (ActorDiedError); the deploy connects again and waits for the next."""
+    from serve_app.deploy import start_serve
+
+    clock = Clock()
+    calls, start = starts(1)
+    statuses = iter([{"n1": "UNHEALTHY"}, {"n1": "STARTING"}, {"n1": "HEALTHY"}])
+    start_serve(start, proxies=lambda: next(statuses), clock=clock, sleep=clock.sleep)
+    assert len(calls) == 2 and clock.sleeps == [0.5, 0.5]
+
+    calls, start = starts(0)  # started at once: no status asked, no wait
+    start_serve(start, proxies=lambda: {}, clock=clock, sleep=clock.sleep)
+    assert len(calls) == 1 and clock.sleeps == [0.5, 0.5]
+
+    calls, start = starts(1)
+    with pytest.raises(TimeoutError, match=r"not HEALTHY after 2 s \({'n1': 'STARTING'}\)"):
+        start_serve(start, proxies=lambda: {"n1": "STARTING"}, wait_s=2, clock=clock, sleep=clock.sleep)
+
+    calls, start = starts(2)  # killed again: not hidden a second time
+    with pytest.raises(ActorDiedError):
+        start_serve(start, proxies=lambda: {}, clock=clock, sleep=clock.sleep)
