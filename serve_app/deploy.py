@@ -449,8 +449,9 @@ def wait_until_running(
             raise RuntimeError(f"Deploying application {app_name} failed: {app.get('message') if app else ''}")
         waited = clock() - start
         if waited >= wait_s:
+            # The message names the deadline (`--wait-s`); the last status call may have ended past it.
             raise AppNotRunningError(
-                describe_not_running(app_name, app, nodes(), waited_s=waited), app_name=app_name, waited_s=waited
+                describe_not_running(app_name, app, nodes(), waited_s=wait_s), app_name=app_name, waited_s=waited
             )
         sleep(min(poll_s, max(wait_s - waited, 0.0)))
 

@@ -232,26 +232,29 @@ def test_a_pool_node_lost_mid_run_loses_nothing(pool, corpus, s3):
     wait_for(lambda: _commits(s3, out) >= 2, 300, "the first committed units")
     killed_at = time.time()
     assert pool.service.kill_node("pool-b") > 0
-    assert run.wait(timeout=400) == 0, pool.log("mn-pool-loss")
-    assert_nothing_lost(out, corpus.ids)
-    report = report_of(out, "mn-pool-loss")
-    assert report["status"] == "completed"
-    assert dead_letters(out) is None, report
-    times = commit_times(out)
-    before = [b - a for a, b in itertools.pairwise(times) if b <= killed_at]
-    after = [t for t in times if t > killed_at]
-    gaps_after = [b - a for a, b in itertools.pairwise([killed_at, *after])]
-    print(
-        f"\npool node lost: {report['retries']} retries, calls {report['status_counts']}; "
-        f"longest pause between commits after the kill {max(gaps_after):.1f} s "
-        f"(median before {sorted(before)[len(before) // 2]:.1f} s); run ended {after[-1] - killed_at:.1f} s after it"
-    )
-    # The node went while the run had work left (units committed after it), and its replica
-    # with it. (Serve's router sends the dead replica's unstarted requests to the other one, so
-    # the client may see no error at all: the report's calls say which.)
-    assert len(after) >= 3, (killed_at, times)
-    wait_for(lambda: len(pool.replicas("fixed")) == 1, 120, "the lost node's replica to be declared dead")
-    pool.service.add_node("pool-b", num_cpus=2, resources=POOL)  # back for the tests after this one
+    try:
+        assert run.wait(timeout=400) == 0, pool.log("mn-pool-loss")
+        assert_nothing_lost(out, corpus.ids)
+        report = report_of(out, "mn-pool-loss")
+        assert report["status"] == "completed"
+        assert dead_letters(out) is None, report
+        times = commit_times(out)
+        before = [b - a for a, b in itertools.pairwise(times) if b <= killed_at]
+        after = [t for t in times if t > killed_at]
+        gaps_after = [b - a for a, b in itertools.pairwise([killed_at, *after])]
+        print(
+            f"\npool node lost: {report['retries']} retries, calls {report['status_counts']}; "
+            f"longest pause between commits after the kill {max(gaps_after):.1f} s "
+            f"(median before {sorted(before)[len(before) // 2]:.1f} s); "
+            f"run ended {after[-1] - killed_at:.1f} s after it"
+        )
+        # The node went while the run had work left (units committed after it), and its replica
+        # with it. (Serve's router sends the dead replica's unstarted requests to the other one, so
+        # the client may see no error at all: the report's calls say which.)
+        assert len(after) >= 3, (killed_at, times)
+        wait_for(lambda: len(pool.replicas("fixed")) == 1, 120, "the lost node's replica to be declared dead")
+    finally:
+        pool.service.add_node("pool-b", num_cpus=2, resources=POOL)  # back for the tests after this one, pass or fail
 
 
 def readme_job_submit() -> list[str]:
@@ -294,15 +297,17 @@ def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(p
     assert run.poll() is None, "the run ended before its actor's node could be lost: " + pool.log("mn-actor-loss")
     killed_at = time.time()
     assert pool.jobs.kill_node(name) > 0
-    assert run.wait(timeout=400) == 0, pool.log("mn-actor-loss")
-    assert_nothing_lost(out, corpus.ids)
-    report = report_of(out, "mn-actor-loss")
-    assert report["status"] == "completed" and dead_letters(out) is None, report
-    after = [t for t in commit_times(out) if t > killed_at]
-    assert len(after) >= 3, after
-    ended = after[-1] - killed_at
-    print(f"\njobs node {name} lost: the run ended {ended:.1f} s after it; calls {report['status_counts']}")
-    pool.jobs.add_node(name, num_cpus=2)
+    try:
+        assert run.wait(timeout=400) == 0, pool.log("mn-actor-loss")
+        assert_nothing_lost(out, corpus.ids)
+        report = report_of(out, "mn-actor-loss")
+        assert report["status"] == "completed" and dead_letters(out) is None, report
+        after = [t for t in commit_times(out) if t > killed_at]
+        assert len(after) >= 3, after
+        ended = after[-1] - killed_at
+        print(f"\njobs node {name} lost: the run ended {ended:.1f} s after it; calls {report['status_counts']}")
+    finally:
+        pool.jobs.add_node(name, num_cpus=2)  # back for the tests after this one, pass or fail
 
 
 def _commits(s3: S3, out: str) -> int:

@@ -150,21 +150,24 @@ def _prometheus_text(ray_cluster) -> str:
     return "\n".join(texts)
 
 
-@pytest.mark.timeout(120)
-def test_the_same_counters_reach_ray_metrics(ray_cluster):
+@pytest.mark.timeout(240)
+def test_the_same_counters_reach_ray_metrics(tmp_path, corpus, ray_cluster, serve_address):
     """Ray exports the actors' and replica's metrics to Prometheus (what the dashboard reads)."""
+    report = raypipe.backfill(corpus.uri, str(tmp_path / "out"), service=serve_address, run_id="prom",
+                              settings=settings("raypipe"))  # fmt: skip
+    assert report.status == "completed"
     wanted = ("raypipe_client_calls", "raypipe_client_latency_ms", "raypipe_server_requests", "raypipe_run_rows")
     deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
     text = ""
     while time.monotonic() < deadline:
         text = _prometheus_text(ray_cluster)
-        if all(name in text for name in wanted):
+        if all(name in text for name in wanted) and 'run_id="prom"' in text:
             break
         time.sleep(2)
     missing = [name for name in wanted if name not in text]
     assert not missing, f"not exported by Ray: {missing}"
     lines = [x for x in text.splitlines() if "raypipe_client_calls" in x and not x.startswith("#")]
-    assert any('status="OK"' in x and 'run_id="' in x and 'mode="backfill"' in x for x in lines), lines[:5]
+    assert any('status="OK"' in x and 'run_id="prom"' in x and 'mode="backfill"' in x for x in lines), lines[:5]
 
 
 def _timed_backfill(corpus, out, address, app, run_id, **metrics):

@@ -236,8 +236,12 @@ def test_a_service_failing_every_call_stops_the_run_within_max_wait(tmp_path, co
     assert stored["calls"] > 0 and stored["status_counts"].get("INTERNAL", 0) > 0
     assert stored["breaker_openings"] >= 1
     assert stored["rows_dead_letters"] == 0  # a broken service is not bad input
-    # The outage bound, plus the pipeline's start (actors, first calls) before the breaker opens.
-    assert elapsed <= max_wait_s + reset_cap_s + 45
+    # Each actor's breaker stops it within max_wait_s + one reset period of opening (its own
+    # clock); the run's wall adds the pipeline's start (actors, first calls), which loaded cores
+    # stretch, so it only guards against a run that does not stop.
+    actors = stored["limiter"]["actors"]
+    assert stored["breaker_time_open_s"] <= actors * (max_wait_s + reset_cap_s + 2), (actors, stored)
+    assert elapsed <= max_wait_s + reset_cap_s + 120
     report = raypipe.backfill(
         corpus.uri, str(out), service=serve_address, run_id="broken", settings=settings("raypipe")
     )
@@ -251,7 +255,7 @@ def tallied_calls(out: Path, run_id: str) -> int:
     return sum(json.loads(p.read_text())["tally"]["calls"] for p in records)
 
 
-@pytest.mark.timeout(240)  # the scenario itself is bounded to 60 s below; the rest is the shared fixtures
+@pytest.mark.timeout(360)  # the scenario is bounded to 240 s below (on loaded cores); the rest is the shared fixtures
 def test_a_run_stopped_by_sigterm_fails_cleanly_and_keeps_its_calls(
     tmp_path, corpus, ray_cluster, serve_address, deploy_app
 ):
@@ -267,10 +271,10 @@ def test_a_run_stopped_by_sigterm_fails_cleanly_and_keeps_its_calls(
     driver = subprocess.Popen([sys.executable, "-m", "raypipe", *args], env=env, cwd=Path(__file__).parents[2],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        wait_for(lambda: tallied_calls(out, "stopped") > 0 or driver.poll() is not None, 40, "the first calls")
+        wait_for(lambda: tallied_calls(out, "stopped") > 0 or driver.poll() is not None, 180, "the first calls")
         assert driver.poll() is None, "the run ended before it was stopped"
         driver.send_signal(signal.SIGTERM)
-        _, err = driver.communicate(timeout=20)
+        _, err = driver.communicate(timeout=60)
     finally:
         if driver.poll() is None:
             driver.kill()

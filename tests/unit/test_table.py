@@ -145,7 +145,7 @@ def test_files_a_crashed_writer_left_are_invisible_and_vacuumed(tmp_path):
 
 def _take_over(out: str, barrier, results) -> None:
     table = OutcomeTable(out)
-    barrier.wait(30)
+    barrier.wait(110)  # spawn children import the table library first: seconds apart on loaded cores
     try:
         results.put(("won", table.take_over("r1").generation))
     except LeaseLostError:
