@@ -147,7 +147,7 @@ def test_a_replica_killed_mid_run_loses_nothing(tmp_path, serve_address, deploy_
     # Each call is held 1 s on the server, and the kill lands once the replica has answered
     # some calls and holds others: a kill between two units' calls fails none (Serve's router
     # sends calls not yet on a replica to its successor), and the test would prove nothing.
-    corpus = write_sample_corpus(str(tmp_path / "in"), rows=500, parquet_shards=2, jsonl_shards=0, seed=29)
+    corpus = write_sample_corpus(str(tmp_path / "in"), rows=300, parquet_shards=2, jsonl_shards=0, seed=29)
     app = deploy_app("killable", ServerSettings(fault=FaultInjection(extra_latency_s=1.0)))
     replica = _replica_actor(app)  # found before the run: the state API can take seconds
     out = tmp_path / "out"
