@@ -89,10 +89,11 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
     """A retried job takes over the run (here with --force, as an operator would; without it, it waits
     for the lease to expire): the first attempt stops before its next write, and every id ends
     exactly once in the results."""
-    # One unit at a time, 1 s a call: the 12 units after the first 3 take the first attempt over
-    # 12 s, longer than the second attempt's start even on a loaded machine (at 0.3 s a call and
-    # two units at a time, a fast machine finished the first attempt before the takeover).
-    app = deploy_app("slow", ServerSettings(fault=FaultInjection(extra_latency_s=1.0)))
+    # One unit at a time, 2 s a call: the 12 units after the first 3 take the first attempt over
+    # 24 s, longer than the second attempt's start even on loaded cores (at 0.3 s a call and two
+    # units at a time, a fast machine finished the first attempt before the takeover). The second
+    # attempt calls the session's unslowed app (the same model): it has the rest to do.
+    app = deploy_app("slow", ServerSettings(fault=FaultInjection(extra_latency_s=2.0)))
     corpus = write_sample_corpus(str(tmp_path / "in"), rows=750, parquet_shards=3, jsonl_shards=0,
                                  bad_fraction=0.0, row_group_size=50, seed=91)  # fmt: skip
     out = tmp_path / "out"
@@ -106,7 +107,8 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
     try:
         wait_for(lambda: committed_units(out, "twice") >= 3, 180, "the first attempt's first units")
         # Without --force the second attempt would wait for the live lease; with it, it takes over now.
-        second = cli("backfill", *common, "--force", env=env, timeout=300)
+        unslowed = [("service.application=raypipe" if a == f"service.application={app}" else a) for a in common]
+        second = cli("backfill", *unslowed, "--force", env=env, timeout=300)
         _, err1 = first.communicate(timeout=120)
     finally:
         if first.poll() is None:
