@@ -255,8 +255,9 @@ def start_serve(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
-    """`start()` (`serve.start`), and where its proxy died starting, connects again and waits
-    until every proxy is HEALTHY; `TimeoutError` after `wait_s` seconds.
+    """`start()` (`serve.start`), and where an actor it waits on died while starting (the proxy;
+    or the controller, which Ray restarts), connects again and waits until every proxy is
+    HEALTHY; `TimeoutError` after `wait_s` seconds.
 
     Serve's controller gives a new proxy 5 s to say it is ready; on a busy node (its 2 cores
     shared with the jobs' actors, a replica loading) a proxy can take longer, and the controller
@@ -269,7 +270,7 @@ def start_serve(
     try:
         start()
         return
-    except ActorDiedError:  # the one actor `serve.start` waits on is the proxy
+    except ActorDiedError:  # its proxy (or controller) died: the controller starts another proxy
         pass
     start()  # Serve's controller runs now: this connects to it
     began = clock()
