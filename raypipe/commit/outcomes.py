@@ -1,10 +1,10 @@
 """Reading the outcomes table.
 
 - `read_outcomes(output, run_id=None)`: every committed row (results and dead letters).
-- `latest(output)`: one row per id: the newest source version (`updated_at`), a result before
-  a dead letter of the same version, then the newest inference, then `run_id`, `source`,
-  `row`. `LATEST_SQL` states that order once, as plain SQL over a relation named
-  `outcomes`; the docs show it for DuckDB, Spark, Athena and Trino, and `latest` runs it.
+- `latest(output)`: one row per id: the newest source version (`updated_at`, text), a result
+  before a dead letter of the same version, then the latest run. `LATEST_SQL` states that
+  order once, as plain SQL over a relation named `outcomes`; the docs show it for DuckDB,
+  Spark, Athena and Trino, and `latest` runs it.
 - `ledger(output, run_id)`: a run's committed rows by outcome, the report's row counts.
 
 Keeping the table in shape (`compact`, `vacuum`, `migrate`) is `raypipe.commit.upkeep`'s.
@@ -20,28 +20,51 @@ import pyarrow.compute as pc
 
 from raypipe.commit.table import OUTCOME_DEAD_LETTER, OUTCOME_RESULT, OutcomeTable
 
-__all__ = ["LATEST_SQL", "Ledger", "latest", "ledger", "ledger_of", "read_outcomes"]
+__all__ = ["LATEST_SQL", "Ledger", "latest", "latest_of", "ledger", "ledger_of", "read_outcomes"]
 
 LATEST_SQL = """
-SELECT * EXCLUDE (rn) FROM (
+WITH runs AS (
+  SELECT *, max(inferred_at) OVER (PARTITION BY run_id) AS run_committed
+  FROM outcomes
+), versions AS (
+  SELECT *,
+    max(coalesce(updated_at, run_committed)) OVER (PARTITION BY id, updated_at, text_hash) AS version_at,
+    max(run_committed) OVER (PARTITION BY id, updated_at, text_hash) AS version_committed
+  FROM runs
+), ranked AS (
   SELECT *, row_number() OVER (
     PARTITION BY id
-    ORDER BY updated_at DESC NULLS LAST,
+    ORDER BY version_at DESC NULLS LAST, version_committed DESC NULLS LAST,
+             text_hash DESC NULLS LAST, updated_at DESC NULLS LAST,
              CASE WHEN outcome = 'result' THEN 0 ELSE 1 END,
-             inferred_at DESC NULLS LAST,
+             run_committed DESC NULLS LAST, inferred_at DESC NULLS LAST,
              run_id DESC, source DESC NULLS LAST, "row" DESC NULLS LAST
   ) AS rn
-  FROM outcomes
-) WHERE rn = 1
+  FROM versions
+)
+SELECT * EXCLUDE (rn, run_committed, version_at, version_committed) FROM ranked WHERE rn = 1
 """.strip()
-"""One row per id, the same row for every query (the order is total):
-1. the newest source version (`updated_at`; a row without one is older than any with one);
-2. within a source version, a result before a dead letter: a dead letter wins only over
-   results of an older source version, never over a valid result of its own;
-3. then the newest inference (`inferred_at`: a re-backfill with a new model wins);
-4. then the greatest `run_id`, `source`, `row`: a tie-breaker, so the answer never depends
-   on the order files are scanned in.
-`EXCLUDE` is DuckDB's; other engines list the columns."""
+"""One row per id, the same row for every query (the order is total).
+
+A *source version* of an id is its (`updated_at`, text), the text told by `text_hash`; a
+run's *commit time* is the latest `inferred_at` of its rows (one writer holds an output at a
+time, so a later run's rows are answered after an earlier run's are committed; every row of a
+run has the same commit time, so which unit of a run committed first never matters).
+1. The newest source version wins: by `updated_at`; a version without `updated_at` is placed
+   at its run's commit time (the latest run that saw it), so a text seen later wins over any
+   version committed before it, and a producer that drops the column is not the oldest forever.
+2. Versions with the same place: the one whose latest run committed last; then (two texts of
+   one id with one `updated_at` in one run: a duplicate id in the input) the greater
+   `text_hash`, an arbitrary rule that every engine and every run applies alike.
+3. Within the winning version, a result before a dead letter: a dead letter wins only over
+   answers of other, older versions (the text changed and its new text failed), never over a
+   result of its own text (a replay's result beats the dead letter it replays).
+4. Then the latest run (a re-backfill with a new model wins), the newest inference, and the
+   greatest `run_id`, `source`, `row`, so the answer never depends on the order files are
+   scanned in.
+An id whose input row was deleted keeps its last answer: the table records answers, not the
+input's current rows. Rows without `text_hash` (written by releases before it) are one text
+per `updated_at`. `EXCLUDE` is DuckDB's; other engines list the columns."""
 
 
 def _dataset(output: str) -> Any:
@@ -57,14 +80,22 @@ def read_outcomes(output: str, run_id: str | None = None, *, columns: list[str] 
 
 
 def latest(output: str) -> pa.Table:
-    """One row per id (results and dead letters) in the order `LATEST_SQL` states: the newest
-    source version, a result before a dead letter of that version, the newest inference, then
-    `run_id`, `source`, `row`. Runs `LATEST_SQL` with DuckDB over the committed files."""
+    """One row per id (results and dead letters), chosen as `LATEST_SQL` states: the newest
+    source version, where a version is (`updated_at`, text) and a version without `updated_at`
+    is placed at the commit of the latest run that saw it; a result before a dead letter of the
+    winning version; then the latest run, the newest inference, `run_id`, `source`, `row`. Ids
+    whose input rows were deleted keep their last answer. Runs `LATEST_SQL` with DuckDB over
+    the committed files."""
+    return latest_of(_dataset(output))
+
+
+def latest_of(outcomes: Any) -> pa.Table:
+    """`LATEST_SQL` over ``outcomes`` (a pyarrow Table or dataset with the table's columns)."""
     import duckdb
 
     con = duckdb.connect()
     try:
-        con.register("outcomes", _dataset(output))
+        con.register("outcomes", outcomes)
         return con.sql(LATEST_SQL).to_arrow_table()
     finally:
         con.close()

@@ -3,12 +3,16 @@ Delta table; `migrate` and `vacuum` are `test_upkeep`'s."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import raypipe
-from raypipe.commit.table import OutcomeTable, UnitCommitter
+from raypipe.commit.outcomes import latest_of
+from raypipe.commit.table import OutcomeTable, UnitCommitter, text_hashes
 from tests.fakes import LABELS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -25,6 +29,7 @@ def commit(
     outcome="result",
     inferred: datetime | None = None,
     source: str = "in.parquet",
+    text: str | None = None,
 ):
     table = OutcomeTable(str(out))
     table.ensure(LABELS)
@@ -39,6 +44,7 @@ def commit(
             "model_version": [version] * n,
             "updated_at": pa.array([updated] * n, pa.timestamp("us", tz="UTC")),
             "inferred_at": pa.array([inferred or datetime.now(UTC)] * n, pa.timestamp("us", tz="UTC")),
+            "text_hash": text_hashes([text] * n),
             "source": [source] * n,
             "row": list(range(n)),
         }
@@ -90,3 +96,142 @@ def test_latest_breaks_ties_on_run_id_then_source_then_row(tmp_path):
     for _ in range(5):
         rows = raypipe.latest(str(tmp_path)).to_pylist()
         assert [(r["run_id"], r["source"]) for r in rows] == [("r-c", "z.parquet")]
+
+
+def _latest(out) -> dict[str, tuple[str, str]]:
+    return {r["id"]: (r["outcome"], r["run_id"]) for r in raypipe.latest(str(out)).to_pylist()}
+
+
+def test_a_new_text_with_the_same_updated_at_is_a_new_version(tmp_path):
+    """A producer rewrote the row's text without moving `updated_at`, and the new text failed:
+    the old text's answer must not hide the new text's dead letter. The same text failing
+    later does not hide its own result."""
+    commit(tmp_path, "r1", "u1", ["a", "b"], version="A", updated=T0, text="old text")
+    commit(tmp_path, "r2", "u1", ["a"], version="A", updated=T0, text="new text", outcome="dead_letter")
+    commit(tmp_path, "r3", "u1", ["b"], version="A", updated=T0, text="old text", outcome="dead_letter")
+    assert _latest(tmp_path) == {"a": ("dead_letter", "r2"), "b": ("result", "r1")}
+
+
+def test_a_version_without_updated_at_is_placed_at_its_commit(tmp_path):
+    """A producer that dropped the column: its later texts win over versions committed before,
+    and lose to versions stamped after they were committed."""
+    commit(tmp_path, "r1", "u1", ["a", "b"], version="A", updated=T0, text="stamped")
+    commit(tmp_path, "r2", "u1", ["a", "b"], version="A", updated=None, text="unstamped")
+    commit(
+        tmp_path, "r3", "u1", ["b"], version="A", updated=datetime.now(UTC) + timedelta(days=1), text="stamped again"
+    )
+    assert _latest(tmp_path) == {"a": ("result", "r2"), "b": ("result", "r3")}
+
+
+def test_an_id_twice_in_one_run_gives_the_same_answer_whichever_unit_commits_first(tmp_path):
+    """Two texts of one id with one `updated_at` in one run: the winner is a rule of the texts
+    (the greater `text_hash`), not of which unit the scheduler committed last."""
+    winners = []
+    for order in (("x", "y"), ("y", "x")):
+        out = tmp_path / "-".join(order)
+        for i, text in enumerate(order):
+            at = T0 + timedelta(hours=1, seconds=i)
+            commit(
+                out, "r1", f"u{i}", ["a"], version=text, updated=T0, text=text, inferred=at, source=f"{text}.parquet"
+            )
+        winners.append(raypipe.latest(str(out)).column("model_version").to_pylist())
+    assert winners[0] == winners[1]
+    assert winners[0] == ["x" if text_hashes(["x"])[0].as_py() > text_hashes(["y"])[0].as_py() else "y"]
+
+
+# --- `latest` against a plain model of the rule, over random committed histories -------------
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    run_id: str
+    inferred_at: datetime
+    updated_at: datetime | None
+    text: str | None
+    outcome: str
+    source: str
+    row: int
+
+    @property
+    def text_hash(self) -> int | None:
+        return text_hashes([self.text])[0].as_py()
+
+
+def _reference_latest(rows: list[Row]) -> dict[str, Row]:
+    """The rule of docs/output-and-sql.md, written plainly."""
+    committed: dict[str, datetime] = {}
+    for r in rows:
+        committed[r.run_id] = max(committed.get(r.run_id, r.inferred_at), r.inferred_at)
+
+    def low_null(value: object) -> tuple[bool, object]:  # a missing value sorts below every other
+        return (value is not None, value if value is not None else 0)
+
+    chosen = {}
+    for id_ in {r.id for r in rows}:
+        versions: dict[tuple[datetime | None, int | None], list[Row]] = {}
+        for r in rows:
+            if r.id == id_:
+                versions.setdefault((r.updated_at, r.text_hash), []).append(r)
+
+        def place(item: tuple[tuple[datetime | None, int | None], list[Row]]) -> tuple[object, ...]:
+            (updated_at, text_hash), version_rows = item
+            seen = max(committed[r.run_id] for r in version_rows)
+            return (updated_at or seen, seen, low_null(text_hash), low_null(updated_at))
+
+        _, newest = max(versions.items(), key=place)
+        chosen[id_] = max(
+            newest,
+            key=lambda r: (r.outcome == "result", committed[r.run_id], r.inferred_at, r.run_id, r.source, r.row),
+        )
+    return chosen
+
+
+_STAMPS = [None, T0, T0 + timedelta(days=1), T0 + timedelta(days=30)]
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> list[Row]:
+    """Runs one after another (one writer at a time), each a few units committed at their own
+    instants, rows of a few ids with stamps before, between and after the runs, or none."""
+    run_ids = draw(st.lists(st.sampled_from(["a", "b", "c", "d", "e", "f"]), min_size=1, max_size=5, unique=True))
+    rows: list[Row] = []
+    clock = T0 + timedelta(days=draw(st.integers(-1, 2)))
+    for run_id in run_ids:
+        for unit in range(draw(st.integers(1, 3))):
+            clock += timedelta(hours=draw(st.integers(0, 2)))  # units of a run may share an instant
+            for _ in range(draw(st.integers(1, 4))):
+                rows.append(
+                    Row(
+                        id=draw(st.sampled_from(["p", "q", "r"])),
+                        run_id=run_id,
+                        inferred_at=clock,
+                        updated_at=draw(st.sampled_from(_STAMPS)),
+                        text=draw(st.sampled_from([None, "", "calm", "furious"])),
+                        outcome=draw(st.sampled_from(["result", "dead_letter"])),
+                        source=f"s{unit}",
+                        row=len(rows),
+                    )
+                )
+        clock += timedelta(days=draw(st.integers(0, 20)))
+    return rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(_histories())
+def test_latest_is_the_documented_rule(rows: list[Row]) -> None:
+    ts = pa.timestamp("us", tz="UTC")
+    table = pa.table(
+        {
+            "id": [r.id for r in rows],
+            "outcome": [r.outcome for r in rows],
+            "run_id": [r.run_id for r in rows],
+            "updated_at": pa.array([r.updated_at for r in rows], ts),
+            "inferred_at": pa.array([r.inferred_at for r in rows], ts),
+            "text_hash": text_hashes([r.text for r in rows]),
+            "source": [r.source for r in rows],
+            "row": pa.array([r.row for r in rows], pa.int64()),
+        }
+    )
+    got = {r["id"]: r["row"] for r in latest_of(table).to_pylist()}
+    assert got == {id_: r.row for id_, r in _reference_latest(rows).items()}
