@@ -33,9 +33,10 @@ unmeasured.
 **The model version** says what produced the answers (`Serving.version_suffix`): equal-answer
 settings (fp32 on either runtime) add nothing, so a changed default between them neither
 re-infers nor stops reusing a committed answer; settings that change answers add ``+bf16``
-(TensorFlow bf16), ``+ov-bf16`` or ``+ov-int8``. The setting itself (``openvino:fp32``) travels
-beside the version in every answer (`Serving.setting`), so the run report and the metrics say
-which setting answered how many rows.
+(TensorFlow bf16), ``+ov-bf16`` or ``+ov-int8-<build>`` (the int8 IR's digest: two int8 builds
+calibrated on other texts answer differently, so they never share a reuse key). The setting
+itself (``openvino:fp32``) travels beside the version in every answer (`Serving.setting`), so
+the run report and the metrics say which setting answered how many rows.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ __all__ = [
     "agreement_lower_bound",
     "choose",
     "cpu_key",
+    "int8_build",
     "read_record",
     "read_records",
     "resolve",
@@ -273,6 +275,10 @@ class Serving:
     reason: str
     agreement: float | None = None
     """The recorded gate agreement of this setting, when measured."""
+    build: str = ""
+    """int8: a digest of the quantized IR that answers (`int8_build`). Its weights depend on the
+    calibration texts ``raypipe model optimize`` was given, so two int8 builds of one model give
+    different answers."""
 
     @property
     def setting(self) -> str:
@@ -286,7 +292,25 @@ class Serving:
             return ""
         if self.runtime == "tensorflow":
             return f"+{self.precision}"
-        return f"+ov-{self.precision}"
+        return f"+ov-{self.precision}" + (f"-{self.build}" if self.build else "")
+
+
+def int8_build(model_dir: Path) -> str:
+    """The first 8 hex digits of the SHA-256 of ``DIR/openvino/int8.xml`` and ``int8.bin``;
+    "" when there is no int8 build (the loader then says so)."""
+    import hashlib
+
+    from serve_app.compiled import OPENVINO_DIR
+
+    digest = hashlib.sha256()
+    for name in ("int8.xml", "int8.bin"):
+        path = model_dir / OPENVINO_DIR / name
+        if not path.is_file():
+            return ""
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:8]
 
 
 def served_version(base: str, serving: Serving, *, max_sequence_length: int, model_max: int) -> str:
@@ -374,7 +398,7 @@ def resolve(model_dir: Path | str, settings: ServerSettings, *, flags: frozenset
         from serve_app.compiled import saved_model_digest
 
         fingerprint = saved_model_digest(model_dir / "saved_model")
-    return choose(
+    serving = choose(
         runtime=settings.runtime,
         precision=settings.precision,
         flags=flags,
@@ -384,6 +408,9 @@ def resolve(model_dir: Path | str, settings: ServerSettings, *, flags: frozenset
         force=settings.force_precision,
         openvino=find_spec("openvino") is not None,
     )
+    if serving.precision == "int8":
+        return replace(serving, build=int8_build(model_dir))
+    return serving
 
 
 def _auto(

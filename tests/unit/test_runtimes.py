@@ -329,6 +329,7 @@ def test_resolve_reads_the_record_beside_the_model(tmp_path: Path) -> None:
         resolve(tmp_path, ServerSettings(precision="int8", runtime="openvino"), flags=VNNI)
     forced = resolve(tmp_path, ServerSettings(precision="int8", runtime="openvino", force_precision=True), flags=VNNI)
     assert forced.precision == "int8"
+    assert forced.version_suffix == "+ov-int8"  # no int8 build here: the loader will say so
     # The SavedModel changes: the record no longer speaks for it; the equal-answer setting is served.
     (saved / "saved_model.pb").write_bytes(b"retrained")
     assert resolve(tmp_path, ServerSettings(), flags=VNNI).setting == "openvino:fp32"
@@ -340,3 +341,27 @@ def test_settings_reject_unknown_runtime_and_bad_threshold() -> None:
     with pytest.raises(ValueError, match="min_agreement"):
         ServerSettings(min_agreement=1.5)
     assert ServerSettings.from_dict({"runtime": "openvino", "force_precision": True}).runtime == "openvino"
+
+
+def test_two_int8_builds_never_share_a_version(tmp_path: Path) -> None:
+    """An int8 IR's weights depend on the texts it was calibrated on: the version names the build,
+    so answer reuse never takes one build's answers for another's."""
+    saved = tmp_path / "saved_model"
+    saved.mkdir()
+    (saved / "saved_model.pb").write_bytes(b"weights")
+    from serve_app.compiled import saved_model_digest
+
+    write_record(tmp_path, _record(_m("openvino", "int8", 32, 1.0), saved_model=saved_model_digest(saved), flags=VNNI))
+    ir = tmp_path / "openvino"
+    ir.mkdir()
+    (ir / "int8.xml").write_text("<net/>")
+    settings = ServerSettings(precision="int8", runtime="openvino")
+
+    def version() -> str:
+        return served_version("bert-abc", resolve(tmp_path, settings, flags=VNNI), max_sequence_length=64, model_max=64)
+
+    (ir / "int8.bin").write_bytes(b"calibrated on the demo texts")
+    first = version()
+    assert first.startswith("bert-abc+ov-int8-") and first == version()
+    (ir / "int8.bin").write_bytes(b"calibrated on the user's texts")
+    assert version() not in (first, "bert-abc+ov-int8")
