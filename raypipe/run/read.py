@@ -22,7 +22,14 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from raypipe.errors import InvalidRowError, SchemaError, ShardChangedError
+from raypipe.errors import (
+    BadRowError,
+    InvalidIdError,
+    InvalidRowError,
+    InvalidTextError,
+    SchemaError,
+    ShardChangedError,
+)
 from raypipe.plan.planning import filesystem, fingerprint
 from raypipe.plan.schema import check_columns, check_types, usable_id_type, usable_text_type
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
@@ -308,6 +315,11 @@ def _in_window(updated: pa.ChunkedArray | pa.Array, window: DeltaWindow) -> Any:
     return pc.fill_null(keep, False)
 
 
+#: Dead-letter kinds that are properties of the row itself: a replay cannot change them. (A
+#: missing id needs no reason carried: the actor refuses a row without an id on its own.)
+BAD_ROW_KINDS = frozenset(e.kind for e in (BadRowError, InvalidIdError, InvalidRowError, InvalidTextError))
+
+
 def _read_dead_letters(unit: WorkUnit) -> pa.Table:
     """A unit's committed dead letters of run `unit.source_run`, read from the outcomes table
     (`unit.shard` is the output URI); the rows keep their original source and row."""
@@ -321,8 +333,15 @@ def _read_dead_letters(unit: WorkUnit) -> pa.Table:
         & (pc.field("outcome") == "dead_letter")
     )
     dataset = OutcomeTable(unit.shard).load().to_pyarrow_dataset()
-    dead = dataset.to_table(filter=flt, columns=["id", "text", "updated_at", "source", "row"])
+    dead = dataset.to_table(filter=flt, columns=["id", "text", "updated_at", "source", "row", "error_kind", "message"])
     n = dead.num_rows
+    # A reason that is the row's own (its text is not UTF-8, its line is not an object...) holds
+    # on every replay: such a row goes back as refused, so it keeps its dead letter and reason
+    # (`raypipe.call.actor` refuses a row with `_bad`), never a null text taken for an empty one.
+    bad = [
+        f"{kind}: {(message or '').removeprefix(kind.replace('_', ' ') + ': ')}" if kind in BAD_ROW_KINDS else None
+        for kind, message in zip(dead.column("error_kind").to_pylist(), dead.column("message").to_pylist(), strict=True)
+    ]
     return pa.table(
         {
             "id": dead.column("id").cast(pa.string()),
@@ -333,7 +352,7 @@ def _read_dead_letters(unit: WorkUnit) -> pa.Table:
             "_unit": pa.array([unit.key] * n, pa.string()),
             "_unit_rows": pa.array([n] * n, pa.int64()),
             "_unit_error": pa.nulls(n, pa.string()),
-            "_bad": pa.nulls(n, pa.string()),
+            "_bad": pa.array(bad, pa.string()),
         },
         schema=unit_block_schema(),
     )

@@ -127,3 +127,61 @@ def test_a_replay_unit_reads_its_own_dead_letters_only(tmp_path):
     block = read_unit(WorkUnit(str(tmp_path), "dead_letters", 0, 2, name=b, source_run=RUN), ColumnNames())
     assert sorted(block.column("id").to_pylist()) == [f"{b}-d1", f"{b}-d2"]
     assert set(block.column("_unit").to_pylist()) == {b} and sorted(block.column("_row").to_pylist()) == [0, 1]
+
+
+def test_a_replay_keeps_the_dead_letters_whose_reason_is_the_row_itself(tmp_path):
+    """A text that is not UTF-8, a line that is not a JSON object, a missing id: a replay sends
+    none of them, and each keeps its dead letter and its reason (their text is stored null:
+    taken for an empty text, they became `empty_text` results)."""
+    import asyncio
+
+    from raypipe.call.actor import ActorSettings, InferenceActor
+    from raypipe.config import ClientConfig, ServiceConfig
+    from raypipe.plan.planning import list_shards, plan_units
+    from raypipe.plan.units import ColumnNames, WorkUnit
+    from raypipe.run.read import read_unit
+    from tests.fakes import ScriptedClient
+
+    (tmp_path / "in.jsonl").write_bytes(
+        b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "bad \xff text"}\n"not an object"\n'
+        b'{"id": "", "text": "no id"}\n'
+    )
+    out = tmp_path / "out"
+    units, _ = plan_units(list_shards(str(tmp_path / "in.jsonl")), unit_rows=1000, columns=ColumnNames())
+    table = OutcomeTable(str(out))
+    table.ensure(LABELS)
+
+    def run(run_id: str, block: pa.Table, *, replay: bool) -> ScriptedClient:
+        client = ScriptedClient()
+        committer = UnitCommitter(table.take_over(run_id))
+        settings = ActorSettings(
+            committer=committer,
+            run_id=RUN,
+            attempt=run_id,
+            service=ServiceConfig(),
+            client=ClientConfig(),
+            labels=LABELS,
+            replay=replay,
+        )
+        asyncio.run(InferenceActor(settings, client_factory=lambda: client)(block))
+        return client
+
+    def fates() -> dict[int, tuple[str, str | None, str | None]]:
+        rows = read_outcomes(str(out), RUN).to_pylist()
+        return {r["row"]: (r["outcome"], r["status"] or r["error_kind"], r["message"]) for r in rows}
+
+    run(RUN, read_unit(units[0], ColumnNames()), replay=False)
+    before = fates()
+    assert {row: f[1] for row, f in before.items()} == {
+        0: "ok",
+        1: "invalid_text",
+        2: "invalid_row",
+        3: "missing_id",
+    }
+    dead = WorkUnit(str(out), "dead_letters", 0, 3, name=units[0].key, source_run=RUN)
+    client = run(REPLAY, read_unit(dead, ColumnNames()), replay=True)
+    assert client.calls == 0
+    assert read_outcomes(str(out), RUN).num_rows == 4  # each row once: replaced, not added
+    after = fates()
+    assert {row: f[:2] for row, f in after.items()} == {row: f[:2] for row, f in before.items()}
+    assert [after[row][2] for row in (1, 2, 3)] == [before[row][2] for row in (1, 2, 3)]
