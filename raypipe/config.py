@@ -322,6 +322,10 @@ class OutputConfig(_Frozen):
     take_over_lease: bool = False
     """Take a live lease of an earlier attempt of the same run at once (CLI `--force`), fencing
     that attempt off, instead of waiting for the lease to expire."""
+    allow_model_change: bool = False
+    """Let a run resume under another model version than it started with: its rows then carry
+    both versions (the report names each). By default such a resume is refused (a model
+    version covers everything that changes an answer), so one run's rows are one model's."""
     require_conditional_writes: bool = True
     """Refuse an S3 endpoint that ignores conditional writes (If-None-Match), where the lease
     could not keep two writers apart. Set false only if nothing else can write this output."""

@@ -169,7 +169,8 @@ class CommitProtocol:
     def plan(self, make_plan: Callable[[], Plan], *, input_uri: str | None, model_version: str) -> tuple[Plan, bool]:
         """The run's plan: stored at its first start, read back on every later one.
 
-        Returns (plan, resumed). A run id cannot be resumed as another mode or input.
+        Returns (plan, resumed). A run id cannot be resumed as another mode or input, nor under
+        another model version unless `OutputConfig.allow_model_change`.
         """
         plan = self.stored_plan()
         if plan is not None:
@@ -179,6 +180,12 @@ class CommitProtocol:
                     f"it cannot be resumed as a {self.mode} of {input_uri}"
                 )
             if plan.model_version not in (None, model_version):
+                if not self.output.allow_model_change:
+                    raise ConfigError(
+                        f"run {self.run_id} was started with model {plan.model_version} and the service now "
+                        f"answers with {model_version}: serve {plan.model_version} again to resume it, start a "
+                        "new run id, or set output.allow_model_change=true to finish it with both"
+                    )
                 logger.warning(
                     "run %s was started with model %s and resumes with %s: its rows will carry both versions",
                     self.run_id,

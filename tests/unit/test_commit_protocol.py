@@ -167,3 +167,25 @@ def test_committed_has_one_truth_the_table(tmp_path, attempts):
     assert not list((tmp_path / "out").rglob("COMMITTED.json"))
     assert finished_runs(str(tmp_path / "out")) == ["r1"]
     assert protocol(tmp_path, attempts, "a2").committed_report() is not None
+
+
+def test_a_run_resumes_under_another_model_version_only_when_asked(tmp_path, attempts):
+    """Its rows would carry two models' answers: refused (a config error: exit 2) with the fix
+    named, unless `output.allow_model_change`."""
+    p = protocol(tmp_path, attempts, "a1")
+    p.setup_run(LABELS)
+    p.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="bert-aaa")
+    with pytest.raises(
+        ConfigError, match=r"started with model bert-aaa .* now answers with bert-bbb: serve bert-aaa"
+    ) as e:
+        p.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="bert-bbb")
+    assert "output.allow_model_change=true" in str(e.value) and "\n" not in str(e.value)
+    assert p.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="bert-aaa")[1]  # the same model resumes
+    output = OutputConfig(
+        uri=str(tmp_path / "out"), take_over_lease=True, require_conditional_writes=False, allow_model_change=True
+    )
+    allowed = CommitProtocol(output, "backfill", "r1", attempt="a2")
+    attempts.append(allowed)
+    allowed.setup_run(LABELS)
+    resumed_plan, resumed = allowed.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="bert-bbb")
+    assert resumed and resumed_plan.model_version == "bert-aaa"
