@@ -321,6 +321,9 @@ class RunReport:
     input: str | None = None
     output: str = ""
     model_version: str = ""
+    model_versions: dict[str, int] = field(default_factory=dict)
+    """The run's committed results by the model version that answered them, over every attempt:
+    more than one only when a resume was allowed to change model (`output.allow_model_change`)."""
     labels: list[str] = field(default_factory=list)
     started_at: str = ""
     finished_at: str = ""
@@ -443,7 +446,12 @@ class RunReport:
         lines = [
             f"run {self.run_id} ({self.mode}): {self.status.upper()}" + (f" - {self.error}" if self.error else ""),
             f"  output        {self.output}",
-            f"  model         {self.model_version}",
+            f"  model         {self.model_version}"
+            + (
+                " (rows answered by " + ", ".join(f"{v} {n:,}" for v, n in self.model_versions.items()) + ")"
+                if len(self.model_versions) > 1
+                else ""
+            ),
             f"  rows          in {self.rows_in:,} | results {self.rows_results:,} "
             f"(ok {self.rows_ok:,}, empty text {self.rows_empty_text:,}) | dead letters {self.rows_dead_letters:,}",
             f"  units         {self.units_committed:,}/{self.units_total:,} committed"

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from raypipe.commit.table import OUTCOME_DEAD_LETTER, OUTCOME_RESULT, OutcomeTable
 
-__all__ = ["LATEST_SQL", "Ledger", "latest", "latest_of", "ledger", "ledger_of", "read_outcomes"]
+__all__ = ["LATEST_SQL", "Ledger", "answered_versions", "latest", "latest_of", "ledger", "ledger_of", "read_outcomes"]
 
 LATEST_SQL = """
 WITH runs AS (
@@ -99,6 +99,20 @@ def latest_of(outcomes: Any) -> pa.Table:
         return con.sql(LATEST_SQL).to_arrow_table()
     finally:
         con.close()
+
+
+def answered_versions(output: str, run_id: str) -> dict[str, int]:
+    """The run's committed results by the model version that answered them, over every attempt
+    (more than one only when a resume was allowed to change model)."""
+    if not OutcomeTable(output).exists():
+        return {}
+    rows = read_outcomes(output, run_id, columns=["model_version"])
+    counts = rows.group_by("model_version").aggregate([([], "count_all")]).to_pylist()
+    return {
+        r["model_version"]: int(r["count_all"])
+        for r in sorted(counts, key=lambda r: -r["count_all"])
+        if r["model_version"]
+    }
 
 
 class Ledger(dict[str, int]):

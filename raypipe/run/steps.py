@@ -30,7 +30,7 @@ from raypipe.call.actor import ActorSettings
 from raypipe.call.client import ChannelSecurity, check_service
 from raypipe.call.dedup import build_index
 from raypipe.call.metrics import RunMetrics
-from raypipe.commit.outcomes import Ledger
+from raypipe.commit.outcomes import Ledger, answered_versions
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
@@ -390,5 +390,6 @@ def fold_report(
         report.apply_ledger(dict(replayed))
     else:
         report.apply_ledger(protocol.ledger())
+        report.model_versions = answered_versions(protocol.output.uri, protocol.run_id)
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
     return attempt

@@ -235,3 +235,18 @@ def test_latest_is_the_documented_rule(rows: list[Row]) -> None:
     )
     got = {r["id"]: r["row"] for r in latest_of(table).to_pylist()}
     assert got == {id_: r.row for id_, r in _reference_latest(rows).items()}
+
+
+def test_the_report_names_every_model_version_that_answered_rows(tmp_path):
+    """A resume allowed to change model: the run's rows carry both versions, and its report
+    names each with the rows it answered, not only the last one."""
+    from raypipe.commit.outcomes import answered_versions
+    from raypipe.report import RunReport
+
+    commit(tmp_path, "r1", "u1", ["a", "b", "c"], version="bert-aaa", updated=T0)
+    commit(tmp_path, "r1", "u2", ["d"], version="bert-bbb", updated=T0)
+    commit(tmp_path, "r2", "u1", ["e"], version="bert-ccc", updated=T0)
+    assert answered_versions(str(tmp_path), "r1") == {"bert-aaa": 3, "bert-bbb": 1}
+    report = RunReport(run_id="r1", mode="backfill", model_version="bert-bbb")
+    report.model_versions = answered_versions(str(tmp_path), "r1")
+    assert "model         bert-bbb (rows answered by bert-aaa 3, bert-bbb 1)" in report.render()
