@@ -24,42 +24,43 @@ __all__ = ["LATEST_SQL", "Ledger", "answered_versions", "latest", "latest_of", "
 
 LATEST_SQL = """
 WITH runs AS (
-  SELECT *, max(inferred_at) OVER (PARTITION BY run_id) AS run_committed
+  SELECT *, min(inferred_at) OVER (PARTITION BY run_id) AS run_order
   FROM outcomes
 ), versions AS (
   SELECT *,
-    max(coalesce(updated_at, run_committed)) OVER (PARTITION BY id, updated_at, text_hash) AS version_at,
-    max(run_committed) OVER (PARTITION BY id, updated_at, text_hash) AS version_committed
+    max(coalesce(updated_at, run_order)) OVER (PARTITION BY id, updated_at, text_hash) AS version_at,
+    max(run_order) OVER (PARTITION BY id, updated_at, text_hash) AS version_seen
   FROM runs
 ), ranked AS (
   SELECT *, row_number() OVER (
     PARTITION BY id
-    ORDER BY version_at DESC NULLS LAST, version_committed DESC NULLS LAST,
+    ORDER BY version_at DESC NULLS LAST, version_seen DESC NULLS LAST,
              text_hash DESC NULLS LAST, updated_at DESC NULLS LAST,
              CASE WHEN outcome = 'result' THEN 0 ELSE 1 END,
-             run_committed DESC NULLS LAST, inferred_at DESC NULLS LAST,
+             run_order DESC NULLS LAST, inferred_at DESC NULLS LAST,
              run_id DESC, source DESC NULLS LAST, "row" DESC NULLS LAST
   ) AS rn
   FROM versions
 )
-SELECT * EXCLUDE (rn, run_committed, version_at, version_committed) FROM ranked WHERE rn = 1
+SELECT * EXCLUDE (rn, run_order, version_at, version_seen) FROM ranked WHERE rn = 1
 """.strip()
 """One row per id, the same row for every query (the order is total).
 
-A *source version* of an id is its (`updated_at`, text), the text told by `text_hash`; a
-run's *commit time* is the latest `inferred_at` of its rows (one writer holds an output at a
-time, so a later run's rows are answered after an earlier run's are committed; every row of a
-run has the same commit time, so which unit of a run committed first never matters).
-1. The newest source version wins: by `updated_at`; a version without `updated_at` is placed
-   at its run's commit time (the latest run that saw it), so a text seen later wins over any
-   version committed before it, and a producer that drops the column is not the oldest forever.
-2. Versions with the same place: the one whose latest run committed last; then (two texts of
-   one id with one `updated_at` in one run: a duplicate id in the input) the greater
-   `text_hash`, an arbitrary rule that every engine and every run applies alike.
+A *source version* of an id is its (`updated_at`, text), the text told by `text_hash`. A run's
+*place* in commit order is the earliest `inferred_at` of its rows, its first commit: one writer
+holds an output at a time, so runs commit one after another; every row of a run has the same
+place, so which unit of a run committed first never matters, and a replay (whose rows carry the
+run they replay) leaves its run where it was.
+1. The newest source version wins: by `updated_at`; a version without `updated_at` is placed at
+   the latest run that saw it, so a text seen later wins over any version committed before it,
+   and a producer that drops the column is not the oldest forever.
+2. Versions in the same place: the one the later run saw; then (two texts of one id with one
+   `updated_at` in one run: a duplicate id in the input) the greater `text_hash`, an arbitrary
+   rule that every engine and every run applies alike.
 3. Within the winning version, a result before a dead letter: a dead letter wins only over
    answers of other, older versions (the text changed and its new text failed), never over a
    result of its own text (a replay's result beats the dead letter it replays).
-4. Then the latest run (a re-backfill with a new model wins), the newest inference, and the
+4. Then the later run (a re-backfill with a new model wins), the newest inference, and the
    greatest `run_id`, `source`, `row`, so the answer never depends on the order files are
    scanned in.
 An id whose input row was deleted keeps its last answer: the table records answers, not the
@@ -82,8 +83,9 @@ def read_outcomes(output: str, run_id: str | None = None, *, columns: list[str] 
 def latest(output: str) -> pa.Table:
     """One row per id (results and dead letters), chosen as `LATEST_SQL` states: the newest
     source version, where a version is (`updated_at`, text) and a version without `updated_at`
-    is placed at the commit of the latest run that saw it; a result before a dead letter of the
-    winning version; then the latest run, the newest inference, `run_id`, `source`, `row`. Ids
+    is placed at the latest run that saw it (runs in the order of their first commit); a result
+    before a dead letter of the winning version; then the later run, the newest inference,
+    `run_id`, `source`, `row`. Ids
     whose input rows were deleted keep their last answer. Runs `LATEST_SQL` with DuckDB over
     the committed files."""
     return latest_of(_dataset(output))
