@@ -7,9 +7,13 @@
 Both exports write the layout `serve_app.model` documents (``model.json`` + ``saved_model/`` +
 ``tokenizer/``) through `save_serving_model`, the one place the serving signature is defined
 (the demo model is saved through it too). The card records where the model came from, its
-labels, max length, vocabulary and parameter count; its version is a prefix plus the SHA-256
-of the served weights, so the same weights exported from PyTorch or TF files get the same
-version, and retrained weights a new one.
+labels, max length, vocabulary and parameter count; its version is a prefix plus a SHA-256 of
+everything in the directory that changes an answer (`_common.answers_digest`): the served
+weights, the tokenizer's files, the max length and the labels in their order. The same weights
+exported from PyTorch or TF files with the same tokenizer, length and labels get the same
+version; retrained weights, another tokenizer, ``--max-length`` or ``--labels`` a new one.
+Directories exported before the version covered more than the weights keep the version their
+card states (answers already committed under it stay reusable with that directory).
 
 An export fails before it writes anything the server would reject: the directory is built
 beside ``OUT``, loaded back through `EmotionModel` (the server's loader), checked at its limits

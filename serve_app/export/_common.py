@@ -3,6 +3,7 @@ directory beside its destination, write the card, and prove it serves what the s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -139,16 +140,19 @@ def finish(
 ) -> None:
     """Tokenizer + card beside the saved signature, then prove the directory serves what the source computes."""
     tokenizer.model_max_length = max_len
+    canonical_call_state(tokenizer)
     tokenizer.save_pretrained(str(tmp / "tokenizer"))
     digest, parameters = weights_digest(tmp / "saved_model")
+    tokenizer_digest = files_digest(tmp / "tokenizer")
     card = {
         "format": MODEL_FORMAT,
         "labels": list(labels),
-        "version": f"{prefix}-{digest[:12]}",
+        "version": f"{prefix}-{answers_digest(digest, tokenizer_digest, max_len, labels)[:12]}",
         "max_sequence_length": max_len,
         "vocab_size": vocabulary_size(tokenizer),
         "parameters": parameters,
         "weights_sha256": digest,
+        "tokenizer_sha256": tokenizer_digest,
         "source": source,
     }
     (tmp / "model.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
@@ -165,6 +169,53 @@ def finish(
             tmp, f"the exported model differs from the source by up to {worst:.2e} (allowed {_AGREEMENT:g})"
         )
     logger.info("exported %s: %s, served = source within %.1e", card["version"], source["path"], worst)
+
+
+# Arguments of a tokenizer's last call that a saved tokenizer may keep: the server passes its
+# own on every call, so they change no answer.
+_CALL_ARGUMENTS = ("max_length", "stride", "truncation_strategy", "padding_strategy", "pad_to_multiple_of")
+
+
+def canonical_call_state(tokenizer: Any) -> None:
+    """Clears what a tokenizer remembers of its last call, so the same tokenizer always saves the
+    same files (and an export the same version) whatever it was used for before.
+
+    A fast tokenizer keeps the truncation and padding of its last call in its Rust object (so in
+    ``tokenizer.json``), and one saved after a call keeps that call's arguments in
+    ``tokenizer_config.json``. The sides it truncates and pads on do change answers: they are
+    written out explicitly, so a default and an explicit ``right`` are one tokenizer.
+    """
+    tokenizer.backend_tokenizer.no_truncation()
+    tokenizer.backend_tokenizer.no_padding()
+    for key in _CALL_ARGUMENTS:
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.init_kwargs["truncation_side"] = tokenizer.truncation_side
+    tokenizer.init_kwargs["padding_side"] = tokenizer.padding_side
+
+
+def files_digest(directory: Path) -> str:
+    """SHA-256 of a directory's files, names and bytes (the saved tokenizer: vocabulary, rules,
+    special tokens and its maximum length all change how a text is cut into ids)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(f"\0{path.relative_to(directory).as_posix()}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def answers_digest(weights_sha256: str, tokenizer_sha256: str, max_len: int, labels: tuple[str, ...]) -> str:
+    """What an export's version is made of: everything in the directory that changes an answer.
+
+    The weights (`weights_digest`, so the same weights saved from PyTorch or TF files agree),
+    the tokenizer's files, the maximum length and the label names in their order (the label
+    columns an answer fills). Answer reuse keys on the version, so two exports that differ in
+    any of them never share an answer.
+    """
+    blob = json.dumps(
+        {"weights": weights_sha256, "tokenizer": tokenizer_sha256, "max_sequence_length": max_len, "labels": labels},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 #: Texts of the default sample an export measures the runtimes on (in domain for emotion models),
