@@ -55,6 +55,7 @@ __all__ = [
     "load_openvino_runner",
     "openvino_version",
     "saved_model_digest",
+    "tree_digest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,9 +95,14 @@ def saved_model_digest(saved_model: Path) -> str:
     """SHA-256 of the SavedModel's files (names and bytes): the model's fingerprint."""
     if not saved_model.is_dir():
         raise ModelDirError(saved_model, "missing saved_model directory")
+    return tree_digest(saved_model)
+
+
+def tree_digest(directory: Path) -> str:
+    """SHA-256 of the files under ``directory``: their relative names and bytes, in name order."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in saved_model.rglob("*") if p.is_file()):
-        digest.update(f"\0{path.relative_to(saved_model).as_posix()}\0".encode())
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(f"\0{path.relative_to(directory).as_posix()}\0".encode())
         with path.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)

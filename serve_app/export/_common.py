@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from serve_app.compiled import tree_digest
 from serve_app.export.check import SAMPLE_TEXTS, check_model_dir
 from serve_app.export.signature import weights_digest
 from serve_app.model import MODEL_FORMAT, ModelCard, ModelDirError
@@ -143,7 +144,9 @@ def finish(
     canonical_call_state(tokenizer)
     tokenizer.save_pretrained(str(tmp / "tokenizer"))
     digest, parameters = weights_digest(tmp / "saved_model")
-    tokenizer_digest = files_digest(tmp / "tokenizer")
+    # The tokenizer's files: its vocabulary, rules, special tokens and maximum length all change
+    # how a text is cut into ids.
+    tokenizer_digest = tree_digest(tmp / "tokenizer")
     card = {
         "format": MODEL_FORMAT,
         "labels": list(labels),
@@ -191,16 +194,6 @@ def canonical_call_state(tokenizer: Any) -> None:
         tokenizer.init_kwargs.pop(key, None)
     tokenizer.init_kwargs["truncation_side"] = tokenizer.truncation_side
     tokenizer.init_kwargs["padding_side"] = tokenizer.padding_side
-
-
-def files_digest(directory: Path) -> str:
-    """SHA-256 of a directory's files, names and bytes (the saved tokenizer: vocabulary, rules,
-    special tokens and its maximum length all change how a text is cut into ids)."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        digest.update(f"\0{path.relative_to(directory).as_posix()}\0".encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def answers_digest(weights_sha256: str, tokenizer_sha256: str, max_len: int, labels: tuple[str, ...]) -> str:
