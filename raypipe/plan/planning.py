@@ -8,18 +8,19 @@
       plan_listing                        small Parquet shards of a large input planned whole
                                           from their listed sizes, the others from their footers
       plan_units                          shards cut into units from their Parquet footers (or a
-                                          JSON-lines file's first line); a daily's window prunes
-                                          row groups by their `updated_at` statistics
+                                          JSON-lines file's first line); a daily `--since` prunes
+                                          the row groups of unchanged files by their statistics
     plan_replay(output, of_run, ...)    a replay's `Plan`: the units of a run holding dead letters
     resume(input, plan, committed)      a resumed run's stored plan, brought up to date
-    with_whole_file_maxima(plan, ...)   what the committed rows of files planned whole say
     check_input(input, mode, ...)       the input as preflight checks it: listed, first shard planned
 
 A backfill plans every shard whole. A daily plans the files no run has read whole yet (new
 ones, and those whose size or ETag changed), whole, whatever their rows' `updated_at`: it
-selects by the files seen, not by a watermark. A file rewritten in place is read for its rows
-updated at or after the latest `updated_at` read of it before; `since` also re-reads the files
-read before, for their rows updated after it. Shards an operator quarantined
+selects by the files seen, not by a watermark, and never re-reads an unchanged file. A file
+rewritten in place is read whole: its unchanged texts are answered by reuse without a call, so
+it costs I/O, not inference. `updated_at` orders versions for `latest`; it never decides what
+is read, except that `since` adds reads: the unchanged files too, for their rows updated at
+or after it (never fewer rows than without it). Shards an operator quarantined
 (`raypipe.store.OutputStore.quarantine`) are skipped and listed.
 
 Planning reads only listings, Parquet footers (one ranged GET of a shard's tail each on S3)
@@ -78,7 +79,6 @@ __all__ = [
     "plan_units",
     "prune_partitions",
     "resume",
-    "with_whole_file_maxima",
 ]
 
 logger = logging.getLogger("raypipe")
@@ -94,18 +94,18 @@ class PlanObservations:
     limit: datetime | None = None
     """updated_at beyond this (now + the allowed clock skew) is in the future: counted, never a watermark."""
     max_updated_at: datetime | None = None
-    """Latest updated_at in the input up to `limit` (row-group statistics): what it was read as of."""
+    """Latest updated_at of the row groups wholly up to `limit` (statistics): what the input was
+    read as of, informational (the watermark); it never decides what is read."""
     future_row_groups: int = 0
-    """Row groups whose updated_at reaches beyond `limit` (a 9999-12-31 sentinel, a clock ahead)."""
-    shard_max: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Shard -> its latest updated_at up to `limit` (ISO): recorded with the files seen, so a
-    file rewritten later is read for its rows updated after it."""
+    """Row groups whose updated_at reaches beyond `limit` (a 9999-12-31 sentinel, a clock ahead):
+    read like any other, left out of `max_updated_at`."""
     null_updated_at_rows: int = 0
-    """Rows with a null updated_at in the shards planned (statistics); read when their file is
-    new, never by a window over a file read before."""
+    """Rows with a null updated_at in the shards planned (statistics); read with their file
+    whenever it is new or changed, never by a `--since` window over an unchanged file."""
     row_groups_total: int = 0
     row_groups_pruned: int = 0
-    """Row groups a daily skipped because their updated_at statistics lie outside its window."""
+    """Row groups of unchanged files a daily `--since` did not re-read: their updated_at
+    statistics lie wholly before it."""
     shards_pruned: int = 0
     """Shards a daily skipped by their Hive partition value (`input.updated_at_partition`)."""
     footers_read: int = 0
@@ -121,9 +121,6 @@ class PlanObservations:
         ):
             self.max_updated_at = other.max_updated_at
         self.future_row_groups += other.future_row_groups
-        for shard, hi in other.shard_max.items():
-            if shard not in self.shard_max or hi > self.shard_max[shard]:
-                self.shard_max[shard] = hi
         self.null_updated_at_rows += other.null_updated_at_rows
         self.row_groups_total += other.row_groups_total
         self.row_groups_pruned += other.row_groups_pruned
@@ -141,7 +138,6 @@ class PlanObservations:
             "shards_pruned": self.shards_pruned,
             "footers_read": self.footers_read,
             "whole_files": self.whole_files,
-            "shard_max": self.shard_max,
         }
 
 
@@ -536,13 +532,10 @@ def _plan_parquet(
         lo, hi, nulls = _updated_at_stats(rg, ts_index)
         seen.row_groups_total += 1
         seen.null_updated_at_rows += nulls
-        if hi is not None and seen.limit is not None and hi > seen.limit:
-            seen.future_row_groups += 1
-            hi = lo if lo is not None and lo <= seen.limit else None
-        if hi is not None and (seen.max_updated_at is None or hi > seen.max_updated_at):
+        future = hi is not None and seen.limit is not None and hi > seen.limit
+        seen.future_row_groups += future
+        if hi is not None and not future and (seen.max_updated_at is None or hi > seen.max_updated_at):
             seen.max_updated_at = hi
-        if hi is not None and (shard not in seen.shard_max or hi.isoformat() > seen.shard_max[shard]):
-            seen.shard_max[shard] = hi.isoformat()
         skip = window is not None and (not window.may_hold(lo, hi) or (n > 0 and nulls == n))
         if skip:
             seen.row_groups_pruned += 1
@@ -641,10 +634,8 @@ def plan_listing(
 
     Why: a footer costs one request, and an input of 50k small shards waited ~4 min on them
     before its first unit (moto, `bench.planning`); the listing already holds what a unit of a
-    small file needs. What it costs: row-group pruning and the footers' `updated_at`
-    statistics (the latest per shard, which a daily re-reads a rewritten file after) for the
-    shards planned whole; the run takes the latter from its committed rows instead
-    (`with_whole_file_maxima`), and a daily's windowed re-reads read footers as before.
+    small file needs. What it costs: the footers' `updated_at` statistics of the shards
+    planned whole (the informational watermark does not count them).
     """
     seen = observations if observations is not None else PlanObservations()
     common: dict[str, Any] = {
@@ -718,34 +709,22 @@ def _reading(input: InputConfig, mode: str) -> dict[str, Any]:
 def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: datetime | None = None) -> Plan:
     """A backfill plans every shard whole. A daily plans the files no run has read whole yet
     (new ones, and those whose size or ETag changed), whole, whatever their rows' updated_at;
-    with `since`, also the files already read, for their rows updated after `since`."""
+    an unchanged file is not read again. `since` only adds reads: the unchanged files too, for
+    their rows updated at or after it."""
     listing = list_input(input.uri, format=input.format, quarantined=output.quarantined())
     seen = PlanObservations(limit=datetime.now(UTC) + timedelta(seconds=input.max_future_skew_s))
-    whole, windowed = listing.shards, list[tuple[str, ShardFormat]]()
-    rewritten: dict[datetime, list[tuple[str, ShardFormat]]] = {}
+    whole, unchanged = listing.shards, list[tuple[str, ShardFormat]]()
     files: Counter[str] = Counter()
     if mode == "daily":
         read_before = output.files_seen()
         whole = []
         for shard, fmt in listing.shards:
-            fingerprint, read_up_to = read_before.get(shard, (None, None))
-            kind = (
-                "new"
-                if fingerprint is None
-                else "changed"
-                if fingerprint != listing.fingerprints[shard]
-                else "unchanged"
-            )
+            before = read_before.get(shard)
+            kind = "new" if before is None else "unchanged" if before[0] == listing.fingerprints[shard] else "changed"
             files[kind] += 1
-            if kind == "unchanged":
-                windowed.append((shard, fmt))
-            elif kind == "changed" and read_up_to is not None and fmt == "parquet":
-                # Rewritten in place: its rows updated after what was read of it last time.
-                rewritten.setdefault(datetime.fromisoformat(read_up_to), []).append((shard, fmt))
-            else:
-                whole.append((shard, fmt))
+            (unchanged if kind == "unchanged" else whole).append((shard, fmt))
         if since is not None and input.updated_at_partition:
-            windowed = prune_partitions(windowed, input.updated_at_partition, DeltaWindow.since(since), seen)
+            unchanged = prune_partitions(unchanged, input.updated_at_partition, DeltaWindow.since(since), seen)
     else:
         files["new"] = len(whole)
     common: dict[str, Any] = {
@@ -757,14 +736,10 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
         "threads": input.planning_threads,
     }
     units, bad = plan_listing(whole, sizes=listing.sizes, footer_sample=input.footer_sample, **common)
-    # Files read before, re-read for their rows updated after a time: each rewritten file after
-    # what was read of it (or `since`, if earlier), then the unchanged ones after `since`.
-    reread = [(upto if since is None else min(since, upto), shards) for upto, shards in sorted(rewritten.items())]
-    if since is not None and windowed:
-        reread.append((since, windowed))
-    for after, shards in reread:
-        more, more_bad = plan_units(shards, need_updated_at=True, window=DeltaWindow.since(after), **common)
-        units += [dataclasses.replace(u, since=after.isoformat()) for u in more]
+    if since is not None and unchanged:
+        window = DeltaWindow.since(since)
+        more, more_bad = plan_units(unchanged, need_updated_at=True, window=window, **common)
+        units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
         bad += more_bad
     logger.info(
         "planned %d units: %d files new, %d changed, %d read before%s; %d skipped, %d bad",
@@ -772,7 +747,7 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
         files["new"],
         files["changed"],
         files["unchanged"],
-        f" (rows updated after {since.isoformat()} re-read)" if since is not None else " (not read)",
+        f" (rows updated at or after {since.isoformat()} re-read)" if since is not None else " (not read)",
         len(listing.skipped),
         len(bad),
     )
@@ -854,42 +829,6 @@ def _retry_bad_shards(input: InputConfig, plan: Plan, listing: InputListing) -> 
     if units:
         logger.info("%d shard(s) recorded as bad are readable now: %d units added", len(shards) - len(bad), len(units))
     return dataclasses.replace(plan, units=plan.units + units, bad_shards=bad)
-
-
-def with_whole_file_maxima(plan: Plan, done: set[str], maxima: Callable[[], Mapping[str, datetime]]) -> Plan:
-    """The plan with the latest `updated_at` of each committed shard planned whole from its
-    listed size (`plan_listing`: no footer read at planning), taken from the statistics of its
-    committed rows in the table's log (`maxima`: unit -> its latest `updated_at`; no data read).
-
-    They are recorded with the files seen, so a daily reads a later rewrite of such a file for
-    its newer rows only, as it does for a file whose footers planning read. Delta's statistics
-    truncate timestamps to the millisecond (never up: checked in the unit tests), so a rewrite
-    may re-read rows of that last millisecond and never skips one. A file whose rows reach
-    beyond now + the plan's `max_future_skew_s` (a sentinel) gets none: a rewrite of it is read
-    whole."""
-    whole = {u.key: u.shard for u in plan.units if u.planned_whole and u.key in done}
-    if not whole:
-        return plan
-    by_unit = maxima()
-    limit = datetime.now(UTC) + timedelta(seconds=plan.max_future_skew_s)
-    found: dict[str, datetime] = {}
-    for key, shard in whole.items():
-        hi = by_unit.get(key)
-        if hi is not None and hi <= limit:
-            found[shard] = hi
-    if not found:
-        return plan
-    observations = dict(plan.observations or {})
-    observations["shard_max"] = {
-        **(observations.get("shard_max") or {}),
-        **{shard: hi.isoformat() for shard, hi in found.items()},
-    }
-    latest = max(found.values())
-    stated = observations.get("max_updated_at")
-    footers = None if stated is None else datetime.fromisoformat(stated)
-    if footers is not None and latest > footers:  # else read_as_of is "now": the rows had no statistics
-        observations["max_updated_at"] = observations["read_as_of"] = latest.isoformat()
-    return dataclasses.replace(plan, observations=observations)
 
 
 # -- the input as preflight checks it ----------------------------------------------------------

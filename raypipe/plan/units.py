@@ -31,18 +31,15 @@ class ColumnNames:
 
 @dataclass(frozen=True)
 class DeltaWindow:
-    """Selects rows with `after <= updated_at <= until` (daily runs).
+    """Selects rows with `after <= updated_at <= until`: a daily `--since`'s re-read of an
+    unchanged file (a unit with its own `since`).
 
-    `after` is inclusive: a file rewritten in place is read from the latest `updated_at` read
-    of it before, so rows appended at exactly that instant (a batch export stamps every row
-    with one time) are read; the rows re-read at that instant are answered from the table by
-    reuse.
-
-    A window applies only to a file a run has read before (a unit with its own `since`: a
-    daily's `--since`, a rewrite's newer rows); new files are read whole. Rows whose
-    `updated_at` is null are never in a window: they are read with the file that holds them,
-    when it is new. (A JSON-lines line that is not an object and names no time is in every
-    window: its dead letter is recorded each time its file is read, `raypipe.run.read`.)
+    A window only ever adds reads: new and changed files are read whole, whatever their
+    rows' `updated_at`, and a file no run changed was read whole before. `after` is
+    inclusive (a batch export stamps every row with one time). Rows whose `updated_at` is
+    null are never in a window: they were read with their file. (A JSON-lines line that is
+    not an object and names no time is in every window: its dead letter is recorded each
+    time its file is read, `raypipe.run.read`.)
     """
 
     after: datetime | None
@@ -50,7 +47,7 @@ class DeltaWindow:
 
     @classmethod
     def since(cls, after: datetime) -> DeltaWindow:
-        """Every row updated at or after `after` (a daily's `--since`; a rewritten file's newer rows)."""
+        """Every row updated at or after `after` (a daily's `--since`)."""
         return cls(after, datetime(9999, 12, 31, tzinfo=UTC))
 
     def may_hold(self, lo: datetime | None, hi: datetime | None) -> bool:
@@ -77,7 +74,7 @@ class WorkUnit:
     fingerprint: str | None = None
     """The shard's `fingerprint` at planning: a shard rewritten since is not read (re-planned)."""
     since: str | None = None
-    """Only rows updated after this instant (ISO; a daily's `--since` over files read before)."""
+    """Only rows updated at or after this instant (ISO; a daily's `--since` over unchanged files)."""
 
     @property
     def key(self) -> str:

@@ -38,9 +38,9 @@ logger = logging.getLogger("raypipe")
 
 
 def _read_block(unit: WorkUnit, columns: ColumnNames, on_bad_shard: str) -> list[pa.Table]:
-    """The unit's rows. A unit is read whole unless it carries its own `since` (a file read
-    before: a daily's `--since`, a rewrite's newer rows); a new file is read whole whatever
-    its rows' `updated_at`, null included, so a late file is never lost to a window."""
+    """The unit's rows. A unit is read whole unless it carries its own `since` (a daily's
+    `--since` over a file no run changed since it was read whole); a new or changed file is
+    read whole whatever its rows' `updated_at`, null included, so no row is lost to a window."""
     window = None if unit.since is None else DeltaWindow.since(datetime.fromisoformat(unit.since))
     try:
         table = read_unit(unit, columns, window)

@@ -34,7 +34,7 @@ from raypipe.commit.outcomes import Ledger, answered_versions
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
-from raypipe.plan.planning import Plan, resume, with_whole_file_maxima
+from raypipe.plan.planning import Plan, resume
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport, UnitStats
 from raypipe.run.cost import CpuMeter
@@ -306,9 +306,6 @@ class CommitRun:
         complete = len(done_units) == len(plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
         if plan.mode != "replay":
-            plan = with_whole_file_maxima(
-                plan, done_units, lambda: protocol.table.max_updated_at_by_unit(protocol.run_id)
-            )
             protocol.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
             protocol.commit_run()

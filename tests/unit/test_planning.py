@@ -222,9 +222,9 @@ def test_parallel_planning_gives_the_sequential_plan(tmp_path, window):
             fingerprints=listing.fingerprints,
             threads=threads,
         )
-        plans[threads] = (units, bad, seen.to_dict(), list(seen.shard_max))
+        plans[threads] = (units, bad, seen.to_dict())
     assert plans[1] == plans[3] == plans[16]
-    units, bad, seen, _ = plans[1]
+    units, bad, seen = plans[1]
     assert [b["shard"].rsplit("/", 1)[-1] for b in bad] == ["s2.parquet", "s4.parquet", "s6.parquet"]
     assert seen["future_row_groups"] == 1 and seen["null_updated_at_rows"] > 0
     assert all(u.fingerprint for u in units)
@@ -382,13 +382,13 @@ def test_a_sample_with_no_rows_to_measure_plans_every_shard_from_its_footer(tmp_
     assert seen.whole_files == 0 and seen.footers_read == 10 and all(u.row_stop == 0 for u in units)
 
 
-def test_a_rewrite_reads_appended_rows_stamped_at_the_recorded_maximum(tmp_path):
-    """A batch export stamps every row with one time: rows appended at exactly the maximum read
-    before are planned and read (the rows re-read at that instant are answered by reuse)."""
+def test_a_window_keeps_rows_stamped_at_its_start(tmp_path):
+    """A batch export stamps every row with one time: a `--since` at exactly that instant
+    plans and reads every one of them."""
     stamp = datetime(2026, 1, 1, tzinfo=UTC)
     ts = pa.array([stamp] * 4, pa.timestamp("us", tz="UTC"))
     write_parquet(tmp_path / "a.parquet", ["a", "b", "c", "d"], ["w", "x", "y", "z"], updated_at=ts)
-    window = DeltaWindow.since(stamp)  # the file was read before up to `stamp`; "c" and "d" were appended
+    window = DeltaWindow.since(stamp)
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=10, columns=COLS, need_updated_at=True, window=window)
     assert len(units) == 1
     assert read_unit(units[0], COLS, window).column("id").to_pylist() == ["a", "b", "c", "d"]
@@ -456,9 +456,9 @@ def test_a_daily_asks_the_output_what_it_read_through_the_commit_protocol(tmp_pa
     assert read_plan(plan) == ["a"] and plan.observations["files"] == {"new": 1}
 
 
-def test_daily_since_rereads_a_rewritten_file_after_the_earlier_time_then_the_unchanged_ones(tmp_path):
-    """A rewritten file is re-read after what was read of it or `since`, whichever is earlier;
-    an unchanged one after `since`; in that order, after the new files."""
+def test_daily_since_reads_a_rewritten_file_whole_then_the_unchanged_ones_from_since(tmp_path):
+    """`--since` only adds reads: a rewritten file is read whole as without it; an unchanged
+    one after `since`; in that order, after the new files."""
     from raypipe.plan.planning import list_input
 
     write(tmp_path / "in" / "a_new.parquet", ["n"], [T0])
@@ -479,7 +479,7 @@ def test_daily_since_rereads_a_rewritten_file_after_the_earlier_time_then_the_un
     plan = plan_input(cfg.input, "daily", history, since=since)
     assert [(u.shard.rsplit("/", 1)[-1], u.since) for u in plan.units] == [
         ("a_new.parquet", None),
-        ("b_rewritten.parquet", upto.isoformat()),
+        ("b_rewritten.parquet", None),
         ("c_unchanged.parquet", since.isoformat()),
     ]
 
