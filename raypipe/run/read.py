@@ -122,6 +122,9 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: D
 
 _BAD_JSON_FIELD = "__raypipe_bad"
 
+#: Fractional seconds beyond microseconds in an ISO string, dropped before it is parsed.
+_SUB_MICROSECONDS = r"(\.\d{6})\d+"
+
 
 def _read_jsonl(data: bytes, columns: ColumnNames) -> pa.Table:
     """A JSON-lines file as a table: by Arrow's reader where the file is valid UTF-8 and every
@@ -234,7 +237,10 @@ def _named_time(line: str, name: str) -> str | None:
     """`_named` where it is a string that reads as a timestamp, else None."""
     value = _named(line, name)
     try:
-        pc.cast(pa.array([value], pa.string()), pa.timestamp("us", tz="UTC"))
+        pc.cast(
+            pc.replace_substring_regex(pa.array([value], pa.string()), _SUB_MICROSECONDS, r"\1"),
+            pa.timestamp("us", tz="UTC"),
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
     return value
@@ -289,12 +295,17 @@ def _utf8_checked(column: pa.ChunkedArray, what: str) -> tuple[pa.Array, list[st
 
 
 def _as_utc_timestamps(column: pa.ChunkedArray, shard: str, name: str) -> pa.ChunkedArray:
+    """The column as UTC instants in microseconds (the outcomes table's unit). Finer stamps
+    (nanoseconds from Go, Java's `Instant`, pandas) are truncated toward the past, never refused:
+    a safe cast would fail every row of such a shard."""
     t = column.type
     if pa.types.is_timestamp(t):
+        if t.unit == "ns":
+            column = pc.floor_temporal(column, unit="microsecond")
         return column.cast(pa.timestamp("us", tz=t.tz or "UTC")).cast(pa.timestamp("us", tz="UTC"))
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         try:
-            return pc.cast(column, pa.timestamp("us", tz="UTC"))
+            return pc.cast(pc.replace_substring_regex(column, _SUB_MICROSECONDS, r"\1"), pa.timestamp("us", tz="UTC"))
         except pa.ArrowInvalid as e:
             raise SchemaError(
                 f"column {name!r} holds strings that are not ISO timestamps: {e}", shard=shard, column=name

@@ -142,3 +142,38 @@ def test_a_sentinel_is_counted_and_never_the_watermark(tmp_path):
     plan = plan_input(input, "backfill", History({}))
     assert plan.observations["future_row_groups"] == 1
     assert plan.read_as_of == T0 - timedelta(days=1)
+
+
+# -- updated_at in nanoseconds -------------------------------------------------------------------
+NS = 1_772_323_200_123_456_789  # 2026-03-01T00:00:00.123456789Z: Go, Java `Instant`, pandas
+
+
+def test_nanosecond_stamps_with_sub_microsecond_digits_are_read_truncated_to_microseconds(tmp_path):
+    input = config(tmp_path)
+    write(tmp_path / "in" / "ns.parquet", ["a", "b", "n"], [NS, NS + 1_000, None], unit="ns")
+    plan = plan_input(input, "backfill", History({}))
+    assert read_plan(plan) == ["a", "b", "n"]
+    (task,) = UnitDatasource(plan.units, plan.columns, plan.on_bad_shard).get_read_tasks(parallelism=1)
+    (block,) = task()
+    stamps = block.column("updated_at").cast(pa.int64()).to_pylist()
+    assert stamps == [NS // 1_000, NS // 1_000 + 1, None]
+    assert plan.read_as_of is not None and plan.read_as_of.microsecond in (123_456, 123_457)
+
+
+def test_nanosecond_stamps_are_read_by_a_since_window_over_an_unchanged_file(tmp_path):
+    input = config(tmp_path)
+    write(tmp_path / "in" / "ns.parquet", ["before", "after"], [NS - 10**12, NS], unit="ns")
+    _, seen = read_before(input, "ns.parquet", T0)
+    plan = plan_input(input, "daily", History(seen), since=datetime(2026, 3, 1, tzinfo=UTC))
+    assert read_plan(plan) == ["after"]
+
+
+def test_json_lines_stamps_with_nanosecond_digits_are_read(tmp_path):
+    path = tmp_path / "in" / "ns.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"id": "a", "text": "x", "updated_at": "2026-03-01T00:00:00.123456789Z"}\n')
+    input = config(tmp_path)
+    plan = plan_input(input, "backfill", History({}))
+    (task,) = UnitDatasource(plan.units, plan.columns, plan.on_bad_shard).get_read_tasks(parallelism=1)
+    (block,) = task()
+    assert block.column("updated_at").to_pylist() == [datetime(2026, 3, 1, 0, 0, 0, 123456, tzinfo=UTC)]
