@@ -10,8 +10,11 @@ committed units and redoes only the ones that were in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import posixpath
+import re
+import unicodedata
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -78,12 +81,16 @@ class WorkUnit:
 
     @property
     def key(self) -> str:
-        """Stable, file-name-safe identity: the same unit always gets the same output names."""
+        """Stable identity: the same unit always gets the same key, and units of a run never
+        share one. ASCII of at most `KEY_MAX_BYTES` (delta-rs cuts string statistics at 64
+        bytes, and a resume lists its committed units from them): the shard's name folded to
+        ASCII and shortened, the first row, and a digest of the shard, its row range and the
+        version it was planned at (a file re-planned after a rewrite gets new keys)."""
         if self.name:
             return self.name
-        digest = hashlib.sha1(f"{self.shard}|{self.row_start}|{self.row_stop}".encode()).hexdigest()[:12]
-        stem = posixpath.basename(self.shard).split(".")[0][:40] or "shard"
-        return f"{stem}-{self.row_start}-{digest}"
+        mark = f"{self.shard}|{self.row_start}|{self.row_stop}|{self.fingerprint}"
+        digest = hashlib.sha1(mark.encode()).hexdigest()[:12]
+        return f"{_ascii_stem(self.shard)}-{self.row_start}-{digest}"
 
     @property
     def planned_whole(self) -> bool:
@@ -97,6 +104,7 @@ class WorkUnit:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "key": self.key,
             "shard": self.shard,
             "format": self.format,
             "row_start": self.row_start,
@@ -109,8 +117,11 @@ class WorkUnit:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WorkUnit:
+        """The unit stored by `to_dict`, with the key it was stored with: a plan an earlier
+        release stored (no "key") keeps the key that release derived, so a resume finds the
+        units it committed."""
         stop = None if d["row_stop"] is None else int(d["row_stop"])
-        return cls(
+        unit = cls(
             d["shard"],
             d["format"],
             int(d["row_start"]),
@@ -120,3 +131,25 @@ class WorkUnit:
             d.get("fingerprint"),
             d.get("since"),
         )
+        stored = d.get("key") or (None if unit.name else _legacy_key(unit))
+        return unit if stored in (None, unit.key) else dataclasses.replace(unit, name=stored)
+
+
+#: The longest unit key (`WorkUnit.key`): delta-rs keeps string statistics up to 64 bytes.
+KEY_MAX_BYTES = 64
+_STEM_CHARS = 24
+
+
+def _ascii_stem(shard: str) -> str:
+    """The shard's file name without extensions, folded to ASCII (accents dropped, other
+    characters left out) and cut to `_STEM_CHARS`: a readable prefix, not an identity."""
+    stem = posixpath.basename(shard).split(".")[0]
+    folded = unicodedata.normalize("NFKD", stem).encode("ascii", "ignore").decode()
+    return re.sub(r"[^A-Za-z0-9_-]", "", folded)[:_STEM_CHARS] or "shard"
+
+
+def _legacy_key(unit: WorkUnit) -> str:
+    """The key an earlier release derived (up to 40 characters of the name, any script)."""
+    digest = hashlib.sha1(f"{unit.shard}|{unit.row_start}|{unit.row_stop}".encode()).hexdigest()[:12]
+    stem = posixpath.basename(unit.shard).split(".")[0][:40] or "shard"
+    return f"{stem}-{unit.row_start}-{digest}"

@@ -164,7 +164,7 @@ def test_a_resumed_run_brought_up_to_date_reads_the_committed_units_once(tmp_pat
         "m1", RunReport("r1", "backfill")
     )
     assert protocol.committed_reads == 1
-    assert [u.key for u in todo] == [b.key] and protocol.saved == [plan]
+    assert [u.shard for u in todo] == [b.shard] and protocol.saved == [plan]
     fingerprints = {u.shard: u.fingerprint for u in plan.units}
     assert fingerprints[a.shard] == "old" and fingerprints[b.shard] != "old"  # the committed unit keeps its own
 
