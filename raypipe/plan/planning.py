@@ -783,52 +783,80 @@ def plan_replay(output_uri: str, of_run: str, dead_letters: Mapping[str, int], *
     return Plan("replay", None, units, [], None, replay_of=of_run, observations={"table_version": table_version})
 
 
-def resume(input: InputConfig, plan: Plan, committed: set[str]) -> tuple[Plan, bool]:
+def resume(
+    input: InputConfig, plan: Plan, committed: set[str], *, quarantined: frozenset[str] = frozenset()
+) -> tuple[Plan, bool]:
     """A resumed run's stored plan, read with this attempt's input settings, and brought up to
-    date with its input as it is now: the shards an earlier attempt recorded as bad planned
-    again (a fixed one joins the run), and each whole-file unit not `committed` yet read as its
-    file is now. Returns (plan, changed): a changed plan is to be stored again. The input is
-    listed only when the plan has bad shards or whole-file units."""
+    date with its input as it is now, for what is not `committed` yet:
+
+    - a shard gone from the input since planning, or `quarantined` since, has its units not
+      committed dropped, and is listed with the plan's skipped files, with why;
+    - a shard rewritten since planning (its fingerprint differs) is planned again, whole, from
+      the file as it is now: its old units are dropped, committed or not (their rows stay in
+      the table; the new units have new keys), so no row of the new version is skipped;
+    - the shards an earlier attempt recorded as bad are planned again (a fixed one joins the
+      run; a quarantined or gone one leaves the bad shards for the skipped files).
+
+    A shard planned again that cannot be read is recorded as bad, whatever the bad-shard
+    policy (the run is then incomplete; a later resume plans it again).
+
+    Returns (plan, changed): a changed plan is to be stored again."""
     plan = dataclasses.replace(plan, **_reading(input, plan.mode))
-    if not (plan.bad_shards or any(u.planned_whole for u in plan.units)):
-        return plan, False
-    listing = list_input(input.uri, format=input.format)
-    return _refresh_whole_files(_retry_bad_shards(input, plan, listing), listing, committed), True
+    listing = list_input(input.uri, format=input.format, quarantined=quarantined)
+    now = listing.fingerprints
+    observations = dict(plan.observations or {})
+    skipped = list(observations.get("skipped_files") or [])
+    listed = {s["path"] for s in skipped}
 
+    def skip(shard: str, reason: str) -> None:
+        if shard not in listed:
+            listed.add(shard)
+            skipped.append({"path": shard, "reason": reason})
 
-def _refresh_whole_files(plan: Plan, listing: InputListing, committed: set[str]) -> Plan:
-    """A resumed run reads each of its whole-file units not committed yet (`plan_listing`) as
-    the file is now: one mended or rewritten since planning (a bad shard fixed in place) would
-    otherwise never read under this run id (`ShardChangedError`). A unit that is the whole file
-    has no row range of an older version to keep; a unit cut from a footer keeps its
-    fingerprint, and a committed unit keeps the one it was read at."""
-    units = [
-        dataclasses.replace(u, fingerprint=listing.fingerprints[u.shard])
-        if u.planned_whole and u.key not in committed and u.shard in listing.fingerprints
-        else u
-        for u in plan.units
-    ]
-    return dataclasses.replace(plan, units=units)
-
-
-def _retry_bad_shards(input: InputConfig, plan: Plan, listing: InputListing) -> Plan:
-    """Plans again the shards an earlier attempt recorded as bad: a fixed shard joins the run."""
-    if not plan.bad_shards:
-        return plan
-    shards = [(b["shard"], b["format"]) for b in plan.bad_shards]
-    units, bad = plan_units(
-        [(shard, fmt) for shard, fmt in shards if shard in listing.fingerprints],  # type: ignore[misc]
-        unit_rows=input.unit_rows,
-        columns=plan.columns,
-        on_bad_shard="record",
-        fingerprints=listing.fingerprints,
-        threads=input.planning_threads,
-    )
-    gone = [b for b in plan.bad_shards if b["shard"] not in listing.fingerprints]
-    bad += [{**b, "error": "the shard is gone from the input"} for b in gone]
-    if units:
-        logger.info("%d shard(s) recorded as bad are readable now: %d units added", len(shards) - len(bad), len(units))
-    return dataclasses.replace(plan, units=plan.units + units, bad_shards=bad)
+    open_shards = {u.shard for u in plan.units if u.key not in committed and u.format != "dead_letters"}
+    units, replan = [], list[tuple[str, ShardFormat]]()
+    for u in plan.units:
+        if u.shard not in open_shards:
+            units.append(u)
+        elif u.shard in quarantined:
+            skip(u.shard, "quarantined (raypipe shards quarantine) since the run was planned")
+            if u.key in committed:
+                units.append(u)
+        elif u.shard not in now:
+            skip(u.shard, "gone from the input since the run was planned")
+            if u.key in committed:
+                units.append(u)
+        elif u.fingerprint is not None and u.fingerprint != now[u.shard]:
+            if (u.shard, u.format) not in replan:
+                replan.append((u.shard, u.format))
+        else:
+            units.append(u)
+    bad = []
+    for b in plan.bad_shards:
+        if b["shard"] in quarantined:
+            skip(b["shard"], "quarantined (raypipe shards quarantine) since the run was planned")
+        elif b["shard"] not in now:
+            skip(b["shard"], "gone from the input since the run was planned")
+        else:
+            replan.append((b["shard"], b["format"]))  # type: ignore[arg-type]
+    if replan:
+        more, more_bad = plan_units(
+            replan,
+            unit_rows=input.unit_rows,
+            columns=plan.columns,
+            on_bad_shard="record",
+            fingerprints=now,
+            threads=input.planning_threads,
+        )
+        units += more
+        bad += more_bad
+        logger.info(
+            "%d shard(s) rewritten since planning or recorded as bad planned again: %d units", len(replan), len(more)
+        )
+    if skipped:
+        observations["skipped_files"] = skipped
+    resumed = dataclasses.replace(plan, units=units, bad_shards=bad, observations=observations or plan.observations)
+    return resumed, resumed != plan
 
 
 # -- the input as preflight checks it ----------------------------------------------------------

@@ -103,7 +103,7 @@ class PlanRun:
         )
         done = protocol.committed_units(plan)  # read once: a resumed plan's new units are not among them
         if resumed and input is not None:
-            plan, changed = resume(input, plan, done)
+            plan, changed = resume(input, plan, done, quarantined=protocol.quarantined())
             if changed:
                 protocol.save_plan(plan)
         report.input, report.bad_shards, report.replay_of = plan.input, plan.bad_shards, plan.replay_of

@@ -74,6 +74,9 @@ class FakeProtocol:
     def save_plan(self, plan: Plan) -> None:
         self.saved.append(plan)
 
+    def quarantined(self) -> frozenset[str]:
+        return frozenset()
+
     def committed_units(self, plan: Plan) -> set[str]:
         self.committed_reads += 1
         return set(self.done)
