@@ -11,7 +11,7 @@ process), uploaded once per section. Each step runs in a child process, as a dri
    time, driver CPU, moto's CPU, peak RSS (`getrusage`), and the S3 requests by operation
    (botocore's `before-call` events);
 2. **requests**: on a sample of shards, the requests per footer of the read planning made
-   before (`fs.open(..., cache_type="none")` + `pq.ParquetFile`) and of `raypipe.plan.planning._read_footer`,
+   before (`fs.open(..., cache_type="none")` + `pq.ParquetFile`) and of `raypipe.plan.footers._read_footer`,
    with s3fs's listing cache warm (after `list_input`, as in a run) and cold, and the driver's
    CPU per footer (also of Arrow's C++ S3 client, which raypipe does not use, for comparison);
 3. **latency**: plan on the same sample one at a time and in parallel through a proxy that
@@ -179,7 +179,7 @@ def child_plan(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _footer_before(fs: Any, path: str) -> Any:
-    """How planning read a footer before `raypipe.plan.planning._read_footer` (`raypipe.run.read._open_parquet`)."""
+    """How planning read a footer before `raypipe.plan.footers._read_footer` (`raypipe.run.read._open_parquet`)."""
     import pyarrow.parquet as pq
 
     with fs.open(path, "rb", cache_type="none") as f:
@@ -190,7 +190,8 @@ def child_requests(payload: dict[str, Any]) -> dict[str, Any]:
     """Requests per footer, before and now, with s3fs's listing cache warm and cold."""
     import fsspec
 
-    from raypipe.plan.planning import _read_footer, list_input
+    from raypipe.plan.footers import _read_footer
+    from raypipe.plan.planning import list_input
 
     fs = fsspec.filesystem("s3")
     counts = _count_requests(fs)

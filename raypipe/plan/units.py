@@ -2,7 +2,8 @@
 and the work unit.
 
 A **work unit** is a contiguous row range of one shard (whole Parquet row groups where they
-are small enough; a whole file for JSON lines). It is the grain of everything that must be
+are small enough; a whole JSON-lines file, or a byte range of its lines where it is large), of
+at most `input.unit_rows` rows and about `input.unit_bytes` bytes. It is the grain of everything that must be
 exact: a unit is read as one block (`raypipe.run.read`), inferred, and committed with its
 results and dead letters in one step (`raypipe.commit.table`), so a resumed run skips
 committed units and redoes only the ones that were in flight.
@@ -78,6 +79,10 @@ class WorkUnit:
     """The shard's `fingerprint` at planning: a shard rewritten since is not read (re-planned)."""
     since: str | None = None
     """Only rows updated at or after this instant (ISO; a daily's `--since` over unchanged files)."""
+    byte_start: int | None = None
+    """JSON lines cut by bytes: the unit's lines start at this byte (None: the whole file)."""
+    byte_stop: int | None = None
+    """JSON lines cut by bytes: the unit's lines end before this byte."""
 
     @property
     def key(self) -> str:
@@ -113,6 +118,8 @@ class WorkUnit:
             "source_run": self.source_run,
             "fingerprint": self.fingerprint,
             "since": self.since,
+            "byte_start": self.byte_start,
+            "byte_stop": self.byte_stop,
         }
 
     @classmethod
@@ -130,6 +137,8 @@ class WorkUnit:
             d.get("source_run"),
             d.get("fingerprint"),
             d.get("since"),
+            d.get("byte_start"),
+            d.get("byte_stop"),
         )
         stored = d.get("key") or (None if unit.name else _legacy_key(unit))
         return unit if stored in (None, unit.key) else dataclasses.replace(unit, name=stored)

@@ -16,7 +16,7 @@ import pytest
 from raypipe.api import build_config
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.errors import InputError, NoShardsError, SchemaError, ShardChangedError
-from raypipe.plan import planning
+from raypipe.plan import footers, planning
 from raypipe.plan.planning import PlanObservations, list_input, list_shards, plan_input, plan_units
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 from raypipe.run.pipeline import UnitDatasource
@@ -92,7 +92,7 @@ def test_a_large_row_group_of_small_rows_stays_one_unit(tmp_path):
 
 
 def test_huge_row_group_is_cut_by_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr("raypipe.plan.planning.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
+    monkeypatch.setattr("raypipe.plan.footers.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
     write_parquet(tmp_path / "a.parquet", [str(i) for i in range(100)], ["t"] * 100, row_group_size=100)
     units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, columns=COLS)
     assert [(u.row_start, u.row_stop) for u in units] == [(0, 30), (30, 60), (60, 90), (90, 100)]
@@ -235,7 +235,7 @@ def test_parallel_planning_gives_the_sequential_plan(tmp_path, window):
 def test_parallel_planning_fails_with_the_first_bad_shard_in_shard_order(tmp_path, monkeypatch):
     """The later bad shard fails first; the error is still the earlier one's."""
     _mixed_corpus(tmp_path)
-    read = planning._read_footer
+    read = footers._read_footer
     later_failed = threading.Event()
 
     def footer(fs, path):
@@ -247,7 +247,7 @@ def test_parallel_planning_fails_with_the_first_bad_shard_in_shard_order(tmp_pat
             if path.endswith("s4.parquet"):
                 later_failed.set()
 
-    monkeypatch.setattr(planning, "_read_footer", footer)
+    monkeypatch.setattr(footers, "_read_footer", footer)
     shards = list_shards(str(tmp_path))
     with pytest.raises(InputError, match=r"s2\.parquet") as info:
         plan_units(shards, unit_rows=10, columns=COLS, on_bad_shard="fail", threads=4)
@@ -273,10 +273,10 @@ def test_a_footer_is_one_read_of_the_tail_and_a_larger_one_two(tmp_path):
     write_parquet(small, [str(i) for i in range(100)], ["t"] * 100, row_group_size=10)
     n = 3000  # a row group per row: a footer over 64 KiB
     write_parquet(large, [str(i) for i in range(n)], ["t"] * n, row_group_size=1)
-    assert pq.read_metadata(large).serialized_size > planning.FOOTER_TAIL_BYTES > small.stat().st_size
-    for path, reads in ((small, [-planning.FOOTER_TAIL_BYTES]), (large, None)):
+    assert pq.read_metadata(large).serialized_size > footers.FOOTER_TAIL_BYTES > small.stat().st_size
+    for path, reads in ((small, [-footers.FOOTER_TAIL_BYTES]), (large, None)):
         fs = _CountingFs()
-        meta = planning._read_footer(fs, str(path))
+        meta = footers._read_footer(fs, str(path))
         assert meta.equals(pq.read_metadata(path))
         if reads is not None:
             assert fs.reads == reads
@@ -292,9 +292,9 @@ def test_a_footer_exactly_the_tail_read_long_or_longer_than_its_file(tmp_path, m
     size = path.stat().st_size
     footer = pq.read_metadata(path).serialized_size + 8
     for tail in (footer, footer - 1, 12, size, size + 1):
-        monkeypatch.setattr(planning, "FOOTER_TAIL_BYTES", tail)
+        monkeypatch.setattr(footers, "FOOTER_TAIL_BYTES", tail)
         fs = _CountingFs()
-        assert planning._read_footer(fs, str(path)).equals(pq.read_metadata(path))
+        assert footers._read_footer(fs, str(path)).equals(pq.read_metadata(path))
         assert len(fs.reads) == (1 if tail >= footer else 2)
     path.write_bytes(path.read_bytes()[:-20] + path.read_bytes()[-8:])  # the footer cut short
     _, bad = plan_units(list_shards(str(path)), unit_rows=10, columns=COLS, on_bad_shard="record")
