@@ -277,8 +277,8 @@ class InputConfig(_Frozen):
     """Used by daily runs to pick new and changed rows; passed through to the results."""
     unit_rows: int = Field(2000, ge=1)
     """Rows per work unit, the grain of commits and of resume. Parquet row groups are kept whole:
-    a unit is one or more of them, and only a group of over 2 x unit_rows rows and over 64 MiB
-    is cut by rows (each piece re-reads the group)."""
+    a unit is one or more of them, and only a group over `unit_bytes` is cut by rows (each
+    piece re-reads the group)."""
     updated_at_partition: str | None = None
     """Hive partition key whose value is the date (YYYY-MM-DD) of its rows' updated_at, e.g.
     `updated_date` for `.../updated_date=2026-11-20/part-0.parquet`: a daily `--since` skips
@@ -300,6 +300,13 @@ class InputConfig(_Frozen):
     (spread over the listing: schema checked, bytes per row measured) and plans each other
     shard of up to about 2 x `unit_rows` rows as one unit from its listed size; its footer is
     read with its rows (`raypipe.plan.planning.plan_listing`). Null reads every footer at planning."""
+    unit_bytes: int = Field(64 * 2**20, ge=2**10)
+    """Bytes of id, text and updated_at per work unit, beside `unit_rows`: a unit is one block
+    in memory, so its size is bounded whatever the length of its texts. Parquet bytes are the
+    footer's uncompressed sizes (a column of one text repeated, dictionary-encoded, reads
+    larger); JSON-lines bytes are the file's. A Parquet row group over it is cut by rows (each
+    piece re-reads the group); a JSON-lines file over it is cut at line boundaries after one
+    pass over its lines at planning; a resumed plan's units cut for more are cut again."""
 
     @field_validator("uri")
     @classmethod

@@ -4,6 +4,7 @@ cut into work units from its row groups."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -16,7 +17,7 @@ from raypipe.plan.listing import filesystem
 from raypipe.plan.schema import check_columns, check_types
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
 
-__all__ = ["FOOTER_TAIL_BYTES", "PlanObservations", "plan_parquet"]
+__all__ = ["FOOTER_TAIL_BYTES", "PlanObservations", "cut_ranges", "plan_parquet", "recut_parquet"]
 
 
 # What planning learnt without reading a row (the report's `planning`, the watermark).
@@ -43,6 +44,9 @@ class PlanObservations:
     """Shards a daily skipped by their Hive partition value (`input.updated_at_partition`)."""
     footers_read: int = 0
     """Parquet footers read at planning."""
+    read_bytes: int = 0
+    """Uncompressed bytes of the columns read (id, text, updated_at) in the footers read: with
+    the shards' listed sizes, what a small shard planned whole holds in memory (`plan_listing`)."""
     whole_files: int = 0
     """Parquet shards planned as one unit from their listed size (`plan_listing`): their footers
     are read by the task that reads their rows, and the statistics above do not count them."""
@@ -60,6 +64,7 @@ class PlanObservations:
         self.shards_pruned += other.shards_pruned
         self.footers_read += other.footers_read
         self.whole_files += other.whole_files
+        self.read_bytes += other.read_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,10 +77,6 @@ class PlanObservations:
             "footers_read": self.footers_read,
             "whole_files": self.whole_files,
         }
-
-
-#: Uncompressed size above which a row group of more than 2 x unit_rows rows is cut into units.
-CUT_GROUP_BYTES = 64 * 2**20
 
 
 def _updated_at_stats(rg: Any, index: int | None) -> tuple[datetime | None, datetime | None, int]:
@@ -119,14 +120,63 @@ def _read_footer(fs: fsspec.AbstractFileSystem, path: str) -> Any:
     return pq.read_metadata(pa.BufferReader(tail))
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Rows of a row group that a unit may hold: its first row in the shard, how many, and the
+    bytes of the columns read (uncompressed, as the footer states them)."""
+
+    start: int
+    rows: int
+    bytes: int
+
+
+def cut_ranges(groups: list[_Group], unit_rows: int, unit_bytes: int) -> list[tuple[int, int]]:
+    """The row ranges of the units `groups` are cut into: consecutive groups joined while the
+    unit stays within `unit_rows` rows and `unit_bytes` bytes (a group of more rows than
+    `unit_rows` stays whole when its bytes fit: cutting it would make every piece re-read it);
+    a group over `unit_bytes` cut into pieces of about `unit_bytes` (each piece re-reads the
+    group, but the block it becomes is bounded). A gap between groups (a group a window
+    skips) ends a unit."""
+    ranges: list[tuple[int, int]] = []
+    start = rows = size = 0
+    for g in groups:
+        if rows and (start + rows != g.start or rows + g.rows > unit_rows or size + g.bytes > unit_bytes):
+            ranges.append((start, start + rows))
+            rows = size = 0
+        if g.bytes > unit_bytes and g.rows > 1:
+            step = min(unit_rows, max(1, g.rows * unit_bytes // g.bytes))
+            ranges += [(g.start + lo, g.start + min(g.rows, lo + step)) for lo in range(0, g.rows, step)]
+            continue
+        if not rows:
+            start = g.start
+        rows += g.rows
+        size += g.bytes
+    if rows:
+        ranges.append((start, start + rows))
+    return ranges
+
+
+def _read_columns(meta: Any, columns: ColumnNames) -> list[int]:
+    names = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    return [i for i, name in enumerate(names) if name in (columns.id, columns.text, columns.updated_at)]
+
+
+def _group_bytes(rg: Any, read: list[int]) -> int:
+    return sum(rg.column(i).total_uncompressed_size for i in read)
+
+
 def plan_parquet(
     shard: str,
     unit_rows: int,
+    unit_bytes: int,
     columns: ColumnNames,
     need_updated_at: bool,
     window: DeltaWindow | None,
     seen: PlanObservations,
 ) -> list[WorkUnit]:
+    """A Parquet shard's units from its footer (`cut_ranges`); with a `window` (a daily's
+    `--since` over an unchanged file), the row groups its statistics say hold no row of it
+    are skipped. A shard of no rows is one empty unit (its read records it)."""
     fs, path = filesystem(shard)
     meta = _read_footer(fs, path)
     seen.footers_read += 1
@@ -135,9 +185,8 @@ def plan_parquet(
     check_types(schema, shard, columns)
     names = [meta.schema.column(i).path for i in range(meta.num_columns)]
     ts_index = names.index(columns.updated_at) if columns.updated_at in names else None
-    units: list[WorkUnit] = []
-    start = 0  # first row of the pending unit
-    pending = 0  # rows in the pending unit
+    read = _read_columns(meta, columns)
+    groups: list[_Group] = []
     offset = 0  # first row of the current row group
     for i in range(meta.num_row_groups):
         rg = meta.row_group(i)
@@ -149,28 +198,36 @@ def plan_parquet(
         seen.future_row_groups += future
         if hi is not None and not future and (seen.max_updated_at is None or hi > seen.max_updated_at):
             seen.max_updated_at = hi
-        skip = window is not None and (not window.may_hold(lo, hi) or (n > 0 and nulls == n))
-        if skip:
+        size = _group_bytes(rg, read)
+        seen.read_bytes += size
+        if window is not None and (not window.may_hold(lo, hi) or (n > 0 and nulls == n)):
             seen.row_groups_pruned += 1
-        if pending and (skip or pending + n > unit_rows):
-            units.append(WorkUnit(shard, "parquet", start, start + pending))
-            pending = 0
-        if skip:
-            offset += n
-            start = offset
-            continue
-        if not pending:
-            start = offset
-        if n > 2 * unit_rows and rg.total_byte_size > CUT_GROUP_BYTES:
-            # A huge row group: cut it by rows (each unit re-reads the group, so only when it is
-            # too big to hold as one unit; a group of many small rows stays whole).
-            for lo_row in range(0, n, unit_rows):
-                hi_row = min(n, lo_row + unit_rows)
-                units.append(WorkUnit(shard, "parquet", offset + lo_row, offset + hi_row))
-            start = offset + n
         else:
-            pending += n
+            groups.append(_Group(offset, n, size))
         offset += n
-    if pending or (not units and window is None):
-        units.append(WorkUnit(shard, "parquet", start, start + pending))
-    return units
+    ranges = cut_ranges(groups, unit_rows, unit_bytes)
+    if not ranges and window is None:
+        ranges = [(0, 0)]
+    return [WorkUnit(shard, "parquet", lo, hi) for lo, hi in ranges]
+
+
+def recut_parquet(unit: WorkUnit, unit_rows: int, unit_bytes: int, columns: ColumnNames) -> list[WorkUnit]:
+    """A stored unit cut again within its own rows for `unit_bytes` (a resumed plan stored
+    before units were cut by bytes, or for a larger size): the unit itself where it fits,
+    else pieces that cover its rows exactly once. A group partly in the unit counts its share
+    of the group's bytes."""
+    fs, path = filesystem(unit.shard)
+    meta = _read_footer(fs, path)
+    read = _read_columns(meta, columns)
+    stop = meta.num_rows if unit.row_stop is None else unit.row_stop
+    groups, offset = [], 0
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        lo, hi = max(offset, unit.row_start), min(offset + rg.num_rows, stop)
+        if lo < hi:
+            groups.append(_Group(lo, hi - lo, _group_bytes(rg, read) * (hi - lo) // max(rg.num_rows, 1)))
+        offset += rg.num_rows
+    ranges = cut_ranges(groups, unit_rows, unit_bytes)
+    if len(ranges) <= 1:
+        return [unit]
+    return [dataclasses.replace(unit, row_start=lo, row_stop=hi, name=None) for lo, hi in ranges]

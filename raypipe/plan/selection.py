@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Literal, Protocol
 
+import pyarrow as pa
+
 from raypipe.config import InputConfig
-from raypipe.plan.footers import PlanObservations
+from raypipe.plan.footers import PlanObservations, recut_parquet
 from raypipe.plan.listing import list_input
 from raypipe.plan.plan import Plan
 from raypipe.plan.shards import plan_listing, plan_units
@@ -101,6 +103,7 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
         files["new"] = len(whole)
     common: dict[str, Any] = {
         "unit_rows": input.unit_rows,
+        "unit_bytes": input.unit_bytes,
         "columns": columns_of(input),
         "on_bad_shard": bad_shard_policy(input, mode),
         "observations": seen,
@@ -110,7 +113,7 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
     units, bad = plan_listing(whole, sizes=listing.sizes, footer_sample=input.footer_sample, **common)
     if since is not None and unchanged:
         window = DeltaWindow.since(since)
-        more, more_bad = plan_units(unchanged, need_updated_at=True, window=window, **common)
+        more, more_bad = plan_units(unchanged, need_updated_at=True, window=window, sizes=listing.sizes, **common)
         units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
         bad += more_bad
     logger.info(
@@ -138,6 +141,7 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
             input.max_future_skew_s,
         )
     observations = {**seen.to_dict(), "files": dict(files), "skipped_files": listing.skipped}
+    observations["unit_bytes"] = input.unit_bytes  # what the units were cut for (`resume` cuts again)
     # What the input was read as of (the latest updated_at not in the future, else now): the watermark.
     observations["read_as_of"] = observations["max_updated_at"] or datetime.now(UTC).isoformat()
     window = None if since is None else DeltaWindow.since(since)
@@ -177,6 +181,10 @@ def resume(
     listing = list_input(input.uri, format=input.format, quarantined=quarantined)
     now = listing.fingerprints
     observations = dict(plan.observations or {})
+    # A plan stored before units were cut by bytes, or cut for a larger size, is cut again.
+    recut = (observations.get("unit_bytes") or float("inf")) > input.unit_bytes
+    if recut:
+        observations["unit_bytes"] = input.unit_bytes
     skipped = list(observations.get("skipped_files") or [])
     listed = {s["path"] for s in skipped}
 
@@ -201,6 +209,10 @@ def resume(
         elif u.fingerprint is not None and u.fingerprint != now[u.shard]:
             if (u.shard, u.format) not in replan:
                 replan.append((u.shard, u.format))
+        elif recut and u.key not in committed and _oversized_whole(u, listing.sizes, input.unit_bytes):
+            replan.append((u.shard, u.format))
+        elif recut and u.key not in committed and u.format == "parquet" and u.row_stop is not None:
+            units += _recut(u, input, plan.columns)
         else:
             units.append(u)
     bad = []
@@ -215,17 +227,47 @@ def resume(
         more, more_bad = plan_units(
             replan,
             unit_rows=input.unit_rows,
+            unit_bytes=input.unit_bytes,
             columns=plan.columns,
             on_bad_shard="record",
             fingerprints=now,
+            sizes=listing.sizes,
             threads=input.planning_threads,
         )
         units += more
         bad += more_bad
         logger.info(
-            "%d shard(s) rewritten since planning or recorded as bad planned again: %d units", len(replan), len(more)
+            "%d shard(s) rewritten since planning, recorded as bad or over unit_bytes planned again: %d units",
+            len(replan),
+            len(more),
         )
     if skipped:
         observations["skipped_files"] = skipped
     resumed = dataclasses.replace(plan, units=units, bad_shards=bad, observations=observations or plan.observations)
     return resumed, resumed != plan
+
+
+#: How many times its size a Parquet file planned whole may hold when read (text columns
+#: decompressed), for a stored whole-file unit: over `unit_bytes` at that rate, it is planned
+#: again from its footer on resume.
+PARQUET_EXPANSION = 8
+
+
+def _oversized_whole(unit: WorkUnit, sizes: dict[str, int], unit_bytes: int) -> bool:
+    """A stored whole-file unit that may hold more than `unit_bytes` (by its listed size)."""
+    size = sizes.get(unit.shard)
+    if size is None or unit.row_stop is not None or unit.byte_start is not None:
+        return False
+    if unit.format == "jsonl":
+        return size > unit_bytes
+    return unit.format == "parquet" and size * PARQUET_EXPANSION > unit_bytes
+
+
+def _recut(unit: WorkUnit, input: InputConfig, columns: ColumnNames) -> list[WorkUnit]:
+    """A stored Parquet unit cut again within its rows (`recut_parquet`); a footer that cannot
+    be read leaves it as it was (its read records why)."""
+    try:
+        return recut_parquet(unit, input.unit_rows, input.unit_bytes, columns)
+    except (OSError, pa.ArrowException, ValueError) as e:
+        logger.warning("unit %s not cut again for unit_bytes: %s: %s", unit.key, type(e).__name__, e)
+        return [unit]

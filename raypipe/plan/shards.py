@@ -18,10 +18,10 @@ import pyarrow as pa
 
 from raypipe.errors import InputError
 from raypipe.plan.footers import PlanObservations, plan_parquet
-from raypipe.plan.jsonl import check_jsonl_head
+from raypipe.plan.jsonl import plan_jsonl
 from raypipe.plan.units import ColumnNames, DeltaWindow, ShardFormat, WorkUnit
 
-__all__ = ["FOOTER_SAMPLE", "PLANNING_THREADS", "WHOLE_FILE_MAX_BYTES", "plan_listing", "plan_units"]
+__all__ = ["FOOTER_SAMPLE", "PLANNING_THREADS", "UNIT_BYTES", "WHOLE_FILE_MAX_BYTES", "plan_listing", "plan_units"]
 
 
 # Shards cut into work units from their Parquet footers (or a JSON-lines file's first line),
@@ -29,20 +29,28 @@ __all__ = ["FOOTER_SAMPLE", "PLANNING_THREADS", "WHOLE_FILE_MAX_BYTES", "plan_li
 #: Shards planned at once when the caller does not say (`InputConfig.planning_threads`).
 PLANNING_THREADS = 16
 
+#: Bytes per unit when the caller does not say (`InputConfig.unit_bytes`).
+UNIT_BYTES = 64 * 2**20
+
 
 def plan_units(
     shards: Sequence[tuple[str, ShardFormat]],
     *,
     unit_rows: int,
     columns: ColumnNames,
+    unit_bytes: int = UNIT_BYTES,
     need_updated_at: bool = False,
     on_bad_shard: Literal["fail", "record"] = "fail",
     window: DeltaWindow | None = None,
     observations: PlanObservations | None = None,
     fingerprints: dict[str, str] | None = None,
+    sizes: dict[str, int] | None = None,
     threads: int = PLANNING_THREADS,
 ) -> tuple[list[WorkUnit], list[dict[str, str]]]:
-    """Cuts shards into work units; returns (units, bad shards as {shard, error}).
+    """Cuts shards into work units of at most `unit_rows` rows and about `unit_bytes` bytes
+    (`raypipe.plan.footers.cut_ranges`, `raypipe.plan.jsonl.plan_jsonl`: a JSON-lines file
+    over `unit_bytes` by its listed size in `sizes`, else asked, is cut at line boundaries);
+    returns (units, bad shards as {shard, error}).
 
     With on_bad_shard="fail" a shard that cannot be opened or lacks a column raises here,
     before any inference; with "record" it is returned in the second list instead. With a
@@ -60,11 +68,13 @@ def plan_units(
     plan = functools.partial(
         _plan_shard,
         unit_rows=unit_rows,
+        unit_bytes=unit_bytes,
         columns=columns,
         need_updated_at=need_updated_at,
         window=window,
         limit=seen.limit,
         fingerprints=fingerprints or {},
+        sizes=sizes or {},
     )
     for done in _in_order(plan, shards, threads):
         seen.add(done.seen)  # a shard that failed half way counts what it saw, as before
@@ -93,20 +103,21 @@ def _plan_shard(
     item: tuple[str, ShardFormat],
     *,
     unit_rows: int,
+    unit_bytes: int,
     columns: ColumnNames,
     need_updated_at: bool,
     window: DeltaWindow | None,
     limit: datetime | None,
     fingerprints: dict[str, str],
+    sizes: dict[str, int],
 ) -> _ShardPlan:
     shard, fmt = item
     seen = PlanObservations(limit=limit)
     try:
         if fmt == "parquet":
-            planned = plan_parquet(shard, unit_rows, columns, need_updated_at, window, seen)
+            planned = plan_parquet(shard, unit_rows, unit_bytes, columns, need_updated_at, window, seen)
         else:
-            check_jsonl_head(shard, columns, need_updated_at)
-            planned = [WorkUnit(shard, "jsonl", 0, None)]
+            planned = plan_jsonl(shard, unit_rows, unit_bytes, columns, need_updated_at, sizes.get(shard))
     except (OSError, pa.ArrowException, ValueError, InputError) as e:
         if isinstance(e, InputError):
             err: InputError = e
@@ -162,6 +173,7 @@ def plan_listing(
     sizes: dict[str, int],
     footer_sample: int | None = FOOTER_SAMPLE,
     unit_rows: int,
+    unit_bytes: int = UNIT_BYTES,
     columns: ColumnNames,
     on_bad_shard: Literal["fail", "record"] = "fail",
     observations: PlanObservations | None = None,
@@ -174,9 +186,10 @@ def plan_listing(
     With at most `footer_sample` Parquet shards (or `footer_sample` None) every footer is read,
     as `plan_units` does. With more, the footers of `footer_sample` of them, spread evenly over
     the listing, are read first: they are checked (a wrong schema fails the run before any
-    inference, as it fails in any shard planning reads) and they give the input's bytes per row.
-    Each other Parquet shard whose listed size holds at most about 2 x `unit_rows` rows at that
-    rate (and at most `WHOLE_FILE_MAX_BYTES`) becomes one whole-file unit (`row_stop` None)
+    inference, as it fails in any shard planning reads) and they give the input's bytes per row
+    and how its columns read expand. Each other Parquet shard whose listed size holds at most
+    about 2 x `unit_rows` rows and `unit_bytes` bytes read at those rates (and at most
+    `WHOLE_FILE_MAX_BYTES`) becomes one whole-file unit (`row_stop` None)
     without a request; its footer is read by the task that reads its rows, which checks its
     columns then (a bad one fails the run there under "fail", or is recorded under "record").
     The rest are planned from their footers.
@@ -189,10 +202,12 @@ def plan_listing(
     seen = observations if observations is not None else PlanObservations()
     common: dict[str, Any] = {
         "unit_rows": unit_rows,
+        "unit_bytes": unit_bytes,
         "columns": columns,
         "on_bad_shard": on_bad_shard,
         "observations": seen,
         "fingerprints": fingerprints,
+        "sizes": sizes,
         "threads": threads,
     }
     parquet = [i for i, (shard, fmt) in enumerate(shards) if fmt == "parquet" and shard in sizes]
@@ -201,11 +216,13 @@ def plan_listing(
     step = len(parquet) / footer_sample
     sampled = {parquet[int(k * step)] for k in range(footer_sample)}
     sample = [shards[i] for i in sorted(sampled)]
+    read_before = seen.read_bytes
     sample_units, sample_bad = plan_units(sample, **common)
     bad_shards = {b["shard"] for b in sample_bad}
     rows = sum(u.expected_rows or 0 for u in sample_units if u.shard not in bad_shards)
     size = sum(sizes[shard] for shard, _ in sample if shard not in bad_shards)
-    limit = min(WHOLE_FILE_MAX_BYTES, 2 * unit_rows * size / rows) if rows else 0.0
+    read = max(seen.read_bytes - read_before, 1)  # a bad shard counts no bytes: its footer failed
+    limit = min(WHOLE_FILE_MAX_BYTES, 2 * unit_rows * size / rows, unit_bytes * size / read) if rows else 0.0
     whole: list[WorkUnit] = []
     rest: list[tuple[str, ShardFormat]] = []
     for i, (shard, fmt) in enumerate(shards):

@@ -80,8 +80,11 @@ def _read_raw(unit: WorkUnit, columns: ColumnNames, wanted: list[str], window: D
                 shard=unit.shard,
             )
     if unit.format == "jsonl":
-        with fs.open(path, "rb") as f:
-            data = f.read()
+        if unit.byte_start is not None:  # a large file cut at line boundaries (`raypipe.plan.jsonl`)
+            data = fs.cat_file(path, start=unit.byte_start, end=unit.byte_stop)
+        else:
+            with fs.open(path, "rb") as f:
+                data = f.read()
         if not data.strip():
             return pa.table({c: pa.array([], pa.string()) for c in wanted})
         table = _read_jsonl(data, columns)

@@ -91,10 +91,13 @@ def test_a_large_row_group_of_small_rows_stays_one_unit(tmp_path):
     assert [(u.row_start, u.row_stop) for u in units] == [(0, 100)]
 
 
-def test_huge_row_group_is_cut_by_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr("raypipe.plan.footers.CUT_GROUP_BYTES", 0)  # as if the group were over 64 MiB
+def test_huge_row_group_is_cut_by_rows(tmp_path):
     write_parquet(tmp_path / "a.parquet", [str(i) for i in range(100)], ["t"] * 100, row_group_size=100)
-    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, columns=COLS)
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, unit_bytes=1, columns=COLS)  # as if over 64 MiB
+    assert [(u.row_start, u.row_stop) for u in units] == [(i, i + 1) for i in range(100)]
+    group = pq.read_metadata(tmp_path / "a.parquet").row_group(0)
+    size = sum(group.column(i).total_uncompressed_size for i in range(group.num_columns))
+    units, _ = plan_units(list_shards(str(tmp_path)), unit_rows=30, unit_bytes=size - 1, columns=COLS)
     assert [(u.row_start, u.row_stop) for u in units] == [(0, 30), (30, 60), (60, 90), (90, 100)]
     ids = [i for u in units for i in read_unit(u, COLS).column("id").to_pylist()]
     assert ids == [str(i) for i in range(100)]
