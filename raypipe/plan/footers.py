@@ -211,23 +211,27 @@ def plan_parquet(
     return [WorkUnit(shard, "parquet", lo, hi) for lo, hi in ranges]
 
 
-def recut_parquet(unit: WorkUnit, unit_rows: int, unit_bytes: int, columns: ColumnNames) -> list[WorkUnit]:
-    """A stored unit cut again within its own rows for `unit_bytes` (a resumed plan stored
-    before units were cut by bytes, or for a larger size): the unit itself where it fits,
-    else pieces that cover its rows exactly once. A group partly in the unit counts its share
-    of the group's bytes."""
-    fs, path = filesystem(unit.shard)
+def recut_parquet(units: list[WorkUnit], unit_rows: int, unit_bytes: int, columns: ColumnNames) -> list[list[WorkUnit]]:
+    """Stored units of one shard cut again, each within its own rows, for `unit_bytes` (a
+    resumed plan stored before units were cut by bytes, or for a larger size), from one read
+    of the shard's footer: for each unit, itself where it fits, else pieces that cover its
+    rows exactly once. A row group partly in a unit counts its share of the group's bytes."""
+    fs, path = filesystem(units[0].shard)
     meta = _read_footer(fs, path)
     read = _read_columns(meta, columns)
-    stop = meta.num_rows if unit.row_stop is None else unit.row_stop
-    groups, offset = [], 0
-    for i in range(meta.num_row_groups):
-        rg = meta.row_group(i)
-        lo, hi = max(offset, unit.row_start), min(offset + rg.num_rows, stop)
-        if lo < hi:
-            groups.append(_Group(lo, hi - lo, _group_bytes(rg, read) * (hi - lo) // max(rg.num_rows, 1)))
-        offset += rg.num_rows
-    ranges = cut_ranges(groups, unit_rows, unit_bytes)
-    if len(ranges) <= 1:
-        return [unit]
-    return [dataclasses.replace(unit, row_start=lo, row_stop=hi, name=None) for lo, hi in ranges]
+    sizes = [(meta.row_group(i).num_rows, _group_bytes(meta.row_group(i), read)) for i in range(meta.num_row_groups)]
+    out = []
+    for unit in units:
+        stop = meta.num_rows if unit.row_stop is None else unit.row_stop
+        groups, offset = [], 0
+        for rows, size in sizes:
+            lo, hi = max(offset, unit.row_start), min(offset + rows, stop)
+            if lo < hi:
+                groups.append(_Group(lo, hi - lo, size * (hi - lo) // max(rows, 1)))
+            offset += rows
+        ranges = cut_ranges(groups, unit_rows, unit_bytes)
+        if len(ranges) <= 1:
+            out.append([unit])
+        else:
+            out.append([dataclasses.replace(unit, row_start=lo, row_stop=hi, name=None) for lo, hi in ranges])
+    return out

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Literal, Protocol
 
@@ -194,7 +195,7 @@ def resume(
             skipped.append({"path": shard, "reason": reason})
 
     open_shards = {u.shard for u in plan.units if u.key not in committed and u.format != "dead_letters"}
-    units, replan = [], list[tuple[str, ShardFormat]]()
+    units, replan, to_cut = [], list[tuple[str, ShardFormat]](), list[WorkUnit]()
     for u in plan.units:
         if u.shard not in open_shards:
             units.append(u)
@@ -212,9 +213,13 @@ def resume(
         elif recut and u.key not in committed and _oversized_whole(u, listing.sizes, input.unit_bytes):
             replan.append((u.shard, u.format))
         elif recut and u.key not in committed and u.format == "parquet" and u.row_stop is not None:
-            units += _recut(u, input, plan.columns)
+            units.append(u)
+            to_cut.append(u)
         else:
             units.append(u)
+    if to_cut:
+        pieces = _recut(to_cut, input, plan.columns)
+        units = [piece for u in units for piece in pieces.get(u.key, [u])]
     bad = []
     for b in plan.bad_shards:
         if b["shard"] in quarantined:
@@ -263,11 +268,27 @@ def _oversized_whole(unit: WorkUnit, sizes: dict[str, int], unit_bytes: int) -> 
     return unit.format == "parquet" and size * PARQUET_EXPANSION > unit_bytes
 
 
-def _recut(unit: WorkUnit, input: InputConfig, columns: ColumnNames) -> list[WorkUnit]:
-    """A stored Parquet unit cut again within its rows (`recut_parquet`); a footer that cannot
-    be read leaves it as it was (its read records why)."""
-    try:
-        return recut_parquet(unit, input.unit_rows, input.unit_bytes, columns)
-    except (OSError, pa.ArrowException, ValueError) as e:
-        logger.warning("unit %s not cut again for unit_bytes: %s: %s", unit.key, type(e).__name__, e)
-        return [unit]
+def _recut(units: list[WorkUnit], input: InputConfig, columns: ColumnNames) -> dict[str, list[WorkUnit]]:
+    """Stored Parquet units cut again within their rows (`recut_parquet`): unit key -> what it
+    becomes, a footer read per shard, `input.planning_threads` shards at once. A footer that
+    cannot be read leaves its units as they were (their read records why)."""
+    by_shard: dict[str, list[WorkUnit]] = {}
+    for u in units:
+        by_shard.setdefault(u.shard, []).append(u)
+
+    def cut(shard_units: list[WorkUnit]) -> list[list[WorkUnit]]:
+        try:
+            return recut_parquet(shard_units, input.unit_rows, input.unit_bytes, columns)
+        except (OSError, pa.ArrowException, ValueError) as e:
+            logger.warning("%s: units not cut again for unit_bytes: %s: %s", shard_units[0].shard, type(e).__name__, e)
+            return [[u] for u in shard_units]
+
+    with ThreadPoolExecutor(
+        max(1, min(input.planning_threads, len(by_shard))), thread_name_prefix="raypipe-plan"
+    ) as pool:
+        done = list(pool.map(cut, by_shard.values()))
+    return {
+        u.key: pieces
+        for shard_units, cuts in zip(by_shard.values(), done, strict=True)
+        for u, pieces in zip(shard_units, cuts, strict=True)
+    }
