@@ -112,8 +112,8 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
         "threads": input.planning_threads,
     }
     units, bad = plan_listing(whole, sizes=listing.sizes, footer_sample=input.footer_sample, **common)
-    if since is not None and unchanged:
-        window = DeltaWindow.since(since)
+    window = None if since is None else DeltaWindow.since(since)
+    if window is not None and since is not None and unchanged:
         more, more_bad = plan_units(unchanged, need_updated_at=True, window=window, sizes=listing.sizes, **common)
         units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
         bad += more_bad
@@ -145,7 +145,6 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
     observations["unit_bytes"] = input.unit_bytes  # what the units were cut for (`resume` cuts again)
     # What the input was read as of (the latest updated_at not in the future, else now): the watermark.
     observations["read_as_of"] = observations["max_updated_at"] or datetime.now(UTC).isoformat()
-    window = None if since is None else DeltaWindow.since(since)
     return Plan(mode, input.uri, units, bad, window, observations=observations, **_reading(input, mode))
 
 
