@@ -19,12 +19,11 @@ from landing anything, are told once, in `raypipe.commit.protocol`. The steps:
 
 A daily reads the input files no run has read whole yet (new files, and files whose size or
 ETag changed), whole, whatever their rows' `updated_at`: it selects by the files seen
-(`CommitProtocol.files_seen`), not by a watermark. A file rewritten in place is read for its rows
-updated at or after the latest `updated_at` read of it before (rows at that instant are
-re-read and answered from the table by reuse); `--since` also re-reads the files read
-before, for their rows updated after it. A backfill records what its input was read as of
-(the latest `updated_at` in the footers, else its planning time): the watermark, which is
-informational and never moves backwards. A replay re-infers a run's committed dead letters
+(`CommitProtocol.files_seen`), not by a watermark. A file rewritten in place is read whole
+(its unchanged texts are answered from the table by reuse, without a call); `--since` only
+adds reads: the unchanged files too, for their rows updated at or after it. A backfill
+records what its input was read as of (the latest `updated_at` in the footers, else its
+planning time): the watermark, which is informational and never moves backwards. A replay re-infers a run's committed dead letters
 and replaces them, in the same commit, with what they became.
 """
 
