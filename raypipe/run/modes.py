@@ -23,8 +23,9 @@ ETag changed), whole, whatever their rows' `updated_at`: it selects by the files
 (its unchanged texts are answered from the table by reuse, without a call); `--since` only
 adds reads: the unchanged files too, for their rows updated at or after it. A backfill
 records what its input was read as of (the latest `updated_at` in the footers, else its
-planning time): the watermark, which is informational and never moves backwards. A replay re-infers a run's committed dead letters
-and replaces them, in the same commit, with what they became.
+planning time): the watermark, which is informational and never moves backwards. A replay
+re-infers a run's committed dead letters and replaces them, in the same commit, with what
+they became.
 """
 
 from __future__ import annotations
