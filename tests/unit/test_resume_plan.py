@@ -104,3 +104,25 @@ def test_committed_units_of_a_shard_gone_since_stay_as_they_are(tmp_path):
     done = {u.key for u in plan.units if u.shard.endswith("b.parquet")}
     again, changed = resume(input, plan, done)
     assert not changed and again.units == plan.units
+
+
+def test_a_resumed_run_asks_its_output_for_the_quarantine(tmp_path):
+    """`PlanRun` hands the output's quarantine to `resume`, and the report lists the shard skipped."""
+    from raypipe.report import RunReport
+    from raypipe.run.steps import PlanRun
+    from tests.unit.test_steps import FakeProtocol
+
+    write(tmp_path / "in" / "a.parquet", ["a"])
+    write(tmp_path / "in" / "b.parquet", ["b"])
+    input = InputConfig(uri=str(tmp_path / "in"))
+    b = str(tmp_path / "in" / "b.parquet")
+
+    class Quarantining(FakeProtocol):
+        def quarantined(self):
+            return frozenset({b})
+
+    protocol = Quarantining(stored=stored(input))
+    report = RunReport("r1", "backfill")
+    plan, todo = PlanRun(protocol, input, lambda p: None).plan("m1", report)  # type: ignore[arg-type]
+    assert [u.shard for u in todo] == [str(tmp_path / "in" / "a.parquet")] and protocol.saved == [plan]
+    assert [s["path"] for s in report.skipped_files] == [b]
