@@ -47,6 +47,11 @@ logger = logging.getLogger("raypipe")
 #: memory is a small multiple of this times ~33 bytes, whatever the corpus.
 SHARD_ROWS = 1 << 22
 
+#: CPUs each index task asks for. A fraction: the default replica (`serve_app.deploy.fit_replicas`)
+#: leaves 0.5 CPU of a node free, and a task asking for more is never scheduled, so the run
+#: would wait on it forever. It bounds how many tasks run side by side, not how fast each runs.
+TASK_CPUS = 0.25
+
 
 def hash_texts(texts: list[str | None]) -> np.ndarray:
     """The `text_hash` of each text (int64; 0 for a null text)."""
@@ -364,8 +369,8 @@ def _build_with_ray(
     import ray
 
     shards = len(bounds) + 1
-    split: Any = ray.remote(_split).options(num_returns=shards + 1, num_cpus=1)
-    merge: Any = ray.remote(_merge_sized).options(num_returns=2, num_cpus=1)
+    split: Any = ray.remote(_split).options(num_returns=shards + 1, num_cpus=TASK_CPUS)
+    merge: Any = ray.remote(_merge_sized).options(num_returns=2, num_cpus=TASK_CPUS)
     slices = [split.remote(source, group, model_version, labels, bounds) for group in groups]
     rows_read = sum(ray.get([s[-1] for s in slices]))
     merged = [merge.remote(*[s[k] for s in slices]) for k in range(shards)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -180,3 +182,68 @@ def test_an_answer_of_another_version_is_never_served(tmp_path):
     commit_results(tmp_path, "r1", "u1", ["a", "b"], version="m0")
     index, stats = build_index(str(tmp_path), "m1", LABELS, max_rows=10, use_ray=False)
     assert index is None and stats.distinct_texts == 0 and not stats.capped
+
+
+class _Ref:
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+class _FakeRay(types.ModuleType):
+    """Just what `build_index` uses of Ray: tasks run at once, in this process, and every
+    task's options are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__("ray")
+        self.options: list[dict] = []
+
+    def remote(self, fn):
+        fake = self
+
+        class Task:
+            def options(self, **kw):
+                fake.options.append(kw)
+                returns = kw.get("num_returns", 1)
+
+                class Bound:
+                    @staticmethod
+                    def remote(*args):
+                        args = [a.value if isinstance(a, _Ref) else a for a in args]
+                        out = fn(*args)
+                        return [_Ref(v) for v in out] if returns > 1 else _Ref(out)
+
+                return Bound()
+
+        return Task()
+
+    def get(self, refs):
+        return [r.value for r in refs]
+
+    def is_initialized(self) -> bool:
+        return True
+
+
+def test_the_index_tasks_fit_beside_the_default_replica(tmp_path, monkeypatch):
+    """Built by Ray tasks (here a fake Ray that runs them at once), every task asks for no more
+    CPU than a default replica leaves on a node (a task asking for more is never scheduled, and
+    the run waits for it forever), and the index answers as the one built in this process."""
+    from serve_app.deploy import fit_replicas
+
+    texts = [f"paragraph {i}" for i in range(120)]
+    for unit, part in enumerate(np.array_split(np.array(texts), 3)):
+        commit_results(tmp_path, "r1", f"u{unit}", list(part))
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    index, stats = build_index(str(tmp_path), "m1", LABELS, max_rows=1_000, shard_rows=32)
+    assert stats.built_with_ray and stats.shards == 4 and stats.distinct_texts == 120
+    assert fake.options and all("num_cpus" in kw for kw in fake.options)
+    for node_cpus in (1, 2, 4, 8, 16):
+        replicas, each = fit_replicas(node_cpus)
+        left = node_cpus - replicas * each
+        assert max(kw["num_cpus"] for kw in fake.options) <= left, (node_cpus, fake.options)
+    assert index is not None
+    index.load()  # maps the shards through the fake's `get`
+    here, _ = build_index(str(tmp_path), "m1", LABELS, max_rows=1_000, shard_rows=32, use_ray=False)
+    assert here is not None
+    probe = hash_texts([*texts, "never committed"])
+    assert (index.lookup(probe) == here.lookup(probe)).all() and index.lookup(probe)[-1] == -1
