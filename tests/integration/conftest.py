@@ -4,9 +4,11 @@
   s3fs (driver, Ray workers, `ray job submit` entrypoints) reaches it with no code change.
 - `ray_cluster`: `ray start --head` with token authentication on (as production runs),
   its workers inheriting the S3 environment; the test process connects as a driver.
-- `serve_address`: Serve's gRPC proxy and the EmotionClassifier app with the demo model.
-  Tests needing other server settings (fault injection, small capacity) deploy their own
-  application next to it through `deploy_app` and remove it afterwards.
+- `serve_address`: Serve's gRPC proxy and the EmotionClassifier app with the demo model, sized as
+  `raypipe serve` sizes it with no flag (one replica with every CPU but 0.5): the suite runs what
+  users run. Tests needing other server settings (fault injection, small capacity) deploy their
+  own application next to it through `deploy_app` and remove it afterwards; that needs CPUs the
+  default replica does not leave, so `room_beside_session_app` shrinks it for their module.
 """
 
 from __future__ import annotations
@@ -185,22 +187,56 @@ def grpc_port() -> int:
     return free_port()
 
 
+#: The session's application, shared by the tests that need no server settings of their own.
+SESSION_APP = "raypipe"
+
+#: CPUs the session app keeps while a module deploys applications beside it or runs attempts side
+#: by side (`room_beside_session_app`): the size it had before the suite served the defaults.
+ROOMY_CPUS = 1.0
+
+
+def default_options():
+    """What `raypipe serve` deploys on the connected cluster with no sizing flag (`size_replicas`)."""
+    import ray
+
+    from serve_app.deploy import DeploymentOptions, pool_nodes, size_replicas
+
+    replicas, cpus, _ = size_replicas(pool_nodes(ray.nodes()), ray.cluster_resources().get("CPU", 1.0))
+    return DeploymentOptions(num_replicas=replicas, num_cpus=cpus)
+
+
 @pytest.fixture(scope="session")
 def serve_address(ray_cluster: Cluster, demo_model_dir: Path, grpc_port: int) -> str:
-    from serve_app.deploy import DeploymentOptions, deploy
+    from serve_app.deploy import deploy
 
     return deploy(
-        demo_model_dir,
-        app_name="raypipe",
-        grpc_port=grpc_port,
-        http_port=free_port(),
-        options=DeploymentOptions(num_cpus=1.0),
+        demo_model_dir, app_name=SESSION_APP, grpc_port=grpc_port, http_port=free_port(), options=default_options()
     )
 
 
+@pytest.fixture(scope="module")
+def room_beside_session_app(serve_address: str, demo_model_dir: Path, grpc_port: int) -> Iterator[None]:
+    """The session app at `ROOMY_CPUS` for a module whose tests need CPUs beside it, then at the
+    default sizing again. The default replica leaves 0.5 CPU of the node: one run's actor and its
+    reads fit there, but another replica (`deploy_app`, a notebook's or a test's own application)
+    or a second run's actors side by side do not."""
+    from ray import serve
+
+    from serve_app.deploy import DeploymentOptions, deploy
+
+    deploy(demo_model_dir, app_name=SESSION_APP, grpc_port=grpc_port, options=DeploymentOptions(num_cpus=ROOMY_CPUS))
+    yield
+    # The module's applications were deleted without waiting: their CPUs come back once they are gone.
+    wait_for(lambda: set(serve.status().applications) <= {SESSION_APP}, 120, "the module's applications to go")
+    deploy(demo_model_dir, app_name=SESSION_APP, grpc_port=grpc_port, options=default_options())
+
+
 @pytest.fixture
-def deploy_app(serve_address: str, demo_model_dir: Path, grpc_port: int) -> Iterator[Callable[..., str]]:
-    """Deploys an extra application on the shared proxy; returns its name. Removed afterwards."""
+def deploy_app(
+    serve_address: str, room_beside_session_app: None, demo_model_dir: Path, grpc_port: int
+) -> Iterator[Callable[..., str]]:
+    """Deploys an extra application on the shared proxy; returns its name. Removed afterwards.
+    Its module runs beside a session app shrunk to make room (`room_beside_session_app`)."""
     from ray import serve
 
     from serve_app.deploy import deploy

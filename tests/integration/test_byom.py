@@ -105,6 +105,8 @@ def test_pytorch_only_checkpoint_exports_to_the_same_model(exported: Path, minil
     assert card["version"] == json.loads((exported / "model.json").read_text(encoding="utf-8"))["version"]
 
 
+# Its own application beside the session's: more CPU than the default replica leaves.
+@pytest.mark.usefixtures("room_beside_session_app")
 def test_served_probabilities_equal_the_checkpoint_in_process(
     serve_address: str, grpc_port: int, exported: Path, minilm: Checkpoints
 ) -> None:

@@ -65,6 +65,8 @@ def test_backfill_and_explore_notebook(tmp_path, serve_address, kernel_env):
     assert (tmp_path / "work" / "output" / "runs" / "nb-explore.json").exists()
 
 
+# The notebook deploys its own application beside the session's: more CPU than the default replica leaves.
+@pytest.mark.usefixtures("room_beside_session_app")
 @pytest.mark.timeout(600)
 def test_report_and_dead_letters_notebook(tmp_path, serve_address, demo_model_dir, s3, kernel_env):
     from ray import serve

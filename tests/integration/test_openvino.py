@@ -43,6 +43,8 @@ def test_real_weights_minilm_on_openvino_answers_as_tensorflow(tmp_path: Path, m
     assert not list((tmp_path / "cache").glob("openvino/*/model.xml"))  # the directory's own IR was used
 
 
+# Two applications of its own beside the session's: more CPU than the default replica leaves.
+@pytest.mark.usefixtures("room_beside_session_app")
 def test_served_openvino_reports_its_runtime(
     serve_address: str, grpc_port: int, demo_model_dir: Path, tmp_path: Path
 ) -> None:
