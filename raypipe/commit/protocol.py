@@ -22,16 +22,18 @@ that either happens or raises. A run (`raypipe.run.modes._run`, through the step
     protocol.write_report(...)       #   newer attempt fenced this one off (that one reports)
     protocol.release()               # the lease, last, however the run ended
 
-**The fence** is the table's concurrency control (`raypipe.commit.table`): `setup_run` commits a
-new generation of the run id to its slots; every later commit of this attempt (units, plan,
-files seen, run) carries the run's slots at that generation and is built on a snapshot where
-they still hold it, so once a newer attempt took over, none can land (`LeaseLostError`),
-however long it was stalled. `abort` fences off this attempt's own writers the same way (a
-take-over by nobody), unless a newer attempt already holds the run: the report a driver
-writes after a failure is then final, and files an actor writes afterwards stay invisible
-(`raypipe vacuum` removes them). "Committed" has one truth: the run's commit in the table.
-The lease (`raypipe.commit.lease`) is liveness only: it keeps a second run id from starting on
-the same output and lets a retried attempt wait for a live one to expire; it fences nothing.
+**The fence** is the table's concurrency control (`raypipe.commit.table`), one for the whole
+output: `setup_run` commits the output's next generation to its slots; every later commit of
+this attempt (units, plan, files seen, run) carries the output's slots at that generation and
+is built on a snapshot where they still hold it, so once anyone took the output over (another
+attempt of this run id, a run of another id after `raypipe lease expire`), none can land
+(`LeaseLostError`), however long it was stalled. `abort` fences off this attempt's own writers
+the same way (a take-over by nobody), unless a newer holder already took the output: the
+report a driver writes after a failure is then final, and files an actor writes afterwards
+stay invisible (`raypipe vacuum` removes them). "Committed" has one truth: the run's commit in
+the table. The lease (`raypipe.commit.lease`) is liveness only: it keeps a second run id from
+starting on the same output while the first is alive and lets a retried attempt wait for a
+live one to expire; it fences nothing.
 
 State beside the table is never a truth on its own: the plan and the files seen are new
 immutable files under numbers no other writer uses, and the table names the current one (an
@@ -132,8 +134,8 @@ class CommitProtocol:
     # -- set up --------------------------------------------------------------------------------
     def setup_run(self, labels: tuple[str, ...]) -> TableFence:
         """Takes the lease (a live attempt of this run id is waited out, or taken over with
-        `output.take_over_lease`), makes the table ready for `labels` and takes the run over:
-        from here on no commit of an earlier attempt of this run id can land."""
+        `output.take_over_lease`), makes the table ready for `labels` and takes the output over:
+        from here on no commit of an earlier holder, of this run id or another, can land."""
         lease = Lease(self.store, self.run_id, duration_s=self.output.lease_s, wait_s=self.output.lease_wait_s)
         if self.output.require_conditional_writes:
             lease.check_conditional_writes()

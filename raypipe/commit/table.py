@@ -10,23 +10,27 @@ A unit is committed in **one** Delta commit (`UnitCommitter.commit`): its result
 letters become visible together, or not at all. Files a failed or fenced-off commit wrote
 are in no commit, so no reader sees them (`raypipe vacuum` removes them).
 
-**Fencing is the table's own concurrency control**, not a check before a write. Each run id
-owns `SLOTS` application transactions (Delta `txn` actions, app id `raypipe/<run>/slot-<k>`).
-A new attempt takes over by committing its generation to every slot (`take_over`). A unit
-commit carries the slot of its unit with the writer's generation and is built on a snapshot
-in which that slot still holds that generation; Delta's conflict checker rejects a commit
-whose application transaction was set by any commit after its snapshot. So once the takeover
-is in the log, every commit of an older generation fails (`LeaseLostError`), however long it
-was stalled, and there is no window between a check and a write. Slots (rather than one app
-id per run) let an attempt's actors commit side by side: two commits conflict only when
-their units share a slot, and then the later one retries on a fresh snapshot.
+**Fencing is the table's own concurrency control**, not a check before a write, and it is
+one fence for the whole output, whatever the run id. The output owns `SLOTS` application
+transactions (Delta `txn` actions, app id `raypipe-output/slot-<k>`) whose version is the
+output's generation. Whoever takes the output over (a run of any id, a retried attempt,
+maintenance) commits the next generation to every slot (`take_over`). A unit commit carries
+the slot of its unit with the writer's generation and is built on a snapshot in which that
+slot still holds that generation; Delta's conflict checker rejects a commit whose application
+transaction was set by any commit after its snapshot. So once a take-over is in the log,
+every commit of every older holder fails (`LeaseLostError`), of its own run id or another,
+however long it was stalled, and there is no window between a check and a write. Slots
+(rather than one app id) let a holder's actors commit side by side: two unit commits conflict
+only when their units share a slot, and then the later one retries on a fresh snapshot.
 
 A unit also carries its own transaction (`raypipe/<run>/unit/<unit>`), so a unit committed
 twice in one generation (a Ray task retried after its actor died past the commit) is
 committed once: the retry sees the unit's transaction and skips. Unit transactions carry
 `lastUpdated`, so the table's `delta.setTransactionRetentionDuration` (90 days) prunes them
 from snapshots and checkpoints; the slots and the run's own commit (`raypipe/<run>/committed`)
-carry none and are kept: they are the fence and the record that the run is committed. Each unit writes one data
+carry none and are kept: they are the fence and the record that the run is committed. (Tables
+written before the output-level fence also hold per-run slots, `raypipe/<run>/slot-<k>`:
+nothing reads them any more.) Each unit writes one data
 file whose `unit` column holds the unit key, so the committed units of a run are read from
 the log's file statistics alone (`committed_units`), without reading data.
 """
@@ -76,7 +80,9 @@ OUTCOME_DEAD_LETTER = "dead_letter"
 RESULT_STATUS_OK = "ok"
 RESULT_STATUS_EMPTY = "empty_text"
 SLOTS = 16
-"""Fencing slots per run id: unit commits of one attempt conflict only within a slot."""
+"""Fencing slots of the output: unit commits of one holder conflict only within a slot."""
+OUTPUT_APP = "raypipe-output"
+"""The output's fence: app ids `raypipe-output/slot-<k>`, each at the output's generation."""
 
 _TS = pa.timestamp("us", tz="UTC")
 # Columns before the labels' probabilities, so Delta's per-file statistics (first 32 columns)
@@ -145,8 +151,8 @@ def storage_options(uri: str) -> dict[str, str] | None:
     return opts
 
 
-def _slot_app(run_id: str, slot: int) -> str:
-    return f"raypipe/{run_id}/slot-{slot}"
+def _slot_app(slot: int) -> str:
+    return f"{OUTPUT_APP}/slot-{slot}"
 
 
 def _unit_app(run_id: str, unit: str) -> str:
@@ -172,7 +178,8 @@ def unit_slot(unit: str) -> int:
 
 @dataclass(frozen=True)
 class TableFence:
-    """What a writer needs to commit for its attempt (picklable: it travels to actors)."""
+    """What a writer needs to commit as the output's holder (picklable: it travels to actors):
+    the run id its rows and transactions are of, and the output generation its take-over set."""
 
     output_uri: str
     run_id: str
@@ -249,11 +256,13 @@ class OutcomeTable:
     def arrow_schema(self) -> pa.Schema:
         return pa.schema(self.load().schema().to_arrow())
 
-    def generation(self, run_id: str) -> int:
-        return int(self.load().transaction_version(_slot_app(run_id, 0)) or 0)
+    def generation(self) -> int:
+        """The output's generation: how many take-overs (and aborts) its fence has seen."""
+        return _generation_of(self.load())
 
     def take_over(self, run_id: str, *, holder: str = "") -> TableFence:
-        """Commits a new generation of `run_id` to every slot: older attempts are fenced off.
+        """Commits the output's next generation to every slot, for run `run_id`: every older
+        holder, of any run id, is fenced off.
 
         Two takers of the same generation cannot both win: the second commit's transactions
         conflict with the first's, and it raises `LeaseLostError`.
@@ -263,8 +272,7 @@ class OutcomeTable:
         failed = _commit_failed()
         for _ in range(20):
             dt = self.load()
-            current = int(dt.transaction_version(_slot_app(run_id, 0)) or 0)
-            generation = current + 1
+            generation = _generation_of(dt) + 1
             try:
                 dt.create_write_transaction(
                     [],
@@ -272,20 +280,20 @@ class OutcomeTable:
                     schema=dt.schema(),
                     partition_by=["run_id"],
                     commit_properties=CommitProperties(
-                        app_transactions=[Transaction(_slot_app(run_id, s), generation) for s in range(SLOTS)],
+                        app_transactions=[Transaction(_slot_app(s), generation) for s in range(SLOTS)],
                         custom_metadata={"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder},
                     ),
                 )
                 return TableFence(self.output_uri, run_id, generation)
             except failed:
-                if self.generation(run_id) >= generation:
+                if self.generation() >= generation:
                     raise LeaseLostError(
-                        f"another attempt of run {run_id} took over {self.uri} at the same moment (generation "
+                        f"run {run_id}: another holder took over {self.uri} at the same moment (generation "
                         f"{generation}); this one stops",
                         holder=run_id,
                         expires_at="?",
                     ) from None
-                # A unit commit of the older attempt landed first: our slots' view is stale. Again.
+                # A unit commit of the older holder landed first: our snapshot is stale. Again.
                 time.sleep(random.uniform(0.01, 0.1))
         raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=self.uri)
 
@@ -301,7 +309,7 @@ class OutcomeTable:
 
         `write(current)` gets the number `app` holds on a fresh snapshot, writes a new
         immutable file (under a name no other writer uses) from it and returns that file's
-        number; one commit then sets `app` to it, with the run's slots at `fence`'s generation.
+        number; one commit then sets `app` to it, with the output's slots at `fence`'s generation.
         A concurrent pointer change is a conflict: `write` runs again on the new state. Once a
         newer attempt took over, `LeaseLostError`, and the file written stays unreferenced."""
 
@@ -325,7 +333,7 @@ class OutcomeTable:
         failure: str,
     ) -> int:
         """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
-        run's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
+        output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
 
         A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
         newer attempt took over, `LeaseLostError`. Returns the version the app was set to."""
@@ -336,7 +344,7 @@ class OutcomeTable:
             dt = self.load()
             _check_generation(dt, fence, 0)
             app, version = mark(dt)
-            txns = [Transaction(_slot_app(fence.run_id, s), fence.generation) for s in range(SLOTS)]
+            txns = [Transaction(_slot_app(s), fence.generation) for s in range(SLOTS)]
             try:
                 dt.create_write_transaction(
                     [],
@@ -369,15 +377,15 @@ class OutcomeTable:
         return {r for r in pc.unique(actions.column("partition.run_id")).to_pylist() if r is not None}
 
     def retire(self, fence: TableFence) -> bool:
-        """Fences off `fence`'s attempt itself (its slots move to the next generation), unless
-        a newer attempt holds the run already; True if it did (`CommitProtocol.abort`)."""
+        """Fences off `fence`'s holder itself (the output's slots move to the next generation),
+        unless a newer holder took the output already; True if it did (`CommitProtocol.abort`)."""
         from deltalake import CommitProperties, Transaction
 
         failed = _commit_failed()
         for _ in range(20):
             dt = self.load()
-            if int(dt.transaction_version(_slot_app(fence.run_id, 0)) or 0) != fence.generation:
-                return False  # a newer attempt took over: it holds the run, leave it be
+            if _generation_of(dt) != fence.generation:
+                return False  # a newer holder took over: the output is its, leave it be
             try:
                 dt.create_write_transaction(
                     [],
@@ -385,9 +393,7 @@ class OutcomeTable:
                     schema=dt.schema(),
                     partition_by=["run_id"],
                     commit_properties=CommitProperties(
-                        app_transactions=[
-                            Transaction(_slot_app(fence.run_id, s), fence.generation + 1) for s in range(SLOTS)
-                        ],
+                        app_transactions=[Transaction(_slot_app(s), fence.generation + 1) for s in range(SLOTS)],
                         custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id},
                     ),
                 )
@@ -472,12 +478,16 @@ def _replace_predicate(run_id: str, unit: str) -> str:
     )
 
 
+def _generation_of(dt: Any, slot: int = 0) -> int:
+    return int(dt.transaction_version(_slot_app(slot)) or 0)
+
+
 def _check_generation(dt: Any, fence: TableFence, slot: int) -> None:
-    current = int(dt.transaction_version(_slot_app(fence.run_id, slot)) or 0)
+    current = _generation_of(dt, slot)
     if current != fence.generation:
         raise LeaseLostError(
-            f"run {fence.run_id}: this attempt (generation {fence.generation}) was fenced off by generation "
-            f"{current}; it stops writing",
+            f"run {fence.run_id}: this holder of the output (generation {fence.generation}) was fenced off by "
+            f"generation {current}; it stops writing",
             holder=fence.run_id,
             expires_at="?",
         )
@@ -552,7 +562,7 @@ class UnitCommitter:
                         self._schema = pa.schema(dt.schema().to_arrow())
                     props = CommitProperties(
                         app_transactions=[
-                            Transaction(_slot_app(run_id, slot), generation),
+                            Transaction(_slot_app(slot), generation),
                             # Stamped, so the table's transaction retention prunes it: ~47k
                             # units per backfill would otherwise sit in every snapshot forever.
                             Transaction(_unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),

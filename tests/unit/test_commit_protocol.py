@@ -6,11 +6,16 @@ run, commit units, commit the run, abort; the plan and the files seen fenced lik
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
+import deltalake
+import pyarrow as pa
 import pytest
 
+from raypipe.commit.lease import Lease
+from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.upkeep import finished_runs
 from raypipe.config import OutputConfig
@@ -189,3 +194,72 @@ def test_a_run_resumes_under_another_model_version_only_when_asked(tmp_path, att
     allowed.setup_run(LABELS)
     resumed_plan, resumed = allowed.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="bert-bbb")
     assert resumed and resumed_plan.model_version == "bert-aaa"
+
+
+# -- one fence for the output: a take-over by any run id fences every older holder ----------------
+
+
+def other_run(tmp_path, attempts, run_id: str) -> CommitProtocol:
+    """A daily of its own run id on the same output; it waits for no lease it does not hold."""
+    output = OutputConfig(uri=str(tmp_path / "out"), require_conditional_writes=False)
+    p = CommitProtocol(output, "daily", run_id, attempt=run_id)
+    attempts.append(p)
+    return p
+
+
+def rows_of(run_id: str, unit: str, ids: list[str], *, version: str):
+    t = rows(dict.fromkeys(ids, "result"), version=version)
+    t = t.set_column(t.schema.get_field_index("run_id"), "run_id", pa.array([run_id] * t.num_rows))
+    return t.set_column(t.schema.get_field_index("unit"), "unit", pa.array([unit] * t.num_rows))
+
+
+def test_a_take_over_by_another_run_id_fences_the_older_holder_at_commit(tmp_path, attempts, monkeypatch):
+    """Run A takes the output and stalls inside a unit's commit (its checks passed); the
+    operator expires the lease; run B, another run id, takes over, commits the same ids and
+    the run. A's commit is refused by the table, and every id is there once, as B answered."""
+    a = zombie(other_run(tmp_path, attempts, "daily-a"))
+    a.setup_run(LABELS)
+    a_actor = a.unit_committer()
+    real = deltalake.write_deltalake
+    entered, go_on = threading.Event(), threading.Event()
+
+    def stalled(*args, **kwargs):
+        if threading.current_thread().name == "run-a-actor":
+            entered.set()
+            assert go_on.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(deltalake, "write_deltalake", stalled)
+    outcome: list[BaseException | bool] = []
+
+    def commit_a() -> None:
+        try:
+            outcome.append(a_actor.commit("shard-a", rows_of("daily-a", "shard-a", ["A", "B"], version="old")))
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=commit_a, name="run-a-actor")
+    thread.start()
+    assert entered.wait(30), "run A never reached its write"
+    Lease(a.store, "raypipe-cli").expire()  # `raypipe lease expire`: the operator declares A dead
+    b = other_run(tmp_path, attempts, "daily-b")
+    b.setup_run(LABELS)
+    assert b.commit_unit("shard-b", rows_of("daily-b", "shard-b", ["A", "B"], version="new"))
+    go_on.set()
+    thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], LeaseLostError), outcome
+    for late in (
+        lambda: a.commit_unit("shard-a2", rows_of("daily-a", "shard-a2", ["C"], version="old")),
+        lambda: a.save_plan(plan("a.parquet")),
+        lambda: a.record_files_seen(plan("a.parquet"), {u.key for u in plan("a.parquet").units}),
+        lambda: a.commit_run(),
+    ):
+        with pytest.raises(LeaseLostError):
+            late()
+    b.commit_run()
+    seen = read_outcomes(str(tmp_path / "out"))
+    assert sorted(zip(seen.column("id").to_pylist(), seen.column("run_id").to_pylist(), strict=True)) == [
+        ("A", "daily-b"),
+        ("B", "daily-b"),
+    ]
+    assert b.is_committed() and not a.is_committed() and a.files_seen() == {}

@@ -165,7 +165,7 @@ def test_two_processes_taking_over_at_once_never_share_a_generation(tmp_path):
     got = [results.get(timeout=5) for _ in procs]
     generations = [g for kind, g in got if kind == "won"]
     assert generations and len(set(generations)) == len(generations), got
-    assert table.generation("r1") == max(generations)
+    assert table.generation() == max(generations)
 
 
 def test_each_units_latest_updated_at_comes_from_the_logs_statistics_never_rounded_up(tmp_path):
@@ -205,4 +205,4 @@ def test_unit_transactions_carry_last_updated_so_the_table_retention_prunes_them
     dt = table.load()
     assert dt.transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # expired: pruned
     assert dt.transaction_version(f"raypipe/r1/unit/{recent}") == fence.generation
-    assert table.generation("r1") == fence.generation
+    assert table.generation() == fence.generation
