@@ -44,7 +44,8 @@ def _rows(unit: str, n: int, labels: tuple[str, ...]) -> Any:
 
 def run_commits(writers: int = 8, units_per_writer: int = 10, rows: int = 2000) -> dict[str, Any]:
     from bench.s3server import MotoServer
-    from raypipe.commit.table import OutcomeTable, UnitCommitter
+    from raypipe.commit.protocol import UnitCommitter, take_over
+    from raypipe.commit.table import OutcomeTable
 
     labels = ("anger", "fear", "joy", "love", "sadness", "surprise")
     server = MotoServer().start()
@@ -61,7 +62,7 @@ def run_commits(writers: int = 8, units_per_writer: int = 10, rows: int = 2000) 
         )
         table = OutcomeTable("s3://bench/out")
         table.ensure(labels)
-        fence = table.take_over("bench")
+        fence = take_over(table, "bench")
         payloads = {
             f"w{w}-u{u}": _rows(f"w{w}-u{u}", rows, labels) for w in range(writers) for u in range(units_per_writer)
         }

@@ -87,7 +87,8 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     import pyarrow.compute as pc
 
     from raypipe.commit.protocol import LEGACY_FILES_SEEN as FILES_SEEN
-    from raypipe.commit.table import OutcomeTable, UnitCommitter, text_hashes
+    from raypipe.commit.protocol import UnitCommitter, take_over
+    from raypipe.commit.table import OutcomeTable, text_hashes
     from raypipe.plan.planning import fingerprint
     from raypipe.store import OutputStore
 
@@ -95,7 +96,7 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     labels = tuple(card["labels"])
     table = OutcomeTable(f"{root}/out-daily")
     table.ensure(labels)
-    committer = UnitCommitter(table.take_over("seed-backfill"))
+    committer = UnitCommitter(take_over(table, "seed-backfill"))
     chunk = 100_000
     for k in range(0, old.num_rows, chunk):
         part = old.slice(k, chunk)

@@ -43,13 +43,18 @@ are read where the table names nothing. What lives where under OUTPUT: `raypipe.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
 import secrets
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -59,19 +64,34 @@ from raypipe.commit.outcomes import Ledger, ledger, ledger_of
 from raypipe.commit.table import (
     FILES_SEEN_APP,
     OUTCOME_DEAD_LETTER,
+    SLOTS,
     OutcomeTable,
-    TableFence,
-    UnitCommitter,
+    as_sink_error,
+    done_app,
+    generation_of,
     plan_app,
+    slot_app,
+    unit_app,
+    unit_slot,
 )
 from raypipe.config import OutputConfig
-from raypipe.errors import ConfigError, SinkError
+from raypipe.errors import ConfigError, LeaseLostError, SinkError
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.store import OutputStore
 
-__all__ = ["CommitProtocol", "FilesSeen", "read_files_seen"]
+__all__ = [
+    "CommitProtocol",
+    "FilesSeen",
+    "TableFence",
+    "UnitCommitter",
+    "holding",
+    "mark_committed",
+    "read_files_seen",
+    "retire",
+    "take_over",
+]
 
 logger = logging.getLogger("raypipe")
 
@@ -86,6 +106,309 @@ WATERMARK = "watermark.json"
 def _fresh_number() -> int:
     """A state file's number: random, so no two writers (a zombie included) share a file name."""
     return secrets.randbits(62) + 1
+
+
+# -- the fence: every commit into the table, each carrying the output's slots ------------------
+@dataclass(frozen=True)
+class TableFence:
+    """What a writer needs to commit as the output's holder (picklable: it travels to actors):
+    the run id its rows and transactions are of, and the output generation its take-over set."""
+
+    output_uri: str
+    run_id: str
+    generation: int
+
+
+def _commit_failed() -> type[Exception]:
+    from deltalake.exceptions import CommitFailedError
+
+    return CommitFailedError
+
+
+def _empty_commit(dt: Any, props: Any) -> None:
+    """A commit of no rows that carries `props` (app transactions, metadata)."""
+    dt.create_write_transaction([], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props)
+
+
+def take_over(table: OutcomeTable, run_id: str, *, holder: str = "") -> TableFence:
+    """Commits the output's next generation to every slot, for run `run_id`: every older
+    holder, of any run id, is fenced off.
+
+    Two takers of the same generation cannot both win: the second commit's transactions
+    conflict with the first's, and it raises `LeaseLostError`.
+    """
+    from deltalake import CommitProperties, Transaction
+
+    failed = _commit_failed()
+    for _ in range(20):
+        dt = table.load()
+        generation = generation_of(dt) + 1
+        try:
+            _empty_commit(
+                dt,
+                CommitProperties(
+                    app_transactions=[Transaction(slot_app(s), generation) for s in range(SLOTS)],
+                    custom_metadata={"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder},
+                ),
+            )
+            return TableFence(table.output_uri, run_id, generation)
+        except failed:
+            if table.generation() >= generation:
+                raise LeaseLostError(
+                    f"run {run_id}: another holder took over {table.uri} at the same moment (generation "
+                    f"{generation}); this one stops",
+                    holder=run_id,
+                    expires_at="?",
+                ) from None
+            # A unit commit of the older holder landed first: our snapshot is stale. Again.
+            time.sleep(random.uniform(0.01, 0.1))
+    raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=table.uri)
+
+
+def retire(table: OutcomeTable, fence: TableFence) -> bool:
+    """Fences off `fence`'s holder itself (the output's slots move to the next generation),
+    unless a newer holder took the output already; True if it did (`CommitProtocol.abort`)."""
+    from deltalake import CommitProperties, Transaction
+
+    failed = _commit_failed()
+    for _ in range(20):
+        dt = table.load()
+        if generation_of(dt) != fence.generation:
+            return False  # a newer holder took over: the output is its, leave it be
+        try:
+            _empty_commit(
+                dt,
+                CommitProperties(
+                    app_transactions=[Transaction(slot_app(s), fence.generation + 1) for s in range(SLOTS)],
+                    custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id},
+                ),
+            )
+            return True
+        except failed:
+            time.sleep(random.uniform(0.01, 0.1))  # a commit of ours or a take-over: look again
+    raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri)
+
+
+def fence_transactions(fence: TableFence) -> list[Any]:
+    """Every slot of the output at `fence`'s generation: what a commit of the whole output
+    carries (a pointer, a run commit, a compaction), so any take-over after its snapshot
+    makes it fail."""
+    from deltalake import Transaction
+
+    return [Transaction(slot_app(s), fence.generation) for s in range(SLOTS)]
+
+
+def check_fence(dt: Any, fence: TableFence, slot: int = 0) -> None:
+    """Raises `LeaseLostError` if the snapshot `dt` is no longer at `fence`'s generation."""
+    current = generation_of(dt, slot)
+    if current != fence.generation:
+        raise LeaseLostError(
+            f"run {fence.run_id}: this holder of the output (generation {fence.generation}) was fenced off by "
+            f"generation {current}; it stops writing",
+            holder=fence.run_id,
+            expires_at="?",
+        )
+
+
+def fenced_commit(
+    table: OutcomeTable,
+    fence: TableFence,
+    mark: Callable[[Any], tuple[str, int]],
+    metadata: dict[str, str],
+    *,
+    failure: str,
+) -> int:
+    """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
+    output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
+
+    A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
+    newer holder took over, `LeaseLostError`. Returns the version the app was set to."""
+    from deltalake import CommitProperties, Transaction
+
+    failed = _commit_failed()
+    for _ in range(50):
+        dt = table.load()
+        check_fence(dt, fence)
+        app, version = mark(dt)
+        props = CommitProperties(
+            app_transactions=[*fence_transactions(fence), Transaction(app, version)], custom_metadata=metadata
+        )
+        try:
+            _empty_commit(dt, props)
+            return version
+        except failed:
+            time.sleep(random.uniform(0.01, 0.2))
+    raise SinkError(failure, path=table.uri)
+
+
+def set_pointer(
+    table: OutcomeTable, fence: TableFence, app: str, write: Callable[[int | None], int], *, operation: str
+) -> int:
+    """Points `app` at a new state file (or value), fenced like a unit commit.
+
+    `write(current)` gets the number `app` holds on a fresh snapshot, writes a new immutable
+    file (under a name no other writer uses) from it and returns that file's number; one
+    commit then sets `app` to it, with the output's slots at `fence`'s generation. A
+    concurrent pointer change is a conflict: `write` runs again on the new state. Once a newer
+    holder took over, `LeaseLostError`, and the file written stays unreferenced."""
+
+    def mark(dt: Any) -> tuple[str, int]:
+        current = dt.transaction_version(app)
+        return app, write(None if current is None else int(current))
+
+    return fenced_commit(
+        table,
+        fence,
+        mark,
+        {"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
+        failure=f"could not record {operation} for run {fence.run_id}",
+    )
+
+
+def mark_committed(table: OutcomeTable, fence: TableFence, run_id: str, metadata: dict[str, str]) -> None:
+    """The run commit of `run_id`, fenced (a rerun does nothing new): what makes a run
+    committed. `CommitProtocol.commit_run` checks every unit first; `raypipe migrate` records
+    the runs an earlier release finished."""
+    fenced_commit(
+        table,
+        fence,
+        lambda dt: (done_app(run_id), fence.generation),
+        {"raypipe.operation": "run-committed", "raypipe.run_id": run_id, **metadata},
+        failure=f"could not record run {run_id} as committed",
+    )
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _replace_predicate(run_id: str, unit: str) -> str:
+    """A replay's MERGE condition. The run and unit as literals let delta-rs prune the scan
+    (and the files its conflict check records as read) to the unit's own file; from the source
+    columns alone it infers the whole `run_id` partition, and replays of different units of
+    one run would conflict with each other."""
+    return (
+        f"t.run_id = {_sql_string(run_id)} AND t.unit = {_sql_string(unit)} AND t.outcome = 'dead_letter' "
+        "AND t.run_id = s.run_id AND t.unit = s.unit AND t.id = s.id AND t.source = s.source AND t.row = s.row"
+    )
+
+
+class UnitCommitter:
+    """The unit commit: commits units of one holder of the output into the outcomes table
+    (picklable: `CommitProtocol.unit_committer` hands one to each actor).
+
+    A unit is committed in **one** Delta commit: its results and dead letters become visible
+    together, or not at all. Files a failed or fenced-off commit wrote are in no commit, so no
+    reader sees them (`raypipe vacuum` removes them). The commit carries the output's slot of
+    its unit at the holder's generation and the unit's own transaction, so it cannot land once
+    anyone took the output over, and a unit retried in one generation is committed once.
+    Commits of one committer are serialised (one `DeltaTable` per actor, kept up to date
+    incrementally); commits of several actors run side by side (the slots: see the module
+    docstring).
+    """
+
+    def __init__(
+        self,
+        fence: TableFence,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.fence = fence
+        self._table = OutcomeTable(fence.output_uri)
+        self._sleep = sleep
+        self._clock = clock
+        self._dt: Any = None
+        self._schema: pa.Schema | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fence": self.fence}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fence"])  # type: ignore[misc]
+
+    def _fresh(self) -> Any:
+        if self._dt is None:
+            self._dt = self._table.load()
+        else:
+            self._dt.update_incremental()
+        return self._dt
+
+    def _conform(self, rows: pa.Table, schema: pa.Schema) -> pa.Table:
+        """The rows in the table's full schema (other labels' columns null)."""
+        n = rows.num_rows
+        columns = [
+            rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(n, f.type) for f in schema
+        ]
+        return pa.Table.from_arrays(columns, schema=schema)
+
+    def commit(self, unit: str, rows: pa.Table, *, replace_dead_letters: bool = False, max_tries: int = 50) -> bool:
+        """Commits one unit's rows (results and dead letters) in one Delta commit.
+
+        With `replace_dead_letters` (a replay) the rows replace, in the same commit, the
+        committed dead letters they re-inferred (same run, unit, id, source and row): each id
+        is a result or a dead letter of its run, never both, never neither.
+
+        Returns False if this generation had already committed the unit (nothing is written);
+        raises `LeaseLostError` once a newer attempt took over.
+        """
+        from deltalake import CommitProperties, Transaction, write_deltalake
+
+        failed = _commit_failed()
+        slot = unit_slot(unit)
+        run_id, generation = self.fence.run_id, self.fence.generation
+        with self._lock:
+            for attempt in range(max_tries):
+                try:
+                    dt = self._fresh()
+                    check_fence(dt, self.fence, slot)
+                    if dt.transaction_version(unit_app(run_id, unit)) is not None:
+                        return False
+                    if self._schema is None or attempt:
+                        self._schema = pa.schema(dt.schema().to_arrow())
+                    props = CommitProperties(
+                        app_transactions=[
+                            Transaction(slot_app(slot), generation),
+                            # Stamped, so the table's transaction retention prunes it: ~47k
+                            # units per backfill would otherwise sit in every snapshot forever.
+                            Transaction(unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),
+                        ],
+                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
+                    )
+                    if rows.num_rows and replace_dead_letters:
+                        conformed = self._conform(rows, self._schema)
+                        (
+                            dt.merge(
+                                conformed,
+                                predicate=_replace_predicate(conformed.column("run_id")[0].as_py(), unit),
+                                source_alias="s",
+                                target_alias="t",
+                                commit_properties=props,
+                            )
+                            .when_matched_update_all()
+                            .execute()
+                        )
+                    elif rows.num_rows:
+                        write_deltalake(
+                            dt,
+                            self._conform(rows, self._schema),
+                            mode="append",
+                            partition_by=["run_id"],
+                            commit_properties=props,
+                        )
+                    else:
+                        _empty_commit(dt, props)
+                    return True
+                except failed:
+                    # Another commit of this slot or unit won: look again on a fresh snapshot
+                    # (a newer generation there fences us off above).
+                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))
+                except (LeaseLostError, SinkError):
+                    raise
+                except Exception as e:
+                    raise as_sink_error(e, self._table.uri) from e
+        raise SinkError(f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri)
 
 
 class CommitProtocol:
@@ -114,14 +437,10 @@ class CommitProtocol:
         self._sleep = sleep
         self._fence: TableFence | None = None
 
-    # -- the one truth -------------------------------------------------------------------------
-    def is_committed(self) -> bool:
-        """Is the run committed? Its run commit in the table says so, nothing else."""
-        return self.table.is_committed(self.run_id)
-
+    # -- a run committed already ---------------------------------------------------------------
     def committed_report(self) -> RunReport | None:
         """The stored report if this run id is committed already (then there is nothing to do)."""
-        if not self.is_committed():
+        if not self.table.is_committed(self.run_id):
             return None
         stored = self.store.read_json_or_none(self.store.report_file(self.run_id))
         report = RunReport.from_dict(stored) if stored else RunReport(run_id=self.run_id, mode=self.mode)
@@ -136,14 +455,21 @@ class CommitProtocol:
         """Takes the lease (a live attempt of this run id is waited out, or taken over with
         `output.take_over_lease`), makes the table ready for `labels` and takes the output over:
         from here on no commit of an earlier holder, of this run id or another, can land."""
+        return self.take_output(labels)
+
+    def take_output(self, labels: tuple[str, ...] | None = None) -> TableFence:
+        """The lease, then the take-over: `setup_run`'s, and what maintenance
+        (`raypipe.commit.upkeep`) holds the output by. With `labels` the table is made ready
+        for them first (created if need be); without, it must exist."""
         lease = Lease(self.store, self.run_id, duration_s=self.output.lease_s, wait_s=self.output.lease_wait_s)
         if self.output.require_conditional_writes:
             lease.check_conditional_writes()
         lease.acquire(force=self.output.take_over_lease)
         self._lease = lease
         try:
-            self.table.ensure(labels)
-            self._fence = self.table.take_over(self.run_id, holder=self.attempt)
+            if labels is not None:
+                self.table.ensure(labels)
+            self._fence = take_over(self.table, self.run_id, holder=self.attempt)
         except BaseException:
             self.release()
             raise
@@ -217,7 +543,7 @@ class CommitProtocol:
             self.store.write_json(self.store.run_state(self.run_id, "plan", f"{number}.json"), plan.to_dict())
             return number
 
-        self.table.set_pointer(self.fence, plan_app(self.run_id), write, operation="plan")
+        set_pointer(self.table, self.fence, plan_app(self.run_id), write, operation="plan")
 
     # -- units ---------------------------------------------------------------------------------
     def committed_units(self, plan: Plan) -> set[str]:
@@ -299,13 +625,26 @@ class CommitProtocol:
             self.store.write_parquet(self.store.state(FILES_SEEN_DIR, f"{number}.parquet"), table)
             return number
 
-        self.table.set_pointer(self.fence, FILES_SEEN_APP, write, operation="files-seen")
+        set_pointer(self.table, self.fence, FILES_SEEN_APP, write, operation="files-seen")
         return len(changed)
 
     # -- the run -------------------------------------------------------------------------------
-    def commit_run(self, metadata: dict[str, str] | None = None) -> None:
-        """Records, fenced, that every unit of the run is committed: the run is committed."""
-        self.table.mark_committed(self.fence, {"raypipe.attempt": self.attempt, **(metadata or {})})
+    def commit_run(self, plan: Plan, metadata: dict[str, str] | None = None) -> None:
+        """Commits the run, fenced, once the table holds every unit of `plan` committed: read
+        here from the table, never taken from the driver's tally. Raises `SinkError` naming
+        the units the table does not hold (the run stays uncommitted; a resume does them)."""
+        planned = {u.key for u in plan.units}
+        missing = planned - self.committed_units(plan)
+        # A unit committed with no rows has no file to list: its own transaction says so.
+        missing -= self.table.units_with_transaction(self.run_id, sorted(missing))
+        if missing:
+            raise SinkError(
+                f"run {self.run_id} cannot be committed: the table holds {len(planned) - len(missing)} of its "
+                f"{len(planned)} units committed (missing {', '.join(sorted(missing)[:3])}"
+                f"{', ...' if len(missing) > 3 else ''})",
+                path=self.table.uri,
+            )
+        mark_committed(self.table, self.fence, self.run_id, {"raypipe.attempt": self.attempt, **(metadata or {})})
 
     def abort(self) -> bool:
         """Fences off this attempt's own writers, unless a newer attempt holds the run already.
@@ -314,7 +653,7 @@ class CommitProtocol:
         not redo them); an actor's commit after this fails, and its files stay invisible."""
         if self._fence is None:
             return False
-        return self.table.retire(self._fence)
+        return retire(self.table, self._fence)
 
     def watermark(self) -> datetime | None:
         mark = self.store.read_json_or_none(self.store.state(WATERMARK))
@@ -377,6 +716,20 @@ class CommitProtocol:
         """Releases the output lease (the run's last step, however it ended)."""
         if self._lease is not None:
             self._lease.release()
+
+
+@contextlib.contextmanager
+def holding(output: OutputConfig, operation: str, *, labels: tuple[str, ...] | None = None) -> Iterator[CommitProtocol]:
+    """Maintenance as a holder of the output (`raypipe.commit.upkeep`): the lease (a live run
+    refuses it, `OutputLockedError`), then a take-over, so every older holder, of any run id,
+    is fenced off before the operation and no run starts during it; the lease is released at
+    the end. Commits made meanwhile carry the fence (`fence_transactions`)."""
+    protocol = CommitProtocol(output, "maintenance", f"raypipe-{operation}")
+    protocol.take_output(labels)
+    try:
+        yield protocol
+    finally:
+        protocol.release()
 
 
 def read_files_seen(store: OutputStore, number: int | None) -> FilesSeen:

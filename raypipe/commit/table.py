@@ -1,4 +1,4 @@
-"""The outcomes table and the unit commit protocol.
+"""The outcomes table: its schema, the names its log keeps, and its readers.
 
 Every run's results and dead letters live in one **Delta Lake** table, `OUTPUT/outcomes/`,
 written and read through `deltalake` (delta-rs): Parquet files plus a transaction log, so
@@ -6,33 +6,23 @@ every reader that goes through the log (DuckDB `delta_scan`, Spark, Athena, Trin
 `raypipe.read_outcomes`) sees only committed data. One row per input row and run, with an
 `outcome` column (`result` or `dead_letter`); partitioned by `run_id`.
 
-A unit is committed in **one** Delta commit (`UnitCommitter.commit`): its results and dead
-letters become visible together, or not at all. Files a failed or fenced-off commit wrote
-are in no commit, so no reader sees them (`raypipe vacuum` removes them).
+Nothing here writes rows or fences anything: every commit into the table (take-over, unit,
+plan and files-seen pointers, run commit, abort) is the commit protocol's
+(`raypipe.commit.protocol`, where the fence is told). What lives here is what those commits
+leave in the log and how to read it back:
 
-**Fencing is the table's own concurrency control**, not a check before a write, and it is
-one fence for the whole output, whatever the run id. The output owns `SLOTS` application
-transactions (Delta `txn` actions, app id `raypipe-output/slot-<k>`) whose version is the
-output's generation. Whoever takes the output over (a run of any id, a retried attempt,
-maintenance) commits the next generation to every slot (`take_over`). A unit commit carries
-the slot of its unit with the writer's generation and is built on a snapshot in which that
-slot still holds that generation; Delta's conflict checker rejects a commit whose application
-transaction was set by any commit after its snapshot. So once a take-over is in the log,
-every commit of every older holder fails (`LeaseLostError`), of its own run id or another,
-however long it was stalled, and there is no window between a check and a write. Slots
-(rather than one app id) let a holder's actors commit side by side: two unit commits conflict
-only when their units share a slot, and then the later one retries on a fresh snapshot.
-
-A unit also carries its own transaction (`raypipe/<run>/unit/<unit>`), so a unit committed
-twice in one generation (a Ray task retried after its actor died past the commit) is
-committed once: the retry sees the unit's transaction and skips. Unit transactions carry
-`lastUpdated`, so the table's `delta.setTransactionRetentionDuration` (90 days) prunes them
-from snapshots and checkpoints; the slots and the run's own commit (`raypipe/<run>/committed`)
-carry none and are kept: they are the fence and the record that the run is committed. (Tables
-written before the output-level fence also hold per-run slots, `raypipe/<run>/slot-<k>`:
-nothing reads them any more.) Each unit writes one data
-file whose `unit` column holds the unit key, so the committed units of a run are read from
-the log's file statistics alone (`committed_units`), without reading data.
+- the output's fence: `SLOTS` application transactions (Delta `txn` actions, app id
+  `raypipe-output/slot-<k>`, `slot_app`) whose version is the output's generation
+  (`OutcomeTable.generation`). Tables written before the output-level fence also hold per-run
+  slots, `raypipe/<run>/slot-<k>`: nothing reads them any more;
+- a unit's own transaction (`raypipe/<run>/unit/<unit>`, `unit_app`), and, because each unit
+  writes one data file whose `unit` column holds the unit key, the committed units of a run
+  read from the log's file statistics alone (`committed_units`), without reading data;
+- a run's commit (`raypipe/<run>/committed`, `done_app`): `is_committed`, the one truth of
+  "committed";
+- pointers to immutable state files beside the table (`plan_app`, `FILES_SEEN_APP`,
+  `QUARANTINE_APP`) and the daily watermark (`WATERMARK_APP`, its version the instant in
+  microseconds): `OutcomeTable.pointer`.
 """
 
 from __future__ import annotations
@@ -40,36 +30,37 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import random
 import re
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.errors import LeaseLostError, OutputPermissionError, SinkError
+from raypipe.errors import OutputPermissionError, SinkError
 
 __all__ = [
     "FILES_SEEN_APP",
     "OUTCOME_DEAD_LETTER",
     "OUTCOME_RESULT",
+    "QUARANTINE_APP",
     "RESULT_STATUS_EMPTY",
     "RESULT_STATUS_OK",
     "SLOTS",
     "TABLE_DIR",
+    "WATERMARK_APP",
     "OutcomeTable",
-    "TableFence",
-    "UnitCommitter",
+    "as_sink_error",
+    "done_app",
+    "generation_of",
     "label_column",
     "outcome_schema",
     "plan_app",
+    "slot_app",
     "storage_options",
     "text_hashes",
+    "unit_app",
+    "unit_slot",
 ]
 
 logger = logging.getLogger("raypipe")
@@ -151,15 +142,18 @@ def storage_options(uri: str) -> dict[str, str] | None:
     return opts
 
 
-def _slot_app(slot: int) -> str:
+def slot_app(slot: int) -> str:
+    """One of the output's fencing slots."""
     return f"{OUTPUT_APP}/slot-{slot}"
 
 
-def _unit_app(run_id: str, unit: str) -> str:
+def unit_app(run_id: str, unit: str) -> str:
+    """A unit's own transaction: the unit is committed once per generation."""
     return f"raypipe/{run_id}/unit/{unit}"
 
 
-def _done_app(run_id: str) -> str:
+def done_app(run_id: str) -> str:
+    """A run's commit."""
     return f"raypipe/{run_id}/committed"
 
 
@@ -170,29 +164,24 @@ def plan_app(run_id: str) -> str:
 
 FILES_SEEN_APP = "raypipe/files-seen"
 """The app transaction naming the output's current files-seen file (`raypipe.commit.protocol`)."""
+QUARANTINE_APP = "raypipe/quarantine"
+"""The app transaction naming the output's current quarantine file (`raypipe.commit.upkeep`)."""
+WATERMARK_APP = "raypipe/watermark"
+"""The app transaction holding the daily watermark, in microseconds since the epoch (UTC)."""
 
 
 def unit_slot(unit: str) -> int:
+    """The fencing slot a unit's commit carries."""
     return int(hashlib.blake2b(unit.encode(), digest_size=2).hexdigest(), 16) % SLOTS
 
 
-@dataclass(frozen=True)
-class TableFence:
-    """What a writer needs to commit as the output's holder (picklable: it travels to actors):
-    the run id its rows and transactions are of, and the output generation its take-over set."""
-
-    output_uri: str
-    run_id: str
-    generation: int
+def generation_of(dt: Any, slot: int = 0) -> int:
+    """The output's generation in a snapshot (`deltalake.DeltaTable`), as slot `slot` holds it."""
+    return int(dt.transaction_version(slot_app(slot)) or 0)
 
 
-def _commit_failed() -> type[Exception]:
-    from deltalake.exceptions import CommitFailedError
-
-    return CommitFailedError
-
-
-def _as_sink_error(e: Exception, uri: str) -> Exception:
+def as_sink_error(e: Exception, uri: str) -> Exception:
+    """A storage error from delta-rs as raypipe's: a 403 as `OutputPermissionError`."""
     text = str(e)
     if "403" in text or "AccessDenied" in text or "Forbidden" in text:
         return OutputPermissionError(f"the output refuses our credentials: {text}", path=uri)
@@ -200,7 +189,7 @@ def _as_sink_error(e: Exception, uri: str) -> Exception:
 
 
 class OutcomeTable:
-    """The Delta table under `OUTPUT/outcomes/`: creation, takeover, run completion, readers."""
+    """The Delta table under `OUTPUT/outcomes/`: creation and readers of its rows and log."""
 
     def __init__(self, output_uri: str) -> None:
         self.output_uri = output_uri.rstrip("/")
@@ -221,7 +210,7 @@ class OutcomeTable:
         except Exception as e:  # TableNotFoundError and the store's errors, all from delta-rs
             if not self.exists():
                 raise SinkError(f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri) from e
-            raise _as_sink_error(e, self.uri) from e
+            raise as_sink_error(e, self.uri) from e
 
     def load_version(self, version: int) -> Any:
         """The table as it was at `version` (time travel; the log keeps it for its retention)."""
@@ -251,51 +240,14 @@ class OutcomeTable:
         except (SinkError, OutputPermissionError):
             raise
         except Exception as e:
-            raise _as_sink_error(e, self.uri) from e
+            raise as_sink_error(e, self.uri) from e
 
     def arrow_schema(self) -> pa.Schema:
         return pa.schema(self.load().schema().to_arrow())
 
     def generation(self) -> int:
         """The output's generation: how many take-overs (and aborts) its fence has seen."""
-        return _generation_of(self.load())
-
-    def take_over(self, run_id: str, *, holder: str = "") -> TableFence:
-        """Commits the output's next generation to every slot, for run `run_id`: every older
-        holder, of any run id, is fenced off.
-
-        Two takers of the same generation cannot both win: the second commit's transactions
-        conflict with the first's, and it raises `LeaseLostError`.
-        """
-        from deltalake import CommitProperties, Transaction
-
-        failed = _commit_failed()
-        for _ in range(20):
-            dt = self.load()
-            generation = _generation_of(dt) + 1
-            try:
-                dt.create_write_transaction(
-                    [],
-                    mode="append",
-                    schema=dt.schema(),
-                    partition_by=["run_id"],
-                    commit_properties=CommitProperties(
-                        app_transactions=[Transaction(_slot_app(s), generation) for s in range(SLOTS)],
-                        custom_metadata={"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder},
-                    ),
-                )
-                return TableFence(self.output_uri, run_id, generation)
-            except failed:
-                if self.generation() >= generation:
-                    raise LeaseLostError(
-                        f"run {run_id}: another holder took over {self.uri} at the same moment (generation "
-                        f"{generation}); this one stops",
-                        holder=run_id,
-                        expires_at="?",
-                    ) from None
-                # A unit commit of the older holder landed first: our snapshot is stale. Again.
-                time.sleep(random.uniform(0.01, 0.1))
-        raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=self.uri)
+        return generation_of(self.load())
 
     def pointer(self, app: str) -> int | None:
         """The number an app transaction holds (the name of a state file), or None."""
@@ -304,68 +256,12 @@ class OutcomeTable:
         version = self.load().transaction_version(app)
         return None if version is None else int(version)
 
-    def set_pointer(self, fence: TableFence, app: str, write: Callable[[int | None], int], *, operation: str) -> int:
-        """Points `app` at a new state file, fenced like a unit commit.
-
-        `write(current)` gets the number `app` holds on a fresh snapshot, writes a new
-        immutable file (under a name no other writer uses) from it and returns that file's
-        number; one commit then sets `app` to it, with the output's slots at `fence`'s generation.
-        A concurrent pointer change is a conflict: `write` runs again on the new state. Once a
-        newer attempt took over, `LeaseLostError`, and the file written stays unreferenced."""
-
-        def mark(dt: Any) -> tuple[str, int]:
-            current = dt.transaction_version(app)
-            return app, write(None if current is None else int(current))
-
-        return self._fenced_commit(
-            fence,
-            mark,
-            {"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
-            failure=f"could not record {operation} for run {fence.run_id}",
-        )
-
-    def _fenced_commit(
-        self,
-        fence: TableFence,
-        mark: Callable[[Any], tuple[str, int]],
-        metadata: dict[str, str],
-        *,
-        failure: str,
-    ) -> int:
-        """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
-        output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
-
-        A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
-        newer attempt took over, `LeaseLostError`. Returns the version the app was set to."""
-        from deltalake import CommitProperties, Transaction
-
-        failed = _commit_failed()
-        for _ in range(50):
-            dt = self.load()
-            _check_generation(dt, fence, 0)
-            app, version = mark(dt)
-            txns = [Transaction(_slot_app(s), fence.generation) for s in range(SLOTS)]
-            try:
-                dt.create_write_transaction(
-                    [],
-                    mode="append",
-                    schema=dt.schema(),
-                    partition_by=["run_id"],
-                    commit_properties=CommitProperties(
-                        app_transactions=[*txns, Transaction(app, version)], custom_metadata=metadata
-                    ),
-                )
-                return version
-            except failed:
-                time.sleep(random.uniform(0.01, 0.2))
-        raise SinkError(failure, path=self.uri)
-
     def committed_runs(self, candidates: set[str]) -> set[str]:
         """The run ids among `candidates` whose run commit is in the table."""
         if not candidates or not self.exists():
             return set()
         dt = self.load()
-        return {r for r in candidates if dt.transaction_version(_done_app(r)) is not None}
+        return {r for r in candidates if dt.transaction_version(done_app(r)) is not None}
 
     def run_ids(self) -> set[str]:
         """Run ids with committed rows (the table's `run_id` partitions)."""
@@ -376,43 +272,9 @@ class OutcomeTable:
             return set()
         return {r for r in pc.unique(actions.column("partition.run_id")).to_pylist() if r is not None}
 
-    def retire(self, fence: TableFence) -> bool:
-        """Fences off `fence`'s holder itself (the output's slots move to the next generation),
-        unless a newer holder took the output already; True if it did (`CommitProtocol.abort`)."""
-        from deltalake import CommitProperties, Transaction
-
-        failed = _commit_failed()
-        for _ in range(20):
-            dt = self.load()
-            if _generation_of(dt) != fence.generation:
-                return False  # a newer holder took over: the output is its, leave it be
-            try:
-                dt.create_write_transaction(
-                    [],
-                    mode="append",
-                    schema=dt.schema(),
-                    partition_by=["run_id"],
-                    commit_properties=CommitProperties(
-                        app_transactions=[Transaction(_slot_app(s), fence.generation + 1) for s in range(SLOTS)],
-                        custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id},
-                    ),
-                )
-                return True
-            except failed:
-                time.sleep(random.uniform(0.01, 0.1))  # a commit of ours or a take-over: look again
-        raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=self.uri)
-
     def is_committed(self, run_id: str) -> bool:
-        return self.exists() and self.load().transaction_version(_done_app(run_id)) is not None
-
-    def mark_committed(self, fence: TableFence, metadata: dict[str, str]) -> None:
-        """Records, fenced, that every unit of the run is committed (a rerun does nothing)."""
-        self._fenced_commit(
-            fence,
-            lambda dt: (_done_app(fence.run_id), fence.generation),
-            {"raypipe.operation": "run-committed", "raypipe.run_id": fence.run_id, **metadata},
-            failure=f"could not record run {fence.run_id} as committed",
-        )
+        """Is the run committed? Its run commit in the table says so, nothing else."""
+        return run_id in self.committed_runs({run_id})
 
     def committed_units(self, run_id: str) -> set[str]:
         """Units of `run_id` with committed rows, from the log's file statistics (no data read).
@@ -443,7 +305,7 @@ class OutcomeTable:
         if not units or not self.exists():
             return set()
         dt = self.load()
-        return {u for u in units if dt.transaction_version(_unit_app(run_id, u)) is not None}
+        return {u for u in units if dt.transaction_version(unit_app(run_id, u)) is not None}
 
     def max_updated_at_by_unit(self, run_id: str) -> dict[str, datetime]:
         """The latest `updated_at` (UTC, to the millisecond: Delta's statistics) in each
@@ -461,149 +323,6 @@ class OutcomeTable:
             if unit is not None and hi is not None and (unit not in latest or hi > latest[unit]):
                 latest[unit] = hi
         return latest
-
-
-def _sql_string(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def _replace_predicate(run_id: str, unit: str) -> str:
-    """A replay's MERGE condition. The run and unit as literals let delta-rs prune the scan
-    (and the files its conflict check records as read) to the unit's own file; from the source
-    columns alone it infers the whole `run_id` partition, and replays of different units of
-    one run would conflict with each other."""
-    return (
-        f"t.run_id = {_sql_string(run_id)} AND t.unit = {_sql_string(unit)} AND t.outcome = 'dead_letter' "
-        "AND t.run_id = s.run_id AND t.unit = s.unit AND t.id = s.id AND t.source = s.source AND t.row = s.row"
-    )
-
-
-def _generation_of(dt: Any, slot: int = 0) -> int:
-    return int(dt.transaction_version(_slot_app(slot)) or 0)
-
-
-def _check_generation(dt: Any, fence: TableFence, slot: int) -> None:
-    current = _generation_of(dt, slot)
-    if current != fence.generation:
-        raise LeaseLostError(
-            f"run {fence.run_id}: this holder of the output (generation {fence.generation}) was fenced off by "
-            f"generation {current}; it stops writing",
-            holder=fence.run_id,
-            expires_at="?",
-        )
-
-
-class UnitCommitter:
-    """Commits units of one run attempt into the outcomes table (picklable: made on actors).
-
-    Commits of one committer are serialised (one `DeltaTable` per actor, kept up to date
-    incrementally); commits of several actors run side by side (see the module docstring).
-    """
-
-    def __init__(
-        self,
-        fence: TableFence,
-        *,
-        sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.fence = fence
-        self._table = OutcomeTable(fence.output_uri)
-        self._sleep = sleep
-        self._clock = clock
-        self._dt: Any = None
-        self._schema: pa.Schema | None = None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"fence": self.fence}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["fence"])  # type: ignore[misc]
-
-    def _fresh(self) -> Any:
-        if self._dt is None:
-            self._dt = self._table.load()
-        else:
-            self._dt.update_incremental()
-        return self._dt
-
-    def _conform(self, rows: pa.Table, schema: pa.Schema) -> pa.Table:
-        """The rows in the table's full schema (other labels' columns null)."""
-        n = rows.num_rows
-        columns = [
-            rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(n, f.type) for f in schema
-        ]
-        return pa.Table.from_arrays(columns, schema=schema)
-
-    def commit(self, unit: str, rows: pa.Table, *, replace_dead_letters: bool = False, max_tries: int = 50) -> bool:
-        """Commits one unit's rows (results and dead letters) in one Delta commit.
-
-        With `replace_dead_letters` (a replay) the rows replace, in the same commit, the
-        committed dead letters they re-inferred (same run, unit, id, source and row): each id
-        is a result or a dead letter of its run, never both, never neither.
-
-        Returns False if this generation had already committed the unit (nothing is written);
-        raises `LeaseLostError` once a newer attempt took over.
-        """
-        from deltalake import CommitProperties, Transaction, write_deltalake
-
-        failed = _commit_failed()
-        slot = unit_slot(unit)
-        run_id, generation = self.fence.run_id, self.fence.generation
-        with self._lock:
-            for attempt in range(max_tries):
-                try:
-                    dt = self._fresh()
-                    _check_generation(dt, self.fence, slot)
-                    if dt.transaction_version(_unit_app(run_id, unit)) is not None:
-                        return False
-                    if self._schema is None or attempt:
-                        self._schema = pa.schema(dt.schema().to_arrow())
-                    props = CommitProperties(
-                        app_transactions=[
-                            Transaction(_slot_app(slot), generation),
-                            # Stamped, so the table's transaction retention prunes it: ~47k
-                            # units per backfill would otherwise sit in every snapshot forever.
-                            Transaction(_unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),
-                        ],
-                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
-                    )
-                    if rows.num_rows and replace_dead_letters:
-                        conformed = self._conform(rows, self._schema)
-                        (
-                            dt.merge(
-                                conformed,
-                                predicate=_replace_predicate(conformed.column("run_id")[0].as_py(), unit),
-                                source_alias="s",
-                                target_alias="t",
-                                commit_properties=props,
-                            )
-                            .when_matched_update_all()
-                            .execute()
-                        )
-                    elif rows.num_rows:
-                        write_deltalake(
-                            dt,
-                            self._conform(rows, self._schema),
-                            mode="append",
-                            partition_by=["run_id"],
-                            commit_properties=props,
-                        )
-                    else:
-                        dt.create_write_transaction(
-                            [], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props
-                        )
-                    return True
-                except failed:
-                    # Another commit of this slot or unit won: look again on a fresh snapshot
-                    # (a newer generation there fences us off above).
-                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))
-                except (LeaseLostError, SinkError):
-                    raise
-                except Exception as e:
-                    raise _as_sink_error(e, self._table.uri) from e
-        raise SinkError(f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri)
 
 
 def now_utc() -> datetime:

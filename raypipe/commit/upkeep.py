@@ -7,6 +7,12 @@
 - `migrate`: copies an output written by raypipe ≤ 0.1 (`results/`, `dead_letters/` Parquet
   with commit markers, read through `LegacyLayout`) into the table.
 - `finished_runs`: the run ids the table records as committed, which all three go by.
+- `quarantine` / `quarantined`: the shards an operator set aside, as immutable numbered files
+  the table names (a fenced commit: no read-modify-write of a shared file).
+
+Each that writes holds the output as a run does (`raypipe.commit.protocol.holding`): the lease
+(refused while a run is live), then a take-over, so every older holder of any run id is
+fenced off first; its own commits carry the fence.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypipe.commit.protocol import CommitProtocol, fence_transactions, holding, mark_committed
 from raypipe.commit.table import OutcomeTable
+from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError
 from raypipe.store import STATE_DIR, OutputStore
 from raypipe.tally import tally_files
@@ -41,21 +49,35 @@ COMMITTED = "COMMITTED.json"
 """An earlier release's run commit marker (`_raypipe/runs/<run_id>/COMMITTED.json`)."""
 
 
-def compact(output: str, *, run_ids: list[str] | None = None, target_size: int | None = None) -> dict[str, Any]:
-    """Delta `optimize.compact` over finished runs' partitions (all finished runs by default).
+def _config(output: str | OutputConfig) -> OutputConfig:
+    return output if isinstance(output, OutputConfig) else OutputConfig(uri=output)
+
+
+def compact(
+    output: str | OutputConfig, *, run_ids: list[str] | None = None, target_size: int | None = None
+) -> dict[str, Any]:
+    """Delta `optimize.compact` over finished runs' partitions (all finished runs by default),
+    holding the output (its commit carries the fence).
 
     An unfinished run is never compacted: its progress is read from one file per unit.
     """
-    table = OutcomeTable(output)
-    runs = run_ids if run_ids is not None else finished_runs(output)
-    done = set(finished_runs(output))
+    from deltalake import CommitProperties
+
+    config = _config(output)
+    runs = run_ids if run_ids is not None else finished_runs(config.uri)
+    done = set(finished_runs(config.uri))
     unfinished = [r for r in runs if r not in done]
     if unfinished:
         raise ValueError(f"runs still unfinished (not compacted): {', '.join(unfinished)}")
     if not runs:
         return {"runs": 0}
-    dt = table.load()
-    metrics = dt.optimize.compact(partition_filters=[("run_id", "in", runs)], target_size=target_size)
+    with holding(config, "compact") as protocol:
+        props = CommitProperties(
+            app_transactions=fence_transactions(protocol.fence), custom_metadata={"raypipe.operation": "compact"}
+        )
+        metrics = protocol.table.load().optimize.compact(
+            partition_filters=[("run_id", "in", runs)], target_size=target_size, commit_properties=props
+        )
     return {"runs": len(runs), **{k: v for k, v in metrics.items() if isinstance(v, int | float)}}
 
 
@@ -66,7 +88,11 @@ writing its file and committing it (a unit's inference, breaker waits, commit re
 
 
 def vacuum(
-    output: str, *, retention_hours: float = VACUUM_FLOOR_HOURS, dry_run: bool = False, force: bool = False
+    output: str | OutputConfig,
+    *,
+    retention_hours: float = VACUUM_FLOOR_HOURS,
+    dry_run: bool = False,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Delta `vacuum`: deletes data files no commit references and that are older than the
     retention (fenced-off or failed commits, files compacted away), and the commit log's
@@ -75,7 +101,9 @@ def vacuum(
     A file written by a live attempt is referenced by no commit until its unit commits, so a
     short retention could delete it under that commit. A retention under `VACUUM_FLOOR_HOURS`
     is refused (`ConfigError`) unless `force`; the retention is rounded up to whole hours
-    (delta-rs takes an int), never down.
+    (delta-rs takes an int), never down. It holds the output meanwhile (a live run refuses it,
+    and every older holder is fenced off first, so a stalled writer whose files it deletes can
+    commit nothing afterwards).
     """
     if not retention_hours >= 0:
         raise ConfigError(f"vacuum: --retention-hours must be >= 0, got {retention_hours}")
@@ -84,18 +112,20 @@ def vacuum(
             f"vacuum: a retention of {retention_hours:g} h is under {VACUUM_FLOOR_HOURS:g} h and may delete the files "
             "of a unit a live run has written but not committed yet; pass --force if no run writes to this output"
         )
-    table = OutcomeTable(output)
-    dt = table.load()
-    files = dt.vacuum(
-        retention_hours=math.ceil(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True
-    )
-    if not dry_run:
-        dt.cleanup_metadata()
-    removed = 0 if dry_run else drop_finished_state(output, before=datetime.now(UTC) - timedelta(hours=retention_hours))
+    config = _config(output)
+    with holding(config, "vacuum") as protocol:
+        dt = protocol.table.load()
+        files = dt.vacuum(
+            retention_hours=math.ceil(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True
+        )
+        if not dry_run:
+            dt.cleanup_metadata()
+        before = datetime.now(UTC) - timedelta(hours=retention_hours)
+        removed = 0 if dry_run else drop_finished_state(config.uri, before=before)
     return {"files": len(files), "dry_run": dry_run, "runs_state_removed": removed}
 
 
-def migrate(output: str) -> dict[str, int]:
+def migrate(output: str | OutputConfig) -> dict[str, int]:
     """Copies an output of raypipe's earlier layout (`results/run=R/*.parquet`,
     `dead_letters/run=R/*.parquet`, committed units' markers under `_raypipe/runs/R/units/`)
     into the outcomes table, one commit per run; the old files are left in place.
@@ -103,16 +133,26 @@ def migrate(output: str) -> dict[str, int]:
     Only units with a commit marker are copied (an unfinished attempt's files never were
     committed), and only a run with its `COMMITTED.json` is recorded as committed in the
     table: a half-done legacy run, resumed under its run id, infers its other units. A run
-    already in the table is skipped, so the command can be rerun.
+    already in the table is skipped, so the command can be rerun. It holds the output
+    (`holding`), and every commit carries the fence.
     """
+    config = _config(output)
+    old = LegacyLayout(config.uri)
+    runs = old.runs()
+    if not runs:
+        return {"runs": 0, "rows": 0}
+    with holding(config, "migrate", labels=()) as protocol:
+        return _migrate(old, runs, protocol)
+
+
+def _migrate(old: LegacyLayout, runs: list[str], protocol: CommitProtocol) -> dict[str, int]:
     import pyarrow.parquet as pq
 
     from raypipe.commit.table import text_hashes
 
-    old = LegacyLayout(output)
-    table = OutcomeTable(output)
+    table, fence = protocol.table, protocol.fence
     copied = {"runs": 0, "rows": 0}
-    for run_id in old.runs():
+    for run_id in runs:
         if table.exists() and run_id in _runs_in_table(table):
             continue
         units = old.committed_units(run_id)
@@ -161,12 +201,12 @@ def migrate(output: str) -> dict[str, int]:
             mode="append",
             partition_by=["run_id"],
             commit_properties=CommitProperties(
-                custom_metadata={"raypipe.operation": "migrate", "raypipe.run_id": run_id}
+                app_transactions=fence_transactions(fence),
+                custom_metadata={"raypipe.operation": "migrate", "raypipe.run_id": run_id},
             ),
         )
-        if old.is_committed(run_id):  # else a half-done legacy run: resuming it does its other units
-            fence = table.take_over(run_id, holder="migrate")
-            table.mark_committed(fence, {"raypipe.migrated": "true"})
+        if old.has_commit_marker(run_id):  # else a half-done legacy run: resuming it does its other units
+            mark_committed(table, fence, run_id, {"raypipe.migrated": "true"})
         copied["runs"] += 1
         copied["rows"] += rows.num_rows
         logger.info("migrated run %s: %d rows", run_id, rows.num_rows)
@@ -240,8 +280,9 @@ class LegacyLayout:
         except FileNotFoundError:
             return []
 
-    def is_committed(self, run_id: str) -> bool:
-        """Did the run finish (its `COMMITTED.json`, the earlier layout's run commit)?"""
+    def has_commit_marker(self, run_id: str) -> bool:
+        """Did the run finish in the earlier layout (its `COMMITTED.json`)? Not "committed"
+        in the table: that is `OutcomeTable.is_committed`."""
         return self.store.read_json_or_none(self.store.run_state(run_id, COMMITTED)) is not None
 
     def committed_units(self, run_id: str) -> set[str]:

@@ -308,7 +308,7 @@ class CommitRun:
         if plan.mode != "replay":
             protocol.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
-            protocol.commit_run()
+            protocol.commit_run(plan)
             mark = plan.read_as_of
             if mark is not None:
                 protocol.advance_watermark(mark)

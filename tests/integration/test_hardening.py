@@ -21,6 +21,7 @@ from ray import serve
 
 import raypipe
 from raypipe.commit.lease import Lease
+from raypipe.commit.protocol import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable
 from raypipe.errors import LeaseLostError, OutputPermissionError, UnsafeOutputError
 from raypipe.samples import write_sample_corpus
@@ -125,13 +126,13 @@ def test_a_second_attempt_fences_the_first_off_and_nothing_is_written_twice(
 def _racer(output: str, endpoint: str, version: str, go, results) -> None:
     """One attempt of run `race` in its own process, its S3 traffic through `endpoint`."""
     os.environ["AWS_ENDPOINT_URL"] = endpoint
-    from raypipe.commit.table import OutcomeTable, UnitCommitter
+    from raypipe.commit.table import OutcomeTable
     from raypipe.errors import LeaseLostError
     from tests.unit.test_table import UNIT, rows
 
     table = OutcomeTable(output)
     try:
-        fence = table.take_over("race")
+        fence = take_over(table, "race")
         results.put(("took", fence.generation))
         assert go.wait(120)
         answers = {"A": "result", "B": "dead_letter"} if version == "old" else {"A": "result", "B": "result"}

@@ -14,7 +14,8 @@ import pytest
 
 from raypipe.call.actor import CALL_TEXT_BYTES, ActorSettings, InferenceActor, micro_batches
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import OutcomeTable, UnitCommitter
+from raypipe.commit.protocol import UnitCommitter, take_over
+from raypipe.commit.table import OutcomeTable
 from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
 from raypipe.errors import (
     CircuitOpenError,
@@ -44,7 +45,7 @@ def settings(tmp_path, **client):
     cfg = ClientConfig(**{**defaults, **client})
     table = OutcomeTable(str(tmp_path / "out"))
     table.ensure(LABELS)
-    fence = table.take_over("r1")  # a new attempt of run r1: a real local Delta table
+    fence = take_over(table, "r1")  # a new attempt of run r1: a real local Delta table
     return ActorSettings(
         committer=UnitCommitter(fence), run_id="r1", attempt="a1", service=ServiceConfig(), client=cfg, labels=LABELS
     )

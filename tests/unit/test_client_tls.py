@@ -22,7 +22,8 @@ from raypipe.call.actor import ActorSettings, InferenceActor
 from raypipe.call.channel import ChannelSecurity
 from raypipe.call.client import GrpcModelClient, check_service
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import OutcomeTable, UnitCommitter
+from raypipe.commit.protocol import UnitCommitter, take_over
+from raypipe.commit.table import OutcomeTable
 from raypipe.config import ClientConfig, ServiceConfig, load_config
 from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, ServiceUnavailable
 from raypipe.plan.planning import list_shards, plan_units
@@ -348,7 +349,7 @@ def tls_actor(tmp_path, service: ServiceConfig) -> InferenceActor:
     table = OutcomeTable(str(tmp_path / "out"))
     table.ensure(LABELS)
     settings = ActorSettings(
-        committer=UnitCommitter(table.take_over("r1")),
+        committer=UnitCommitter(take_over(table, "r1")),
         run_id="r1",
         attempt="a1",
         service=service,

@@ -17,9 +17,9 @@ import pytest
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.protocol import CommitProtocol
-from raypipe.commit.upkeep import finished_runs
+from raypipe.commit.upkeep import compact, finished_runs, vacuum
 from raypipe.config import OutputConfig
-from raypipe.errors import ConfigError, LeaseLostError
+from raypipe.errors import ConfigError, LeaseLostError, OutputLockedError, SinkError
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from tests.fakes import LABELS
@@ -60,14 +60,14 @@ def zombie(p: CommitProtocol) -> CommitProtocol:
 
 def test_protocol_steps_set_up_commit_units_commit_the_run(tmp_path, attempts):
     p = protocol(tmp_path, attempts, "a1")
-    assert not p.is_committed() and p.committed_report() is None
+    assert not p.table.is_committed("r1") and p.committed_report() is None
     fence = p.setup_run(LABELS)
     assert fence.generation == 1
     assert p.commit_unit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))
     assert not p.commit_unit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))  # once
     assert p.committed_units(plan("a.parquet")) == {UNIT}
-    p.commit_run({"why": "every unit"})
-    assert protocol(tmp_path, attempts, "a2").is_committed()
+    p.commit_run(Plan("backfill", IN, [WorkUnit(f"{IN}/a.parquet", "parquet", 0, None, name=UNIT)], []), {"why": "all"})
+    assert protocol(tmp_path, attempts, "a2").table.is_committed("r1")
     assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "dead_letter", "m"): 1})
 
 
@@ -84,8 +84,8 @@ def test_protocol_setup_fences_the_earlier_attempt_off_at_every_step(tmp_path, a
     with pytest.raises(LeaseLostError):
         old.record_files_seen(stale, {u.key for u in stale.units})
     with pytest.raises(LeaseLostError):
-        old.commit_run()
-    assert not new.is_committed() and new.stored_plan() is None and new.files_seen() == {}
+        old.commit_run(plan())
+    assert not new.table.is_committed("r1") and new.stored_plan() is None and new.files_seen() == {}
     assert new.commit_unit(UNIT, rows({"A": "result"}, version="new"))
     assert visible(tmp_path / "out") == Counter({("A", "result", "new"): 1})
 
@@ -166,8 +166,8 @@ def test_a_run_id_resumes_only_as_the_mode_and_input_it_started_as(tmp_path, att
 def test_committed_has_one_truth_the_table(tmp_path, attempts):
     p = protocol(tmp_path, attempts, "a1")
     p.setup_run(LABELS)
-    p.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="m")
-    p.commit_run()
+    p.plan(lambda: plan(), input_uri=IN, model_version="m")
+    p.commit_run(plan())
     p.release()
     assert not list((tmp_path / "out").rglob("COMMITTED.json"))
     assert finished_runs(str(tmp_path / "out")) == ["r1"]
@@ -252,14 +252,46 @@ def test_a_take_over_by_another_run_id_fences_the_older_holder_at_commit(tmp_pat
         lambda: a.commit_unit("shard-a2", rows_of("daily-a", "shard-a2", ["C"], version="old")),
         lambda: a.save_plan(plan("a.parquet")),
         lambda: a.record_files_seen(plan("a.parquet"), {u.key for u in plan("a.parquet").units}),
-        lambda: a.commit_run(),
+        lambda: a.commit_run(plan()),
     ):
         with pytest.raises(LeaseLostError):
             late()
-    b.commit_run()
+    b.commit_run(Plan("daily", IN, [WorkUnit(f"{IN}/b.parquet", "parquet", 0, None, name="shard-b")], []))
     seen = read_outcomes(str(tmp_path / "out"))
     assert sorted(zip(seen.column("id").to_pylist(), seen.column("run_id").to_pylist(), strict=True)) == [
         ("A", "daily-b"),
         ("B", "daily-b"),
     ]
-    assert b.is_committed() and not a.is_committed() and a.files_seen() == {}
+    assert b.table.is_committed("daily-b") and not a.table.is_committed("daily-a") and a.files_seen() == {}
+
+
+def test_the_run_commit_checks_every_planned_unit_in_the_table(tmp_path, attempts):
+    """The driver's own tally is not asked: a unit the table does not hold keeps the run uncommitted."""
+    p = protocol(tmp_path, attempts, "a1")
+    p.setup_run(LABELS)
+    assert p.commit_unit(UNIT, rows({"A": "result"}, version="m"))
+    assert p.unit_committer().commit("empty-unit", rows({}, version="m"))  # no rows: its transaction says so
+    units = [WorkUnit(f"{IN}/{n}.parquet", "parquet", 0, None, name=n) for n in (UNIT, "empty-unit", "never")]
+    with pytest.raises(SinkError, match="holds 2 of its 3 units committed"):
+        p.commit_run(Plan("backfill", IN, units, []))
+    assert not p.table.is_committed("r1")
+    p.commit_run(Plan("backfill", IN, units[:2], []))
+    assert p.table.is_committed("r1")
+
+
+def test_maintenance_holds_the_output_and_fences_a_stalled_holder_off(tmp_path, attempts):
+    """`vacuum --force` and `compact` take the output as a run does: refused while a run is
+    live; after `lease expire`, a stalled run of any id can commit nothing afterwards."""
+    out = str(tmp_path / "out")
+    a = zombie(other_run(tmp_path, attempts, "daily-a"))
+    a.setup_run(LABELS)
+    stalled = a.unit_committer()
+    with pytest.raises(OutputLockedError):
+        vacuum(out, retention_hours=0, force=True)
+    Lease(a.store, "raypipe-cli").expire()
+    vacuum(out, retention_hours=0, force=True)
+    with pytest.raises(LeaseLostError):
+        stalled.commit("shard-a", rows_of("daily-a", "shard-a", ["A"], version="old"))
+    assert read_outcomes(out).num_rows == 0
+    assert Lease(a.store, "raypipe-cli").current() is None  # vacuum gave the output back
+    assert compact(out) == {"runs": 0}

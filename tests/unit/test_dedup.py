@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 
 from raypipe.call.dedup import IndexShard, TextIndex, build_index, hash_texts, shard_bounds
-from raypipe.commit.table import OutcomeTable, UnitCommitter, label_column, text_hashes
+from raypipe.commit.protocol import UnitCommitter, take_over
+from raypipe.commit.table import OutcomeTable, label_column, text_hashes
 from tests.fakes import LABELS, fake_probs
 
 
@@ -35,7 +36,7 @@ def commit_results(out, run_id: str, unit: str, texts: list[str], *, version: st
             "row": list(range(n)),
         }
     )
-    assert UnitCommitter(table.take_over(run_id)).commit(unit, rows)
+    assert UnitCommitter(take_over(table, run_id)).commit(unit, rows)
 
 
 def test_the_cap_counts_distinct_texts_not_copies(tmp_path):
@@ -75,7 +76,7 @@ def test_memory_per_distinct_text_at_a_million(tmp_path):
     rng = np.random.default_rng(7)
     hashes = rng.choice(np.iinfo(np.int64).max, size=n, replace=False).astype(np.int64)
     hashes[::2] *= -1  # both halves of the int64 space, as BLAKE2b gives
-    committer = UnitCommitter(table.take_over("big"))
+    committer = UnitCommitter(take_over(table, "big"))
     for k, chunk in enumerate(np.array_split(hashes, units)):
         m = len(chunk)
         committer.commit(

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 from raypipe.api import build_config
-from raypipe.commit.protocol import CommitProtocol
-from raypipe.commit.table import OutcomeTable, UnitCommitter, outcome_schema
+from raypipe.commit.protocol import CommitProtocol, UnitCommitter, mark_committed, take_over
+from raypipe.commit.table import OutcomeTable, outcome_schema
 from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan
@@ -186,8 +186,8 @@ def committed_run(out: str, run_id: str, outcomes: dict[str, str]) -> None:
         run_id=pa.array([run_id] * n),
         text=pa.array(["t"] * n),
     )
-    assert UnitCommitter(table.take_over(run_id)).commit("u1", pa.table(cols, schema=outcome_schema(LABELS)))
-    table.mark_committed(table.take_over(run_id), {})
+    assert UnitCommitter(take_over(table, run_id)).commit("u1", pa.table(cols, schema=outcome_schema(LABELS)))
+    mark_committed(table, take_over(table, run_id), run_id, {})
 
 
 def test_a_replay_resumes_its_latest_unfinished_attempt_else_starts_the_next(tmp_path):

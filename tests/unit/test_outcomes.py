@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import raypipe
 from raypipe.commit.outcomes import latest_of
-from raypipe.commit.table import OutcomeTable, UnitCommitter, text_hashes
+from raypipe.commit.protocol import UnitCommitter, take_over
+from raypipe.commit.table import OutcomeTable, text_hashes
 from tests.fakes import LABELS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -49,7 +50,7 @@ def commit(
             "row": list(range(n)),
         }
     )
-    assert UnitCommitter(table.take_over(run_id)).commit(unit, rows)
+    assert UnitCommitter(take_over(table, run_id)).commit(unit, rows)
 
 
 def test_latest_after_a_rebackfill_with_a_new_model_shows_the_new_model_for_every_id(tmp_path):

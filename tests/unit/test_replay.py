@@ -6,7 +6,8 @@ from __future__ import annotations
 import pyarrow as pa
 
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import OutcomeTable, UnitCommitter, unit_slot
+from raypipe.commit.protocol import UnitCommitter, take_over
+from raypipe.commit.table import OutcomeTable, unit_slot
 from tests.fakes import LABELS
 
 RUN = "r1"
@@ -45,7 +46,7 @@ def original_run(out, units: list[str]) -> OutcomeTable:
     """Run r1: each unit with one result and two dead letters."""
     table = OutcomeTable(str(out))
     table.ensure(LABELS)
-    committer = UnitCommitter(table.take_over(RUN))
+    committer = UnitCommitter(take_over(table, RUN))
     for u in units:
         committer.commit(u, unit_rows(u, {f"{u}-ok": "result", f"{u}-d1": "dead_letter", f"{u}-d2": "dead_letter"}))
     return table
@@ -56,7 +57,7 @@ def test_replays_of_different_units_do_not_conflict(tmp_path):
     both land at the first try (the MERGE reads its unit's file only, not the run's partition)."""
     a, b = unit_names(2)
     table = original_run(tmp_path, [a, b])
-    fence = table.take_over(REPLAY)
+    fence = take_over(table, REPLAY)
     first, second = UnitCommitter(fence), UnitCommitter(fence)
     stale = table.load()
     second._fresh = lambda: stale  # type: ignore[method-assign]  # its snapshot predates the first commit
@@ -94,7 +95,7 @@ def test_a_resumed_replay_does_not_infer_units_an_earlier_attempt_committed(tmp_
     a, b = unit_names(2)
     original_run(tmp_path, [a, b])
     plan = replay_plan(tmp_path, [a, b])
-    killed = UnitCommitter(OutcomeTable(str(tmp_path)).take_over(REPLAY))
+    killed = UnitCommitter(take_over(OutcomeTable(str(tmp_path)), REPLAY))
     again = {f"{a}-d1": "dead_letter", f"{a}-d2": "dead_letter"}
     assert killed.commit(a, unit_rows(a, again, kind="rejected"), replace_dead_letters=True)
     protocol = replay_protocol(tmp_path)
@@ -110,7 +111,7 @@ def test_a_replay_report_counts_rows_an_attempt_converted_before_it_was_killed(t
     a, b = unit_names(2)
     original_run(tmp_path, [a, b])
     plan = replay_plan(tmp_path, [a, b])
-    killed = UnitCommitter(OutcomeTable(str(tmp_path)).take_over(REPLAY))
+    killed = UnitCommitter(take_over(OutcomeTable(str(tmp_path)), REPLAY))
     assert killed.commit(a, unit_rows(a, {f"{a}-d1": "result", f"{a}-d2": "dead_letter"}), replace_dead_letters=True)
     protocol = replay_protocol(tmp_path)
     report = RunReport(run_id=REPLAY, mode="replay")

@@ -104,7 +104,7 @@ class FakeProtocol:
     def release(self) -> None:
         self.lease.release()
 
-    def commit_run(self) -> None:
+    def commit_run(self, plan: Plan) -> None:
         self.committed_runs += 1
 
     def abort(self) -> bool:

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import OutcomeTable, UnitCommitter
+from raypipe.commit.protocol import UnitCommitter, take_over
+from raypipe.commit.table import OutcomeTable
 from raypipe.commit.upkeep import vacuum
 from raypipe.errors import LeaseLostError
 from tests.fakes import LABELS
@@ -76,7 +77,7 @@ def test_a_stalled_commit_of_a_fenced_off_attempt_never_becomes_visible(tmp_path
     commits the unit, then attempt 1's write goes on: the table rejects it, and every id is
     there once, as attempt 2 answered it."""
     table = table_for(tmp_path)
-    first = UnitCommitter(table.take_over("r1"))
+    first = UnitCommitter(take_over(table, "r1"))
     real = deltalake.write_deltalake
     entered, release = threading.Event(), threading.Event()
 
@@ -98,7 +99,7 @@ def test_a_stalled_commit_of_a_fenced_off_attempt_never_becomes_visible(tmp_path
     thread = threading.Thread(target=attempt_1, name="attempt-1")
     thread.start()
     assert entered.wait(30), "attempt 1 never reached its write"
-    second = UnitCommitter(table.take_over("r1"))  # --force, or the lease expired
+    second = UnitCommitter(take_over(table, "r1"))  # --force, or the lease expired
     assert second.fence.generation == first.fence.generation + 1
     assert second.commit(UNIT, rows(new, version="model-B")) is True
     release.set()
@@ -110,7 +111,7 @@ def test_a_stalled_commit_of_a_fenced_off_attempt_never_becomes_visible(tmp_path
 
 def test_results_and_dead_letters_become_visible_in_the_same_commit(tmp_path):
     table = table_for(tmp_path)
-    committer = UnitCommitter(table.take_over("r1"))
+    committer = UnitCommitter(take_over(table, "r1"))
     before = table.load().version()
     committer.commit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))
     dt = table.load()
@@ -122,7 +123,7 @@ def test_results_and_dead_letters_become_visible_in_the_same_commit(tmp_path):
 
 def test_a_commit_retried_in_the_same_generation_writes_nothing_twice(tmp_path):
     table = table_for(tmp_path)
-    fence = table.take_over("r1")
+    fence = take_over(table, "r1")
     assert UnitCommitter(fence).commit(UNIT, rows({"A": "result"}, version="m")) is True
     assert UnitCommitter(fence).commit(UNIT, rows({"A": "result"}, version="m")) is False
     assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1})
@@ -136,7 +137,7 @@ def test_files_a_crashed_writer_left_are_invisible_and_vacuumed(tmp_path):
     orphan.parent.mkdir(parents=True)
     pq.write_table(rows({"A": "result", "B": "result"}, version="crashed").drop(["run_id"]), orphan)
     assert read_outcomes(str(tmp_path / "out")).num_rows == 0
-    UnitCommitter(table.take_over("r1")).commit(UNIT, rows({"A": "result", "B": "result"}, version="m"))
+    UnitCommitter(take_over(table, "r1")).commit(UNIT, rows({"A": "result", "B": "result"}, version="m"))
     assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "result", "m"): 1})
     done = vacuum(str(tmp_path / "out"), retention_hours=0, force=True)
     assert done["files"] >= 1 and not orphan.exists()
@@ -147,14 +148,14 @@ def _take_over(out: str, barrier, results) -> None:
     table = OutcomeTable(out)
     barrier.wait(110)  # spawn children import the table library first: seconds apart on loaded cores
     try:
-        results.put(("won", table.take_over("r1").generation))
+        results.put(("won", take_over(table, "r1").generation))
     except LeaseLostError:
         results.put(("lost", 0))
 
 
 def test_two_processes_taking_over_at_once_never_share_a_generation(tmp_path):
     table = table_for(tmp_path)
-    table.take_over("r1")
+    take_over(table, "r1")
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(3), ctx.Queue()
     procs = [ctx.Process(target=_take_over, args=(table.output_uri, barrier, results)) for _ in range(3)]
@@ -173,7 +174,7 @@ def test_each_units_latest_updated_at_comes_from_the_logs_statistics_never_round
     Delta keeps timestamps to the millisecond, truncated, so a later rewrite is re-read from
     at most that millisecond and no row is skipped."""
     table = table_for(tmp_path)
-    committer = UnitCommitter(table.take_over("r1"))
+    committer = UnitCommitter(take_over(table, "r1"))
     stamps = {
         "u-a": [datetime(2026, 1, 1, 0, 0, 0, 999_999, tzinfo=UTC), datetime(2025, 1, 1, tzinfo=UTC)],
         "u-b": [datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC), None],
@@ -195,7 +196,7 @@ def test_unit_transactions_carry_last_updated_so_the_table_retention_prunes_them
     """A unit's own transaction is kept for the table's transaction retention (90 days), not
     forever; the run's fencing slots carry no time and stay."""
     table = table_for(tmp_path)
-    fence = table.take_over("r1")
+    fence = take_over(table, "r1")
     long_ago = (datetime.now(UTC) - timedelta(days=100)).timestamp()
     assert UnitCommitter(fence, clock=lambda: long_ago).commit(UNIT, rows({"A": "result"}, version="m"))
     recent = "shard-1-def"

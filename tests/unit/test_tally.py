@@ -139,6 +139,7 @@ def test_a_unit_summary_carries_the_actor_tally_including_its_own_calls(tmp_path
 def test_vacuum_drops_the_tallies_of_old_finished_runs(tmp_path):
     from datetime import UTC, datetime, timedelta
 
+    from raypipe.commit.protocol import mark_committed, take_over
     from raypipe.commit.table import OutcomeTable
     from raypipe.commit.upkeep import drop_finished_state
     from tests.fakes import LABELS
@@ -146,7 +147,7 @@ def test_vacuum_drops_the_tallies_of_old_finished_runs(tmp_path):
     store = OutputStore(str(tmp_path))
     table = OutcomeTable(str(tmp_path))
     table.ensure(LABELS)
-    table.mark_committed(table.take_over("old"), {})
+    mark_committed(table, take_over(table, "old"), "old", {})
     finished = (datetime.now(UTC) - timedelta(days=30)).isoformat()
     store.write_json(store.report_file("old"), {"run_id": "old", "status": "completed", "finished_at": finished})
     store.write_json(store.run_state("old", "attempts", "a1.json"), AttemptStats(attempt="a1").to_dict())

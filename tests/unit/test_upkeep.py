@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import raypipe
+from raypipe.commit.protocol import mark_committed, take_over
 from raypipe.commit.table import OutcomeTable
 from raypipe.commit.upkeep import drop_finished_state, finished_runs, migrate, vacuum
 from raypipe.errors import ConfigError
@@ -95,7 +96,7 @@ def test_vacuum_drops_old_finished_runs_state_and_keeps_reports(tmp_path):
         store.write_json(store.run_state(run_id, "attempts", "a1.json"), {"calls": 1})
         report = {"run_id": run_id, "mode": "backfill", "status": "completed"}
         if committed_at is not None:
-            table.mark_committed(table.take_over(run_id), {})
+            mark_committed(table, take_over(table, run_id), run_id, {})
             if run_id == "legacy":
                 store.write_json(store.run_state(run_id, "COMMITTED.json"), {"at": committed_at.isoformat()})
             else:
