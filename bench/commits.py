@@ -44,7 +44,7 @@ def _rows(unit: str, n: int, labels: tuple[str, ...]) -> Any:
 
 def run_commits(writers: int = 8, units_per_writer: int = 10, rows: int = 2000) -> dict[str, Any]:
     from bench.s3server import MotoServer
-    from raypipe.commit.protocol import UnitCommitter, take_over
+    from raypipe.commit.fence import UnitCommitter, take_over
     from raypipe.commit.table import OutcomeTable
 
     labels = ("anger", "fear", "joy", "love", "sadness", "surprise")

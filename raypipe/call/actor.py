@@ -61,7 +61,7 @@ from raypipe.call.dedup import TextIndex
 from raypipe.call.limiter import AdaptiveLimiter, FixedLimiter, Limiter
 from raypipe.call.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
 from raypipe.call.retry import RetryPolicy, call_with_retries
-from raypipe.commit.protocol import UnitCommitter
+from raypipe.commit.fence import UnitCommitter
 from raypipe.commit.rows import Answers, DeadLetters, unit_rows
 from raypipe.commit.table import now_utc, text_hashes
 from raypipe.config import ClientConfig, ServiceConfig

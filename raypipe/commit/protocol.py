@@ -3,95 +3,75 @@
 In the manner of Spark's `FileCommitProtocol`, a run's output is set up, committed unit by
 unit, committed as a whole, or aborted, each step one method, each commit one Delta commit
 that either happens or raises. A run (`raypipe.run.modes._run`, through the steps of
-`raypipe.run.steps`) calls it in this order; this is the one place the order is told::
+`raypipe.run.steps`) calls it in this order; the modes and steps name the steps, the order
+of the protocol's calls is told here::
 
     protocol = CommitProtocol(config.output, mode, run_id)
-    protocol.committed_report()      # the stored report of a run id committed already: done
+    protocol.committed_report()      # the report of a run id committed already: done
     protocol.setup_run(labels)       # the lease, the table made ready, the take-over: the fence
     protocol.plan(make_plan, ...)    # the stored plan, or a new one, stored (fenced); planning
                                      #   asks quarantined(), files_seen(), dead_letters_of()
     protocol.committed_units(plan)   # what the table holds committed; the rest is to do
     protocol.save_plan(plan)         # a resumed plan brought up to date with its input (fenced)
-    ...                              # the actors commit each unit with a `UnitCommitter` over
-                                     #   `protocol.fence`: one Delta commit each (fenced)
+    ...                              # the actors commit each unit with the `UnitCommitter`
+                                     #   `protocol.unit_committer()` hands out (fenced)
     protocol.record_files_seen(...)  # the files every unit of which is committed (fenced)
-    protocol.commit_run()            # every unit committed: the run is committed (fenced)
-    protocol.advance_watermark(...)  # informational, never backwards
+    protocol.commit_run(plan)        # the table holds every unit: the run is committed (fenced)
+    protocol.advance_watermark(...)  # informational, never backwards (fenced)
     protocol.abort()                 # instead of the three above, when a step failed
     protocol.save_attempt(...)       # this attempt's calls, and then its report, unless a
-    protocol.write_report(...)       #   newer attempt fenced this one off (that one reports)
+    protocol.write_report(...)       #   newer holder fenced this one off (that one reports)
     protocol.release()               # the lease, last, however the run ended
 
-**The fence** is the table's concurrency control (`raypipe.commit.table`), one for the whole
-output: `setup_run` commits the output's next generation to its slots; every later commit of
-this attempt (units, plan, files seen, run) carries the output's slots at that generation and
-is built on a snapshot where they still hold it, so once anyone took the output over (another
-attempt of this run id, a run of another id after `raypipe lease expire`), none can land
-(`LeaseLostError`), however long it was stalled. `abort` fences off this attempt's own writers
-the same way (a take-over by nobody), unless a newer holder already took the output: the
-report a driver writes after a failure is then final, and files an actor writes afterwards
-stay invisible (`raypipe vacuum` removes them). "Committed" has one truth: the run's commit in
-the table. The lease (`raypipe.commit.lease`) is liveness only: it keeps a second run id from
-starting on the same output while the first is alive and lets a retried attempt wait for a
-live one to expire; it fences nothing.
+Maintenance (`raypipe.commit.upkeep`) holds the output the same way (`holding`: the lease,
+then a take-over).
+
+**The fence** is the table's concurrency control, one for the whole output; every commit
+above carries it, and its mechanics are `raypipe.commit.fence`, which only this protocol
+drives: once anyone took the output over (another attempt of this run id, a run of another
+id after `raypipe lease expire`, maintenance), no commit of an older holder can land
+(`LeaseLostError`), however long it was stalled. `abort` fences off this attempt's own
+writers the same way (a take-over by nobody), unless a newer holder already took the output:
+the report a driver writes after a failure is then final, and files an actor writes
+afterwards stay invisible (`raypipe vacuum` removes them). "Committed" is the run's commit in
+the table (`OutcomeTable.is_committed`), written only by `commit_run` after it found every
+planned unit committed in the table. The lease (`raypipe.commit.lease`) is liveness only: it
+keeps a second run id from starting on the same output while the first is alive and lets a
+retried attempt wait for a live one to expire; it fences nothing.
 
 State beside the table is never a truth on its own: the plan and the files seen are new
 immutable files under numbers no other writer uses, and the table names the current one (an
-app transaction); an earlier release's `plan.json`, `files_seen.parquet` and `COMMITTED.json`
-are read where the table names nothing. What lives where under OUTPUT: `raypipe.store`.
+app transaction); the watermark is an app transaction of its own. An earlier release's
+`plan.json`, `files_seen.parquet`, `watermark.json` and `COMMITTED.json` are read where the
+table names nothing. What lives where under OUTPUT: `raypipe.store`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import secrets
-import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypipe.commit.fence import TableFence, UnitCommitter, mark_committed, retire, set_pointer, take_over
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import Ledger, ledger, ledger_of
-from raypipe.commit.table import (
-    FILES_SEEN_APP,
-    OUTCOME_DEAD_LETTER,
-    SLOTS,
-    OutcomeTable,
-    as_sink_error,
-    done_app,
-    generation_of,
-    plan_app,
-    slot_app,
-    unit_app,
-    unit_slot,
-)
+from raypipe.commit.table import FILES_SEEN_APP, OUTCOME_DEAD_LETTER, OutcomeTable, plan_app
 from raypipe.config import OutputConfig
-from raypipe.errors import ConfigError, LeaseLostError, SinkError
+from raypipe.errors import ConfigError, SinkError
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.store import OutputStore
 
-__all__ = [
-    "CommitProtocol",
-    "FilesSeen",
-    "TableFence",
-    "UnitCommitter",
-    "holding",
-    "mark_committed",
-    "read_files_seen",
-    "retire",
-    "take_over",
-]
+__all__ = ["CommitProtocol", "FilesSeen", "holding", "read_files_seen"]
 
 logger = logging.getLogger("raypipe")
 
@@ -106,309 +86,6 @@ WATERMARK = "watermark.json"
 def _fresh_number() -> int:
     """A state file's number: random, so no two writers (a zombie included) share a file name."""
     return secrets.randbits(62) + 1
-
-
-# -- the fence: every commit into the table, each carrying the output's slots ------------------
-@dataclass(frozen=True)
-class TableFence:
-    """What a writer needs to commit as the output's holder (picklable: it travels to actors):
-    the run id its rows and transactions are of, and the output generation its take-over set."""
-
-    output_uri: str
-    run_id: str
-    generation: int
-
-
-def _commit_failed() -> type[Exception]:
-    from deltalake.exceptions import CommitFailedError
-
-    return CommitFailedError
-
-
-def _empty_commit(dt: Any, props: Any) -> None:
-    """A commit of no rows that carries `props` (app transactions, metadata)."""
-    dt.create_write_transaction([], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props)
-
-
-def take_over(table: OutcomeTable, run_id: str, *, holder: str = "") -> TableFence:
-    """Commits the output's next generation to every slot, for run `run_id`: every older
-    holder, of any run id, is fenced off.
-
-    Two takers of the same generation cannot both win: the second commit's transactions
-    conflict with the first's, and it raises `LeaseLostError`.
-    """
-    from deltalake import CommitProperties, Transaction
-
-    failed = _commit_failed()
-    for _ in range(20):
-        dt = table.load()
-        generation = generation_of(dt) + 1
-        try:
-            _empty_commit(
-                dt,
-                CommitProperties(
-                    app_transactions=[Transaction(slot_app(s), generation) for s in range(SLOTS)],
-                    custom_metadata={"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder},
-                ),
-            )
-            return TableFence(table.output_uri, run_id, generation)
-        except failed:
-            if table.generation() >= generation:
-                raise LeaseLostError(
-                    f"run {run_id}: another holder took over {table.uri} at the same moment (generation "
-                    f"{generation}); this one stops",
-                    holder=run_id,
-                    expires_at="?",
-                ) from None
-            # A unit commit of the older holder landed first: our snapshot is stale. Again.
-            time.sleep(random.uniform(0.01, 0.1))
-    raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=table.uri)
-
-
-def retire(table: OutcomeTable, fence: TableFence) -> bool:
-    """Fences off `fence`'s holder itself (the output's slots move to the next generation),
-    unless a newer holder took the output already; True if it did (`CommitProtocol.abort`)."""
-    from deltalake import CommitProperties, Transaction
-
-    failed = _commit_failed()
-    for _ in range(20):
-        dt = table.load()
-        if generation_of(dt) != fence.generation:
-            return False  # a newer holder took over: the output is its, leave it be
-        try:
-            _empty_commit(
-                dt,
-                CommitProperties(
-                    app_transactions=[Transaction(slot_app(s), fence.generation + 1) for s in range(SLOTS)],
-                    custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id},
-                ),
-            )
-            return True
-        except failed:
-            time.sleep(random.uniform(0.01, 0.1))  # a commit of ours or a take-over: look again
-    raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri)
-
-
-def fence_transactions(fence: TableFence) -> list[Any]:
-    """Every slot of the output at `fence`'s generation: what a commit of the whole output
-    carries (a pointer, a run commit, a compaction), so any take-over after its snapshot
-    makes it fail."""
-    from deltalake import Transaction
-
-    return [Transaction(slot_app(s), fence.generation) for s in range(SLOTS)]
-
-
-def check_fence(dt: Any, fence: TableFence, slot: int = 0) -> None:
-    """Raises `LeaseLostError` if the snapshot `dt` is no longer at `fence`'s generation."""
-    current = generation_of(dt, slot)
-    if current != fence.generation:
-        raise LeaseLostError(
-            f"run {fence.run_id}: this holder of the output (generation {fence.generation}) was fenced off by "
-            f"generation {current}; it stops writing",
-            holder=fence.run_id,
-            expires_at="?",
-        )
-
-
-def fenced_commit(
-    table: OutcomeTable,
-    fence: TableFence,
-    mark: Callable[[Any], tuple[str, int]],
-    metadata: dict[str, str],
-    *,
-    failure: str,
-) -> int:
-    """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
-    output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
-
-    A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
-    newer holder took over, `LeaseLostError`. Returns the version the app was set to."""
-    from deltalake import CommitProperties, Transaction
-
-    failed = _commit_failed()
-    for _ in range(50):
-        dt = table.load()
-        check_fence(dt, fence)
-        app, version = mark(dt)
-        props = CommitProperties(
-            app_transactions=[*fence_transactions(fence), Transaction(app, version)], custom_metadata=metadata
-        )
-        try:
-            _empty_commit(dt, props)
-            return version
-        except failed:
-            time.sleep(random.uniform(0.01, 0.2))
-    raise SinkError(failure, path=table.uri)
-
-
-def set_pointer(
-    table: OutcomeTable, fence: TableFence, app: str, write: Callable[[int | None], int], *, operation: str
-) -> int:
-    """Points `app` at a new state file (or value), fenced like a unit commit.
-
-    `write(current)` gets the number `app` holds on a fresh snapshot, writes a new immutable
-    file (under a name no other writer uses) from it and returns that file's number; one
-    commit then sets `app` to it, with the output's slots at `fence`'s generation. A
-    concurrent pointer change is a conflict: `write` runs again on the new state. Once a newer
-    holder took over, `LeaseLostError`, and the file written stays unreferenced."""
-
-    def mark(dt: Any) -> tuple[str, int]:
-        current = dt.transaction_version(app)
-        return app, write(None if current is None else int(current))
-
-    return fenced_commit(
-        table,
-        fence,
-        mark,
-        {"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
-        failure=f"could not record {operation} for run {fence.run_id}",
-    )
-
-
-def mark_committed(table: OutcomeTable, fence: TableFence, run_id: str, metadata: dict[str, str]) -> None:
-    """The run commit of `run_id`, fenced (a rerun does nothing new): what makes a run
-    committed. `CommitProtocol.commit_run` checks every unit first; `raypipe migrate` records
-    the runs an earlier release finished."""
-    fenced_commit(
-        table,
-        fence,
-        lambda dt: (done_app(run_id), fence.generation),
-        {"raypipe.operation": "run-committed", "raypipe.run_id": run_id, **metadata},
-        failure=f"could not record run {run_id} as committed",
-    )
-
-
-def _sql_string(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def _replace_predicate(run_id: str, unit: str) -> str:
-    """A replay's MERGE condition. The run and unit as literals let delta-rs prune the scan
-    (and the files its conflict check records as read) to the unit's own file; from the source
-    columns alone it infers the whole `run_id` partition, and replays of different units of
-    one run would conflict with each other."""
-    return (
-        f"t.run_id = {_sql_string(run_id)} AND t.unit = {_sql_string(unit)} AND t.outcome = 'dead_letter' "
-        "AND t.run_id = s.run_id AND t.unit = s.unit AND t.id = s.id AND t.source = s.source AND t.row = s.row"
-    )
-
-
-class UnitCommitter:
-    """The unit commit: commits units of one holder of the output into the outcomes table
-    (picklable: `CommitProtocol.unit_committer` hands one to each actor).
-
-    A unit is committed in **one** Delta commit: its results and dead letters become visible
-    together, or not at all. Files a failed or fenced-off commit wrote are in no commit, so no
-    reader sees them (`raypipe vacuum` removes them). The commit carries the output's slot of
-    its unit at the holder's generation and the unit's own transaction, so it cannot land once
-    anyone took the output over, and a unit retried in one generation is committed once.
-    Commits of one committer are serialised (one `DeltaTable` per actor, kept up to date
-    incrementally); commits of several actors run side by side (the slots: see the module
-    docstring).
-    """
-
-    def __init__(
-        self,
-        fence: TableFence,
-        *,
-        sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.fence = fence
-        self._table = OutcomeTable(fence.output_uri)
-        self._sleep = sleep
-        self._clock = clock
-        self._dt: Any = None
-        self._schema: pa.Schema | None = None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"fence": self.fence}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["fence"])  # type: ignore[misc]
-
-    def _fresh(self) -> Any:
-        if self._dt is None:
-            self._dt = self._table.load()
-        else:
-            self._dt.update_incremental()
-        return self._dt
-
-    def _conform(self, rows: pa.Table, schema: pa.Schema) -> pa.Table:
-        """The rows in the table's full schema (other labels' columns null)."""
-        n = rows.num_rows
-        columns = [
-            rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(n, f.type) for f in schema
-        ]
-        return pa.Table.from_arrays(columns, schema=schema)
-
-    def commit(self, unit: str, rows: pa.Table, *, replace_dead_letters: bool = False, max_tries: int = 50) -> bool:
-        """Commits one unit's rows (results and dead letters) in one Delta commit.
-
-        With `replace_dead_letters` (a replay) the rows replace, in the same commit, the
-        committed dead letters they re-inferred (same run, unit, id, source and row): each id
-        is a result or a dead letter of its run, never both, never neither.
-
-        Returns False if this generation had already committed the unit (nothing is written);
-        raises `LeaseLostError` once a newer attempt took over.
-        """
-        from deltalake import CommitProperties, Transaction, write_deltalake
-
-        failed = _commit_failed()
-        slot = unit_slot(unit)
-        run_id, generation = self.fence.run_id, self.fence.generation
-        with self._lock:
-            for attempt in range(max_tries):
-                try:
-                    dt = self._fresh()
-                    check_fence(dt, self.fence, slot)
-                    if dt.transaction_version(unit_app(run_id, unit)) is not None:
-                        return False
-                    if self._schema is None or attempt:
-                        self._schema = pa.schema(dt.schema().to_arrow())
-                    props = CommitProperties(
-                        app_transactions=[
-                            Transaction(slot_app(slot), generation),
-                            # Stamped, so the table's transaction retention prunes it: ~47k
-                            # units per backfill would otherwise sit in every snapshot forever.
-                            Transaction(unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),
-                        ],
-                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
-                    )
-                    if rows.num_rows and replace_dead_letters:
-                        conformed = self._conform(rows, self._schema)
-                        (
-                            dt.merge(
-                                conformed,
-                                predicate=_replace_predicate(conformed.column("run_id")[0].as_py(), unit),
-                                source_alias="s",
-                                target_alias="t",
-                                commit_properties=props,
-                            )
-                            .when_matched_update_all()
-                            .execute()
-                        )
-                    elif rows.num_rows:
-                        write_deltalake(
-                            dt,
-                            self._conform(rows, self._schema),
-                            mode="append",
-                            partition_by=["run_id"],
-                            commit_properties=props,
-                        )
-                    else:
-                        _empty_commit(dt, props)
-                    return True
-                except failed:
-                    # Another commit of this slot or unit won: look again on a fresh snapshot
-                    # (a newer generation there fences us off above).
-                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))
-                except (LeaseLostError, SinkError):
-                    raise
-                except Exception as e:
-                    raise as_sink_error(e, self._table.uri) from e
-        raise SinkError(f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri)
 
 
 class CommitProtocol:

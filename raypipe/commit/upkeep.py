@@ -26,7 +26,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.commit.protocol import CommitProtocol, fence_transactions, holding, mark_committed
+from raypipe.commit.fence import fence_transactions, mark_committed
+from raypipe.commit.protocol import CommitProtocol, holding
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError

@@ -20,8 +20,8 @@ import pytest
 from ray import serve
 
 import raypipe
+from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.lease import Lease
-from raypipe.commit.protocol import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable
 from raypipe.errors import LeaseLostError, OutputPermissionError, UnsafeOutputError
 from raypipe.samples import write_sample_corpus

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypipe.call.actor import CALL_TEXT_BYTES, ActorSettings, InferenceActor, micro_batches
+from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.protocol import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import BreakerConfig, ClientConfig, RetryConfig, ServiceConfig
 from raypipe.errors import (

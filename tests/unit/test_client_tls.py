@@ -21,8 +21,8 @@ from protos.raypipe.v1 import emotion_pb2_grpc
 from raypipe.call.actor import ActorSettings, InferenceActor
 from raypipe.call.channel import ChannelSecurity
 from raypipe.call.client import GrpcModelClient, check_service
+from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.protocol import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import ClientConfig, ServiceConfig, load_config
 from raypipe.errors import ConfigError, RequestRejected, ServiceTlsError, ServiceUnavailable

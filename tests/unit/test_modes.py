@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from raypipe.api import build_config
-from raypipe.commit.protocol import CommitProtocol, UnitCommitter, mark_committed, take_over
+from raypipe.commit.fence import UnitCommitter, mark_committed, take_over
+from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable, outcome_schema
 from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError

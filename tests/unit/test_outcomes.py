@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import raypipe
+from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import latest_of
-from raypipe.commit.protocol import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable, text_hashes
 from tests.fakes import LABELS
 

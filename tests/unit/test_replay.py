@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.protocol import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable, unit_slot
 from tests.fakes import LABELS
 

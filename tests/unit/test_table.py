@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.protocol import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable
 from raypipe.commit.upkeep import vacuum
 from raypipe.errors import LeaseLostError

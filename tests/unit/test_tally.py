@@ -139,7 +139,7 @@ def test_a_unit_summary_carries_the_actor_tally_including_its_own_calls(tmp_path
 def test_vacuum_drops_the_tallies_of_old_finished_runs(tmp_path):
     from datetime import UTC, datetime, timedelta
 
-    from raypipe.commit.protocol import mark_committed, take_over
+    from raypipe.commit.fence import mark_committed, take_over
     from raypipe.commit.table import OutcomeTable
     from raypipe.commit.upkeep import drop_finished_state
     from tests.fakes import LABELS

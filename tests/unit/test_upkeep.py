@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import raypipe
-from raypipe.commit.protocol import mark_committed, take_over
+from raypipe.commit.fence import mark_committed, take_over
 from raypipe.commit.table import OutcomeTable
 from raypipe.commit.upkeep import drop_finished_state, finished_runs, migrate, vacuum
 from raypipe.errors import ConfigError

@@ -1,0 +1,367 @@
+"""The output's fence, and every commit into the outcomes table, each carrying it.
+
+The commit protocol (`raypipe.commit.protocol`) is the only caller: it tells the order of a
+run's steps; this module holds the mechanics of each commit it makes. Nothing else writes
+to the table.
+
+**The fence is the table's own concurrency control**, not a check before a write, and it is
+one fence for the whole output, whatever the run id. The output owns `SLOTS` application
+transactions (Delta `txn` actions, `raypipe.commit.table.slot_app`) whose version is the
+output's generation. Whoever takes the output over (a run of any id, a retried attempt,
+maintenance) commits the next generation to every slot (`take_over`). Every later commit of
+that holder carries the slots at its generation and is built on a snapshot in which they
+still hold it; Delta's conflict checker rejects a commit whose application transaction was
+set by any commit after its snapshot. So once a take-over is in the log, every commit of
+every older holder fails (`LeaseLostError`), of its own run id or another, however long it
+was stalled, and there is no window between a check and a write.
+
+- `UnitCommitter.commit`: a unit's rows (results and dead letters) in **one** Delta commit,
+  visible together or not at all; files a failed or fenced-off commit wrote are in no
+  commit, so no reader sees them (`raypipe vacuum` removes them). It carries only its unit's
+  slot, so a holder's actors commit side by side (two unit commits conflict only when their
+  units share a slot; the later one retries on a fresh snapshot), and the unit's own
+  transaction, so a unit committed twice in one generation (a Ray task retried after its
+  actor died past the commit) is written once. Unit transactions carry `lastUpdated`, so
+  the table's `delta.setTransactionRetentionDuration` (90 days) prunes them; the slots and
+  the run commits carry none and are kept.
+- `set_pointer` (plan, files seen, quarantine, watermark), `mark_committed` (a run's commit)
+  and a maintenance commit (`fence_transactions`) carry every slot.
+- `retire`: a holder fences off its own writers (`CommitProtocol.abort`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from raypipe.commit.table import (
+    SLOTS,
+    OutcomeTable,
+    as_sink_error,
+    done_app,
+    generation_of,
+    slot_app,
+    unit_app,
+    unit_slot,
+)
+from raypipe.errors import LeaseLostError, SinkError
+
+__all__ = [
+    "TableFence",
+    "UnitCommitter",
+    "check_fence",
+    "fence_transactions",
+    "fenced_commit",
+    "mark_committed",
+    "retire",
+    "set_pointer",
+    "take_over",
+]
+
+
+@dataclass(frozen=True)
+class TableFence:
+    """What a writer needs to commit as the output's holder (picklable: it travels to actors):
+    the run id its rows and transactions are of, and the output generation its take-over set."""
+
+    output_uri: str
+    run_id: str
+    generation: int
+
+
+def _commit_failed() -> type[Exception]:
+    from deltalake.exceptions import CommitFailedError
+
+    return CommitFailedError
+
+
+def _empty_commit(dt: Any, props: Any) -> None:
+    """A commit of no rows that carries `props` (app transactions, metadata)."""
+    dt.create_write_transaction([], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props)
+
+
+def take_over(table: OutcomeTable, run_id: str, *, holder: str = "") -> TableFence:
+    """Commits the output's next generation to every slot, for run `run_id`: every older
+    holder, of any run id, is fenced off.
+
+    Two takers of the same generation cannot both win: the second commit's transactions
+    conflict with the first's, and it raises `LeaseLostError`.
+    """
+    from deltalake import CommitProperties, Transaction
+
+    failed = _commit_failed()
+    for _ in range(20):
+        dt = table.load()
+        generation = generation_of(dt) + 1
+        try:
+            _empty_commit(
+                dt,
+                CommitProperties(
+                    app_transactions=[Transaction(slot_app(s), generation) for s in range(SLOTS)],
+                    custom_metadata={"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder},
+                ),
+            )
+            return TableFence(table.output_uri, run_id, generation)
+        except failed:
+            if table.generation() >= generation:
+                raise LeaseLostError(
+                    f"run {run_id}: another holder took over {table.uri} at the same moment (generation "
+                    f"{generation}); this one stops",
+                    holder=run_id,
+                    expires_at="?",
+                ) from None
+            # A unit commit of the older holder landed first: our snapshot is stale. Again.
+            time.sleep(random.uniform(0.01, 0.1))
+    raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=table.uri)
+
+
+def retire(table: OutcomeTable, fence: TableFence) -> bool:
+    """Fences off `fence`'s holder itself (the output's slots move to the next generation),
+    unless a newer holder took the output already; True if it did (`CommitProtocol.abort`)."""
+    from deltalake import CommitProperties, Transaction
+
+    failed = _commit_failed()
+    for _ in range(20):
+        dt = table.load()
+        if generation_of(dt) != fence.generation:
+            return False  # a newer holder took over: the output is its, leave it be
+        try:
+            _empty_commit(
+                dt,
+                CommitProperties(
+                    app_transactions=[Transaction(slot_app(s), fence.generation + 1) for s in range(SLOTS)],
+                    custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id},
+                ),
+            )
+            return True
+        except failed:
+            time.sleep(random.uniform(0.01, 0.1))  # a commit of ours or a take-over: look again
+    raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri)
+
+
+def fence_transactions(fence: TableFence) -> list[Any]:
+    """Every slot of the output at `fence`'s generation: what a commit of the whole output
+    carries (a pointer, a run commit, a compaction), so any take-over after its snapshot
+    makes it fail."""
+    from deltalake import Transaction
+
+    return [Transaction(slot_app(s), fence.generation) for s in range(SLOTS)]
+
+
+def check_fence(dt: Any, fence: TableFence, slot: int = 0) -> None:
+    """Raises `LeaseLostError` if the snapshot `dt` is no longer at `fence`'s generation."""
+    current = generation_of(dt, slot)
+    if current != fence.generation:
+        raise LeaseLostError(
+            f"run {fence.run_id}: this holder of the output (generation {fence.generation}) was fenced off by "
+            f"generation {current}; it stops writing",
+            holder=fence.run_id,
+            expires_at="?",
+        )
+
+
+def fenced_commit(
+    table: OutcomeTable,
+    fence: TableFence,
+    mark: Callable[[Any], tuple[str, int]],
+    metadata: dict[str, str],
+    *,
+    failure: str,
+) -> int:
+    """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
+    output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
+
+    A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
+    newer holder took over, `LeaseLostError`. Returns the version the app was set to."""
+    from deltalake import CommitProperties, Transaction
+
+    failed = _commit_failed()
+    for _ in range(50):
+        dt = table.load()
+        check_fence(dt, fence)
+        app, version = mark(dt)
+        props = CommitProperties(
+            app_transactions=[*fence_transactions(fence), Transaction(app, version)], custom_metadata=metadata
+        )
+        try:
+            _empty_commit(dt, props)
+            return version
+        except failed:
+            time.sleep(random.uniform(0.01, 0.2))
+    raise SinkError(failure, path=table.uri)
+
+
+def set_pointer(
+    table: OutcomeTable, fence: TableFence, app: str, write: Callable[[int | None], int], *, operation: str
+) -> int:
+    """Points `app` at a new state file (or value), fenced like a unit commit.
+
+    `write(current)` gets the number `app` holds on a fresh snapshot, writes a new immutable
+    file (under a name no other writer uses) from it and returns that file's number; one
+    commit then sets `app` to it, with the output's slots at `fence`'s generation. A
+    concurrent pointer change is a conflict: `write` runs again on the new state. Once a newer
+    holder took over, `LeaseLostError`, and the file written stays unreferenced."""
+
+    def mark(dt: Any) -> tuple[str, int]:
+        current = dt.transaction_version(app)
+        return app, write(None if current is None else int(current))
+
+    return fenced_commit(
+        table,
+        fence,
+        mark,
+        {"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
+        failure=f"could not record {operation} for run {fence.run_id}",
+    )
+
+
+def mark_committed(table: OutcomeTable, fence: TableFence, run_id: str, metadata: dict[str, str]) -> None:
+    """The run commit of `run_id`, fenced (a rerun does nothing new): what makes a run
+    committed. `CommitProtocol.commit_run` checks every unit first; `raypipe migrate` records
+    the runs an earlier release finished."""
+    fenced_commit(
+        table,
+        fence,
+        lambda dt: (done_app(run_id), fence.generation),
+        {"raypipe.operation": "run-committed", "raypipe.run_id": run_id, **metadata},
+        failure=f"could not record run {run_id} as committed",
+    )
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _replace_predicate(run_id: str, unit: str) -> str:
+    """A replay's MERGE condition. The run and unit as literals let delta-rs prune the scan
+    (and the files its conflict check records as read) to the unit's own file; from the source
+    columns alone it infers the whole `run_id` partition, and replays of different units of
+    one run would conflict with each other."""
+    return (
+        f"t.run_id = {_sql_string(run_id)} AND t.unit = {_sql_string(unit)} AND t.outcome = 'dead_letter' "
+        "AND t.run_id = s.run_id AND t.unit = s.unit AND t.id = s.id AND t.source = s.source AND t.row = s.row"
+    )
+
+
+class UnitCommitter:
+    """The unit commit: commits units of one holder of the output into the outcomes table
+    (picklable: `CommitProtocol.unit_committer` hands one to each actor).
+
+    A unit is committed in **one** Delta commit: its results and dead letters become visible
+    together, or not at all. Files a failed or fenced-off commit wrote are in no commit, so no
+    reader sees them (`raypipe vacuum` removes them). The commit carries the output's slot of
+    its unit at the holder's generation and the unit's own transaction, so it cannot land once
+    anyone took the output over, and a unit retried in one generation is committed once.
+    Commits of one committer are serialised (one `DeltaTable` per actor, kept up to date
+    incrementally); commits of several actors run side by side (the slots: see the module
+    docstring).
+    """
+
+    def __init__(
+        self,
+        fence: TableFence,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.fence = fence
+        self._table = OutcomeTable(fence.output_uri)
+        self._sleep = sleep
+        self._clock = clock
+        self._dt: Any = None
+        self._schema: pa.Schema | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fence": self.fence}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fence"])  # type: ignore[misc]
+
+    def _fresh(self) -> Any:
+        if self._dt is None:
+            self._dt = self._table.load()
+        else:
+            self._dt.update_incremental()
+        return self._dt
+
+    def _conform(self, rows: pa.Table, schema: pa.Schema) -> pa.Table:
+        """The rows in the table's full schema (other labels' columns null)."""
+        n = rows.num_rows
+        columns = [
+            rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(n, f.type) for f in schema
+        ]
+        return pa.Table.from_arrays(columns, schema=schema)
+
+    def commit(self, unit: str, rows: pa.Table, *, replace_dead_letters: bool = False, max_tries: int = 50) -> bool:
+        """Commits one unit's rows (results and dead letters) in one Delta commit.
+
+        With `replace_dead_letters` (a replay) the rows replace, in the same commit, the
+        committed dead letters they re-inferred (same run, unit, id, source and row): each id
+        is a result or a dead letter of its run, never both, never neither.
+
+        Returns False if this generation had already committed the unit (nothing is written);
+        raises `LeaseLostError` once a newer attempt took over.
+        """
+        from deltalake import CommitProperties, Transaction, write_deltalake
+
+        failed = _commit_failed()
+        slot = unit_slot(unit)
+        run_id, generation = self.fence.run_id, self.fence.generation
+        with self._lock:
+            for attempt in range(max_tries):
+                try:
+                    dt = self._fresh()
+                    check_fence(dt, self.fence, slot)
+                    if dt.transaction_version(unit_app(run_id, unit)) is not None:
+                        return False
+                    if self._schema is None or attempt:
+                        self._schema = pa.schema(dt.schema().to_arrow())
+                    props = CommitProperties(
+                        app_transactions=[
+                            Transaction(slot_app(slot), generation),
+                            # Stamped, so the table's transaction retention prunes it: ~47k
+                            # units per backfill would otherwise sit in every snapshot forever.
+                            Transaction(unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),
+                        ],
+                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
+                    )
+                    if rows.num_rows and replace_dead_letters:
+                        conformed = self._conform(rows, self._schema)
+                        (
+                            dt.merge(
+                                conformed,
+                                predicate=_replace_predicate(conformed.column("run_id")[0].as_py(), unit),
+                                source_alias="s",
+                                target_alias="t",
+                                commit_properties=props,
+                            )
+                            .when_matched_update_all()
+                            .execute()
+                        )
+                    elif rows.num_rows:
+                        write_deltalake(
+                            dt,
+                            self._conform(rows, self._schema),
+                            mode="append",
+                            partition_by=["run_id"],
+                            commit_properties=props,
+                        )
+                    else:
+                        _empty_commit(dt, props)
+                    return True
+                except failed:
+                    # Another commit of this slot or unit won: look again on a fresh snapshot
+                    # (a newer generation there fences us off above).
+                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))
+                except (LeaseLostError, SinkError):
+                    raise
+                except Exception as e:
+                    raise as_sink_error(e, self._table.uri) from e
+        raise SinkError(f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri)
