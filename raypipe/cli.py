@@ -597,10 +597,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "report":
             return _report(args)
         if args.command == "shards":
-            from raypipe.store import OutputStore
+            from raypipe.commit.upkeep import quarantine
 
             release = args.shards_command == "release"
-            held = OutputStore(args.output).quarantine(args.shard, reason=getattr(args, "reason", ""), release=release)
+            held = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)
             print(json.dumps({"quarantined": held}))
             return EXIT_OK
         if args.command == "lease":

@@ -4,16 +4,17 @@
       outcomes/                                   the Delta table: results and dead letters (raypipe.commit.table)
       runs/<run_id>.json                          the run report
       _raypipe/lease.json                         who runs here now (raypipe.commit.lease; liveness only)
-      _raypipe/watermark.json                     what the input was read as of (informational)
       _raypipe/files_seen/<n>.parquet             input files read whole; the table names the current n
-      _raypipe/quarantine.json                    shards an operator set aside (`OutputStore.quarantine`)
+      _raypipe/quarantine/<n>.json                shards set aside (raypipe.commit.upkeep); the table names n
       _raypipe/runs/<run_id>/plan/<n>.json        the run's units; the table names the current n
       _raypipe/runs/<run_id>/attempts/<a>.json    each attempt's call statistics
       _raypipe/runs/<run_id>/attempts/<a>/actors/*.json   its actors' call tallies (raypipe.tally)
 
 Whether a run or a unit is committed is the table's to say, never a file's (`raypipe.commit.protocol`).
-An earlier release's `results/`, `dead_letters/`, `plan.json`, `files_seen.parquet` and
-`COMMITTED.json` are still read (`raypipe migrate`, and where the table names nothing).
+The daily watermark (what the input was read as of; informational) is an app transaction of
+the table itself. An earlier release's `results/`, `dead_letters/`, `plan.json`,
+`files_seen.parquet`, `quarantine.json`, `watermark.json` and `COMMITTED.json` are still read
+(`raypipe migrate`, and where the table names nothing).
 
 Every write is atomic: a local file is written beside its target and renamed over it; an S3
 object appears whole when its PUT (or multipart upload) completes. Folders starting with `_`
@@ -29,7 +30,6 @@ import os
 import posixpath
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
@@ -43,7 +43,7 @@ __all__ = ["OutputStore"]
 
 STATE_DIR = "_raypipe"
 QUARANTINE = "quarantine.json"
-"""The quarantine's file under the state folder."""
+"""An earlier release's quarantine file under the state folder (read where the table names none)."""
 
 
 class OutputStore:
@@ -92,24 +92,6 @@ class OutputStore:
 
     def state(self, *parts: str) -> str:
         return self.path(STATE_DIR, *parts)
-
-    # -- the quarantine: shards an operator set aside ------------------------------------------
-    def quarantined(self) -> frozenset[str]:
-        """The shards the output's quarantine holds (planning skips them and lists them)."""
-        return frozenset((self.read_json_or_none(self.state(QUARANTINE)) or {}).get("shards", {}))
-
-    def quarantine(self, shards: list[str], *, reason: str, release: bool = False) -> list[str]:
-        """Adds shards to (or with `release`, removes them from) the quarantine; returns the
-        shards it holds now. A shard that stays bad stops making every run incomplete once an
-        operator has decided so."""
-        current = (self.read_json_or_none(self.state(QUARANTINE)) or {}).get("shards", {})
-        for shard in shards:
-            if release:
-                current.pop(shard, None)
-            else:
-                current[shard] = {"reason": reason, "at": datetime.now(UTC).isoformat()}
-        self.write_json(self.state(QUARANTINE), {"shards": current})
-        return sorted(current)
 
     # -- atomic operations -------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> None:

@@ -55,7 +55,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -63,15 +63,22 @@ import pyarrow.compute as pc
 from raypipe.commit.fence import TableFence, UnitCommitter, mark_committed, retire, set_pointer, take_over
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import Ledger, ledger, ledger_of
-from raypipe.commit.table import FILES_SEEN_APP, OUTCOME_DEAD_LETTER, OutcomeTable, plan_app
+from raypipe.commit.table import (
+    FILES_SEEN_APP,
+    OUTCOME_DEAD_LETTER,
+    QUARANTINE_APP,
+    WATERMARK_APP,
+    OutcomeTable,
+    plan_app,
+)
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, SinkError
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
-from raypipe.store import OutputStore
+from raypipe.store import QUARANTINE, OutputStore
 
-__all__ = ["CommitProtocol", "FilesSeen", "holding", "read_files_seen"]
+__all__ = ["CommitProtocol", "FilesSeen", "holding", "read_files_seen", "read_quarantine"]
 
 logger = logging.getLogger("raypipe")
 
@@ -81,6 +88,9 @@ FilesSeen = dict[str, tuple[str, str | None]]
 FILES_SEEN_DIR = "files_seen"
 LEGACY_FILES_SEEN = "files_seen.parquet"
 WATERMARK = "watermark.json"
+"""An earlier release's watermark file (read where the table holds no `WATERMARK_APP`)."""
+QUARANTINE_DIR = "quarantine"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _fresh_number() -> int:
@@ -257,8 +267,30 @@ class CommitProtocol:
 
     # -- files seen ----------------------------------------------------------------------------
     def quarantined(self) -> frozenset[str]:
-        """The shards an operator set aside on this output (`raypipe.store.OutputStore.quarantine`)."""
-        return self.store.quarantined()
+        """The shards an operator set aside on this output (`raypipe.commit.upkeep.quarantine`)."""
+        return frozenset(read_quarantine(self.store, self.table.pointer(QUARANTINE_APP)))
+
+    def set_quarantine(self, shards: list[str], *, reason: str, release: bool = False) -> list[str]:
+        """Adds shards to (or with `release`, removes them from) the quarantine, as a new file
+        the table names (fenced; a concurrent change makes it apply again); returns the shards
+        it holds now. `raypipe.commit.upkeep.quarantine` calls it holding the output."""
+        held: dict[str, dict[str, str]] = {}
+
+        def write(current: int | None) -> int:
+            state = read_quarantine(self.store, current)
+            for shard in shards:
+                if release:
+                    state.pop(shard, None)
+                else:
+                    state[shard] = {"reason": reason, "at": datetime.now(UTC).isoformat()}
+            number = _fresh_number()
+            self.store.write_json(self.store.state(QUARANTINE_DIR, f"{number}.json"), {"shards": state})
+            held.clear()
+            held.update(state)
+            return number
+
+        set_pointer(self.table, self.fence, QUARANTINE_APP, write, operation="quarantine")
+        return sorted(held)
 
     def files_seen(self) -> FilesSeen:
         """Input files a run of this output read (every unit committed): the state the table names."""
@@ -333,17 +365,29 @@ class CommitProtocol:
         return retire(self.table, self._fence)
 
     def watermark(self) -> datetime | None:
+        """The daily watermark: the table's `WATERMARK_APP`, else an earlier release's `watermark.json`."""
+        micros = self.table.pointer(WATERMARK_APP)
+        if micros is not None:
+            return _EPOCH + timedelta(microseconds=micros)
         mark = self.store.read_json_or_none(self.store.state(WATERMARK))
         return None if not mark else datetime.fromisoformat(mark["updated_at"])
 
     def advance_watermark(self, to: datetime) -> None:
-        """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps it)."""
+        """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps
+        it): one fenced commit of the table's `WATERMARK_APP`, its version the instant in
+        microseconds, taken as the later of it and what a concurrent commit set."""
         current = self.watermark()
         if current is not None and to <= current:
             logger.info("watermark stays at %s (this run reached %s)", current.isoformat(), to.isoformat())
             return
         self.check_lease()
-        self.store.write_json(self.store.state(WATERMARK), {"updated_at": to.isoformat(), "run_id": self.run_id})
+        target = (to - _EPOCH) // timedelta(microseconds=1)
+        floor = None if current is None else (current - _EPOCH) // timedelta(microseconds=1)
+
+        def later(now: int | None) -> int:
+            return max(x for x in (now, floor, target) if x is not None)
+
+        set_pointer(self.table, self.fence, WATERMARK_APP, later, operation="watermark")
         logger.info("watermark advanced to %s", to.isoformat())
 
     # -- what the report counts ----------------------------------------------------------------
@@ -407,6 +451,16 @@ def holding(output: OutputConfig, operation: str, *, labels: tuple[str, ...] | N
         yield protocol
     finally:
         protocol.release()
+
+
+def read_quarantine(store: OutputStore, number: int | None) -> dict[str, dict[str, str]]:
+    """The quarantine numbered `number` (the table's `QUARANTINE_APP`): shard -> reason and
+    when; with None, the `quarantine.json` an earlier release kept, if any."""
+    path = store.state(QUARANTINE) if number is None else store.state(QUARANTINE_DIR, f"{number}.json")
+    data = store.read_json_or_none(path)
+    if data is None and number is not None:
+        raise SinkError(f"the quarantine the table names is missing: {path}", path=path)
+    return dict((data or {}).get("shards", {}))
 
 
 def read_files_seen(store: OutputStore, number: int | None) -> FilesSeen:

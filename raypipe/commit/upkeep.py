@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raypipe.commit.fence import fence_transactions, mark_committed
-from raypipe.commit.protocol import CommitProtocol, holding
-from raypipe.commit.table import OutcomeTable
+from raypipe.commit.protocol import CommitProtocol, holding, read_quarantine
+from raypipe.commit.table import QUARANTINE_APP, OutcomeTable
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError
 from raypipe.store import STATE_DIR, OutputStore
@@ -52,6 +52,21 @@ COMMITTED = "COMMITTED.json"
 
 def _config(output: str | OutputConfig) -> OutputConfig:
     return output if isinstance(output, OutputConfig) else OutputConfig(uri=output)
+
+
+def quarantine(output: str | OutputConfig, shards: list[str], *, reason: str, release: bool = False) -> list[str]:
+    """Adds shards to (or with `release`, removes them from) the output's quarantine, holding
+    the output (refused while a run is live: it planned without them); returns the shards it
+    holds now. A shard that stays bad stops making every run incomplete once an operator has
+    decided so."""
+    with holding(_config(output), "quarantine", labels=()) as protocol:
+        return protocol.set_quarantine(shards, reason=reason, release=release)
+
+
+def quarantined(output: str) -> frozenset[str]:
+    """The shards quarantined on the output (planning skips them and lists them)."""
+    store = OutputStore(output)
+    return frozenset(read_quarantine(store, OutcomeTable(output).pointer(QUARANTINE_APP)))
 
 
 def compact(

@@ -102,10 +102,10 @@ def check_replay(config: PipelineConfig, of_run: str | None) -> None:
 def _quarantined(output: str) -> frozenset[str]:
     """The shards quarantined on the output, which planning skips; none if it cannot be read
     (the output's own check reports an unreadable output)."""
-    from raypipe.store import OutputStore
+    from raypipe.commit.upkeep import quarantined
 
     try:
-        return OutputStore(output).quarantined()
+        return quarantined(output)
     except OSError:
         return frozenset()
 

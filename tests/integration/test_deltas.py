@@ -17,7 +17,7 @@ import pytest
 from ray import serve
 
 import raypipe
-from raypipe.store import OutputStore
+from raypipe.commit.upkeep import quarantine
 from tests.integration.helpers import assert_nothing_lost, dead_letters, ids, results
 
 pytestmark = pytest.mark.timeout(420)
@@ -95,7 +95,7 @@ def test_a_mended_bad_shard_costs_only_its_own_rows_and_blocks_nothing(tmp_path,
     assert inferred() == 2030  # was 4,030: every healthy row inferred twice
     # A shard that stays bad can be set aside by an operator: listed as skipped, the run completes.
     (in_dir / "d.parquet").write_bytes(b"PAR1 broken for good PAR1")
-    OutputStore(out).quarantine([str(in_dir / "d.parquet")], reason="vendor export broken")
+    quarantine(out, [str(in_dir / "d.parquet")], reason="vendor export broken")
     d4 = raypipe.daily(str(in_dir), out, service=serve_address, run_id="d4", settings=cfg)
     assert d4.status == "completed" and d4.bad_shards == []
     assert [Path(s["path"]).name for s in d4.skipped_files] == ["d.parquet"]

@@ -295,3 +295,25 @@ def test_maintenance_holds_the_output_and_fences_a_stalled_holder_off(tmp_path, 
     assert read_outcomes(out).num_rows == 0
     assert Lease(a.store, "raypipe-cli").current() is None  # vacuum gave the output back
     assert compact(out) == {"runs": 0}
+
+
+def test_the_watermark_and_the_quarantine_are_fenced_commits(tmp_path, attempts):
+    """A holder fenced off cannot move the watermark or change the quarantine; the watermark
+    never goes back, and an earlier release's `watermark.json` is where it starts."""
+    a = zombie(other_run(tmp_path, attempts, "daily-a"))
+    a.store.write_json(a.store.state("watermark.json"), {"updated_at": "2026-01-01T00:00:00+00:00"})
+    a.setup_run(LABELS)
+    assert a.watermark() == datetime(2026, 1, 1, tzinfo=UTC)
+    a.advance_watermark(datetime(2026, 2, 1, 12, 30, 0, 123456, tzinfo=UTC))
+    a.advance_watermark(datetime(2026, 1, 15, tzinfo=UTC))  # an older run finishing late: kept
+    assert a.watermark() == datetime(2026, 2, 1, 12, 30, 0, 123456, tzinfo=UTC)
+    assert a.set_quarantine(["s3://b/in/x.parquet"], reason="broken") == ["s3://b/in/x.parquet"]
+    Lease(a.store, "raypipe-cli").expire()
+    b = other_run(tmp_path, attempts, "daily-b")
+    b.setup_run(LABELS)
+    with pytest.raises(LeaseLostError):
+        a.advance_watermark(datetime(2027, 1, 1, tzinfo=UTC))
+    with pytest.raises(LeaseLostError):
+        a.set_quarantine(["s3://b/in/y.parquet"], reason="late")
+    assert b.watermark() == datetime(2026, 2, 1, 12, 30, 0, 123456, tzinfo=UTC)
+    assert b.quarantined() == frozenset({"s3://b/in/x.parquet"})

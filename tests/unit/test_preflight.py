@@ -266,11 +266,11 @@ def test_a_corrupt_first_shard_is_refused_by_a_backfill(tmp_path):
 
 
 def test_a_quarantined_first_shard_is_not_checked(tmp_path):
-    from raypipe.store import OutputStore
+    from raypipe.commit.upkeep import quarantine
 
     bad = shard(tmp_path / "in" / "a.parquet", id=["1"], body=["x"])
     shard(tmp_path / "in" / "b.parquet")
-    OutputStore(str(tmp_path / "out")).quarantine([str(bad)], reason="test")
+    quarantine(str(tmp_path / "out"), [str(bad)], reason="test")
     check_run(config(tmp_path), "backfill")
 
 

@@ -32,26 +32,14 @@ def test_parquet_round_trips_and_a_pickled_store_opens_its_own_filesystem(tmp_pa
     assert copy.read_parquet(store.state("files_seen", "1.parquet")).equals(table)
 
 
-def test_the_quarantine_holds_what_an_operator_set_aside_until_released(tmp_path):
-    store = OutputStore(str(tmp_path))
-    assert store.quarantined() == frozenset()
-    assert store.quarantine(["s3://b/in/x.parquet", "s3://b/in/y.parquet"], reason="vendor broke them") == [
-        "s3://b/in/x.parquet",
-        "s3://b/in/y.parquet",
-    ]
-    assert store.quarantine(["s3://b/in/x.parquet"], reason="", release=True) == ["s3://b/in/y.parquet"]
-    assert OutputStore(str(tmp_path)).quarantined() == frozenset({"s3://b/in/y.parquet"})
-    held = store.read_json(store.state("quarantine.json"))["shards"]["s3://b/in/y.parquet"]
-    assert held["reason"] == "vendor broke them" and held["at"]
-
-
 def test_the_cli_sets_shards_aside_and_releases_them(tmp_path, capsys):
     from raypipe.cli import main
+    from raypipe.commit.upkeep import quarantined
 
     out, shard = str(tmp_path / "out"), "s3://b/in/x.parquet"
     assert main(["shards", "quarantine", "--output", out, shard, "--reason", "vendor broke it"]) == 0
     assert json.loads(capsys.readouterr().out) == {"quarantined": [shard]}
-    assert OutputStore(out).quarantined() == frozenset({shard})
+    assert quarantined(out) == frozenset({shard})
     assert main(["shards", "release", "--output", out, shard]) == 0
     assert json.loads(capsys.readouterr().out) == {"quarantined": []}
-    assert OutputStore(out).quarantined() == frozenset()
+    assert quarantined(out) == frozenset()

@@ -13,9 +13,11 @@ import pytest
 
 import raypipe
 from raypipe.commit.fence import mark_committed, take_over
+from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable
-from raypipe.commit.upkeep import drop_finished_state, finished_runs, migrate, vacuum
-from raypipe.errors import ConfigError
+from raypipe.commit.upkeep import drop_finished_state, finished_runs, migrate, quarantine, quarantined, vacuum
+from raypipe.config import OutputConfig
+from raypipe.errors import ConfigError, OutputLockedError
 from raypipe.store import OutputStore
 from tests.fakes import LABELS
 from tests.unit.test_outcomes import T0, commit
@@ -109,3 +111,34 @@ def test_vacuum_drops_old_finished_runs_state_and_keeps_reports(tmp_path):
     assert not store.exists(store.run_state("legacy", "plan.json"))
     assert store.exists(store.report_file("old"))
     assert store.exists(store.run_state("recent", "plan.json")) and store.exists(store.run_state("open", "plan.json"))
+
+
+def test_the_quarantine_holds_what_an_operator_set_aside_until_released(tmp_path):
+    out = str(tmp_path)
+    store = OutputStore(out)
+    store.write_json(store.state("quarantine.json"), {"shards": {"s3://b/in/old.parquet": {"reason": "r", "at": "t"}}})
+    assert quarantined(out) == frozenset({"s3://b/in/old.parquet"})  # an earlier release's file
+    assert quarantine(out, ["s3://b/in/x.parquet", "s3://b/in/y.parquet"], reason="vendor broke them") == [
+        "s3://b/in/old.parquet",
+        "s3://b/in/x.parquet",
+        "s3://b/in/y.parquet",
+    ]
+    assert quarantine(out, ["s3://b/in/x.parquet", "s3://b/in/old.parquet"], reason="", release=True) == [
+        "s3://b/in/y.parquet"
+    ]
+    assert quarantined(out) == frozenset({"s3://b/in/y.parquet"})
+    assert len(store.list_files(store.state("quarantine"), ".json")) == 2  # immutable files, the table names one
+
+
+def test_the_quarantine_is_changed_holding_the_output(tmp_path):
+    """Not a read-modify-write beside a live run: refused while a run holds the output."""
+    out = str(tmp_path)
+    run = CommitProtocol(OutputConfig(uri=out, require_conditional_writes=False), "daily", "live")
+    run.setup_run(LABELS)
+    try:
+        with pytest.raises(OutputLockedError):
+            quarantine(out, ["s3://b/in/x.parquet"], reason="broken")
+    finally:
+        run.release()
+    assert quarantined(out) == frozenset()
+    assert quarantine(out, ["s3://b/in/x.parquet"], reason="broken") == ["s3://b/in/x.parquet"]
