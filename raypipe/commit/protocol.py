@@ -7,7 +7,8 @@ that either happens or raises. A run (`raypipe.run.modes._run`, through the step
 of the protocol's calls is told here::
 
     protocol = CommitProtocol(config.output, mode, run_id)
-    protocol.committed_report()      # the report of a run id committed already: done
+    committed_report(protocol)       # a run id committed already: its report, done
+                                     #   (`raypipe.run.steps`: rebuilt from the table if need be)
     protocol.setup_run(labels)       # the lease, the table made ready, the take-over: the fence
     protocol.plan(make_plan, ...)    # the stored plan, or a new one, stored (fenced); planning
                                      #   asks quarantined(), files_seen(), dead_letters_of()
@@ -125,17 +126,10 @@ class CommitProtocol:
         self._fence: TableFence | None = None
 
     # -- a run committed already ---------------------------------------------------------------
-    def committed_report(self) -> RunReport | None:
-        """The stored report if this run id is committed already (then there is nothing to do)."""
-        if not self.table.is_committed(self.run_id):
-            return None
+    def stored_report(self) -> RunReport | None:
+        """The report stored for this run id, if any (whatever its status)."""
         stored = self.store.read_json_or_none(self.store.report_file(self.run_id))
-        report = RunReport.from_dict(stored) if stored else RunReport(run_id=self.run_id, mode=self.mode)
-        report.status = "completed"
-        logger.info(
-            "run %s is already committed: nothing to do (report %s)", self.run_id, self.store.report_file(self.run_id)
-        )
-        return report
+        return None if stored is None else RunReport.from_dict(stored)
 
     # -- set up --------------------------------------------------------------------------------
     def setup_run(self, labels: tuple[str, ...]) -> TableFence:

@@ -4,7 +4,8 @@
 the part of the config it needs, over one `CommitProtocol` that owns the run's output. What
 each step asks of the protocol, in which order, and the fence that keeps an earlier attempt
 from landing anything, are told once, in `raypipe.commit.protocol`. The steps:
-1. a run id already committed returns at once, with its stored report;
+1. a run id already committed returns at once, with its report (`committed_report`: rebuilt
+   from the table if a killed driver left none);
 2. `ModelService.ask`: the model service is checked (labels, version, limits) before any data is read;
 3. `CommitProtocol.setup_run`: the lease and the take-over (a failing metrics sink after it
    gives the lease back at once);
@@ -44,7 +45,15 @@ from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan, plan_input, plan_replay
 from raypipe.report import RunReport
 from raypipe.run.driver import quiet, sigterm_stops_the_run
-from raypipe.run.steps import CommitRun, ExecuteRun, ExecuteSettings, ModelService, PlanRun, ReportRun
+from raypipe.run.steps import (
+    CommitRun,
+    ExecuteRun,
+    ExecuteSettings,
+    ModelService,
+    PlanRun,
+    ReportRun,
+    committed_report,
+)
 from raypipe.store import STATE_DIR, OutputStore
 
 __all__ = ["backfill", "daily", "replay", "replay_run_id"]
@@ -67,7 +76,7 @@ def _run(
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
     protocol = CommitProtocol(config.output, mode, run_id)
-    done = protocol.committed_report()
+    done = committed_report(protocol)
     if done is not None:
         return done
     started_at = datetime.now(UTC)

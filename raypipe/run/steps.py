@@ -1,5 +1,6 @@
 """A run's steps, one object each, in the order `raypipe.run.modes` calls them:
 
+    committed_report(protocol)          a run id committed already: its report (nothing to do)
     ModelService.ask(service, client)   the service's labels, version and limits (nothing written)
     PlanRun(...).plan                   the stored plan or a new one; the units still to do
     ExecuteRun(...).execute             the units through the actors, who commit each one
@@ -43,7 +44,16 @@ from raypipe.run.pipeline import run_units
 from raypipe.run.progress import Progress
 from raypipe.tally import fold_tallies, read_tallies
 
-__all__ = ["CommitRun", "ExecuteRun", "ExecuteSettings", "Executed", "ModelService", "PlanRun", "ReportRun"]
+__all__ = [
+    "CommitRun",
+    "ExecuteRun",
+    "ExecuteSettings",
+    "Executed",
+    "ModelService",
+    "PlanRun",
+    "ReportRun",
+    "committed_report",
+]
 
 logger = logging.getLogger("raypipe")
 
@@ -390,3 +400,31 @@ def fold_report(
         report.model_versions = answered_versions(protocol.output.uri, protocol.run_id)
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
     return attempt
+
+
+def committed_report(protocol: CommitProtocol) -> RunReport | None:
+    """The report of a run id the table holds committed (then there is nothing to do), else None.
+
+    A driver killed between the run's commit and its report leaves none, or an earlier
+    attempt's (failed, incomplete): the report is then rebuilt from the table (rows by
+    outcome, the plan's units, every attempt's calls), written, and returned, never a bare
+    "completed" with zero counts."""
+    if not protocol.table.is_committed(protocol.run_id):
+        return None
+    report = protocol.stored_report()
+    path = protocol.store.report_file(protocol.run_id)
+    if report is None or report.status != "completed":
+        plan = protocol.stored_plan()
+        report = RunReport(run_id=protocol.run_id, mode=protocol.mode, output=protocol.output.uri)
+        if plan is not None:
+            report.input, report.replay_of, report.model_version = plan.input, plan.replay_of, plan.model_version or ""
+            report.units_total = report.units_committed = len(plan.units)
+        fold_report(protocol, report, AttemptStats(attempt=protocol.attempt), plan=plan)
+        report.status = "completed"
+        report.finished_at = datetime.now(UTC).isoformat()
+        protocol.write_report(report)
+        logger.warning(
+            "run %s is committed but its report was missing or unfinished: rebuilt from the table", protocol.run_id
+        )
+    logger.info("run %s is already committed: nothing to do (report %s)", protocol.run_id, path)
+    return report

@@ -60,7 +60,7 @@ def zombie(p: CommitProtocol) -> CommitProtocol:
 
 def test_protocol_steps_set_up_commit_units_commit_the_run(tmp_path, attempts):
     p = protocol(tmp_path, attempts, "a1")
-    assert not p.table.is_committed("r1") and p.committed_report() is None
+    assert not p.table.is_committed("r1") and p.stored_report() is None
     fence = p.setup_run(LABELS)
     assert fence.generation == 1
     assert p.commit_unit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))
@@ -171,7 +171,7 @@ def test_committed_has_one_truth_the_table(tmp_path, attempts):
     p.release()
     assert not list((tmp_path / "out").rglob("COMMITTED.json"))
     assert finished_runs(str(tmp_path / "out")) == ["r1"]
-    assert protocol(tmp_path, attempts, "a2").committed_report() is not None
+    assert protocol(tmp_path, attempts, "a2").table.is_committed("r1")
 
 
 def test_a_run_resumes_under_another_model_version_only_when_asked(tmp_path, attempts):

@@ -57,10 +57,6 @@ def fake_run(monkeypatch: Any, *, committed: bool = False, fail: dict[str, BaseE
             self.mode, self.run_id = mode, run_id
             step("protocol")
 
-        def committed_report(self) -> RunReport | None:
-            step("committed?")
-            return RunReport(run_id=self.run_id, mode=self.mode, status="completed") if committed else None
-
         def setup_run(self, labels: tuple[str, ...]) -> None:
             step("setup")
 
@@ -109,7 +105,12 @@ def fake_run(monkeypatch: Any, *, committed: bool = False, fail: dict[str, BaseE
         step("metrics")
         return SimpleNamespace()
 
+    def committed_report(protocol: Any) -> RunReport | None:
+        step("committed?")
+        return RunReport(run_id=protocol.run_id, mode=protocol.mode, status="completed") if committed else None
+
     monkeypatch.setattr(modes, "CommitProtocol", Protocol)
+    monkeypatch.setattr(modes, "committed_report", committed_report)
     monkeypatch.setattr(modes.ModelService, "ask", staticmethod(ask))
     monkeypatch.setattr(modes.RunMetrics, "start", staticmethod(start))
     for name, fake in (("PlanRun", PlanRun), ("ExecuteRun", ExecuteRun), ("CommitRun", CommitRun)):

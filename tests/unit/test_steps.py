@@ -283,3 +283,31 @@ def test_the_lease_is_released_even_when_the_metrics_fail():
         reporting = ReportRun(protocol, 0.04, FakeMetrics(fail=True), t0=0.0)  # type: ignore[arg-type]
         reporting.write(RunReport("r1", "backfill"), execute, None, write=False)  # type: ignore[arg-type]
     assert protocol.lease.released == 1
+
+
+# -- a run committed already ---------------------------------------------------------------------
+@pytest.mark.parametrize("left", [None, "failed"], ids=["no-report", "an-earlier-attempts-report"])
+def test_a_driver_killed_after_the_run_commit_leaves_a_report_rebuilt_from_the_table(tmp_path, left):
+    """Killed between `commit_run` and its report: the rerun finds the run committed and
+    answers with its rows counted from the table, never a bare "completed" with zero counts."""
+    from raypipe.commit.protocol import CommitProtocol
+    from raypipe.config import OutputConfig
+    from tests.fakes import LABELS
+    from tests.unit.test_table import UNIT, rows
+
+    output = OutputConfig(uri=str(tmp_path / "out"), require_conditional_writes=False)
+    killed = CommitProtocol(output, "backfill", "r1", attempt="a1")
+    killed.setup_run(LABELS)
+    plan = Plan("backfill", "/in", [WorkUnit("/in/a.parquet", "parquet", 0, None, name=UNIT)], [])
+    killed.plan(lambda: plan, input_uri="/in", model_version="m")
+    assert killed.commit_unit(UNIT, rows({"A": "result", "B": "result", "C": "dead_letter"}, version="m"))
+    if left is not None:  # an earlier attempt's report, from before this one committed
+        killed.write_report(RunReport(run_id="r1", mode="backfill", status=left))
+    killed.commit_run(plan)
+    killed.release()  # SIGKILL here: no report of this attempt
+
+    report = steps.committed_report(CommitProtocol(output, "backfill", "r1", attempt="a2"))
+    assert report is not None and report.status == "completed"
+    assert (report.rows_ok, report.rows_dead_letters, report.units_total) == (2, 1, 1)
+    stored = CommitProtocol(output, "backfill", "r1").stored_report()
+    assert stored is not None and (stored.status, stored.rows_ok, stored.rows_dead_letters) == ("completed", 2, 1)
