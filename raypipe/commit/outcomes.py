@@ -5,7 +5,7 @@
   before a dead letter of the same version, then the latest run. `LATEST_SQL` states that
   order once, as plain SQL over a relation named `outcomes`; the docs show it for DuckDB,
   Spark, Athena and Trino, and `latest` runs it.
-- `ledger(output, run_id)`: a run's committed rows by outcome, the report's row counts.
+- `ledger(table, run_id)`: a run's committed rows by outcome, the report's row counts.
 
 Keeping the table in shape (`compact`, `vacuum`, `migrate`) is `raypipe.commit.upkeep`'s.
 """
@@ -135,11 +135,16 @@ class Ledger(dict[str, int]):
         return {k.split(":", 1)[1]: v for k, v in self.items() if k.startswith(f"{OUTCOME_DEAD_LETTER}:")}
 
 
-def ledger(output: str, run_id: str) -> Ledger:
-    table = OutcomeTable(output)
+def ledger(table: OutcomeTable, run_id: str) -> Ledger:
+    """Run `run_id`'s committed rows by outcome (none if the table does not exist yet)."""
     if not table.exists():
         return Ledger()
-    return ledger_of(read_outcomes(output, run_id, columns=["outcome", "status", "error_kind"]))
+    rows = (
+        table.load()
+        .to_pyarrow_dataset()
+        .to_table(filter=pc.field("run_id") == run_id, columns=["outcome", "status", "error_kind"])
+    )
+    return ledger_of(rows)
 
 
 def ledger_of(rows: pa.Table) -> Ledger:

@@ -64,12 +64,12 @@ import pyarrow.compute as pc
 from raypipe.commit.fence import TableFence, UnitCommitter, mark_committed, retire, set_pointer, take_over
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import Ledger, ledger, ledger_of
+from raypipe.commit.output import Output
 from raypipe.commit.table import (
     FILES_SEEN_APP,
     OUTCOME_DEAD_LETTER,
     QUARANTINE_APP,
     WATERMARK_APP,
-    OutcomeTable,
     plan_app,
 )
 from raypipe.config import OutputConfig
@@ -111,6 +111,7 @@ class CommitProtocol:
         run_id: str,
         *,
         attempt: str | None = None,
+        place: Output | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -118,8 +119,8 @@ class CommitProtocol:
         self.mode = mode
         self.run_id = run_id
         self.attempt = attempt or uuid.uuid4().hex[:8]
-        self.store = OutputStore(output.uri)
-        self.table = OutcomeTable(output.uri)
+        self.place = place or Output.at(output.uri)  # a run passes the one it built
+        self.store, self.table = self.place.store, self.place.table
         self._lease: Lease | None = None
         self._clock = clock
         self._sleep = sleep
@@ -387,7 +388,7 @@ class CommitProtocol:
     # -- what the report counts ----------------------------------------------------------------
     def ledger(self) -> Ledger:
         """The run's committed rows by outcome (the report's row counts)."""
-        return ledger(self.output.uri, self.run_id)
+        return ledger(self.table, self.run_id)
 
     def replay_ledger(self, plan: Plan) -> Ledger | None:
         """What a replay's committed units made of the dead letters it was planned on, from the
@@ -434,12 +435,14 @@ class CommitProtocol:
 
 
 @contextlib.contextmanager
-def holding(output: OutputConfig, operation: str, *, labels: tuple[str, ...] | None = None) -> Iterator[CommitProtocol]:
+def holding(
+    output: OutputConfig, operation: str, *, labels: tuple[str, ...] | None = None, place: Output | None = None
+) -> Iterator[CommitProtocol]:
     """Maintenance as a holder of the output (`raypipe.commit.upkeep`): the lease (a live run
     refuses it, `OutputLockedError`), then a take-over, so every older holder, of any run id,
     is fenced off before the operation and no run starts during it; the lease is released at
     the end. Commits made meanwhile carry the fence (`fence_transactions`)."""
-    protocol = CommitProtocol(output, "maintenance", f"raypipe-{operation}")
+    protocol = CommitProtocol(output, "maintenance", f"raypipe-{operation}", place=place)
     protocol.take_output(labels)
     try:
         yield protocol

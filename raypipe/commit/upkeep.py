@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raypipe.commit.fence import fence_transactions, mark_committed
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol, holding, read_quarantine
 from raypipe.commit.table import QUARANTINE_APP, OutcomeTable
 from raypipe.config import OutputConfig
@@ -65,8 +66,8 @@ def quarantine(output: str | OutputConfig, shards: list[str], *, reason: str, re
 
 def quarantined(output: str) -> frozenset[str]:
     """The shards quarantined on the output (planning skips them and lists them)."""
-    store = OutputStore(output)
-    return frozenset(read_quarantine(store, OutcomeTable(output).pointer(QUARANTINE_APP)))
+    place = Output.at(output)
+    return frozenset(read_quarantine(place.store, place.table.pointer(QUARANTINE_APP)))
 
 
 def compact(
@@ -80,14 +81,15 @@ def compact(
     from deltalake import CommitProperties
 
     config = _config(output)
-    runs = run_ids if run_ids is not None else finished_runs(config.uri)
-    done = set(finished_runs(config.uri))
-    unfinished = [r for r in runs if r not in done]
+    place = Output.at(config.uri)
+    done = finished_runs(place)
+    runs = run_ids if run_ids is not None else done
+    unfinished = [r for r in runs if r not in set(done)]
     if unfinished:
         raise ValueError(f"runs still unfinished (not compacted): {', '.join(unfinished)}")
     if not runs:
         return {"runs": 0}
-    with holding(config, "compact") as protocol:
+    with holding(config, "compact", place=place) as protocol:
         props = CommitProperties(
             app_transactions=fence_transactions(protocol.fence), custom_metadata={"raypipe.operation": "compact"}
         )
@@ -137,7 +139,7 @@ def vacuum(
         if not dry_run:
             dt.cleanup_metadata()
         before = datetime.now(UTC) - timedelta(hours=retention_hours)
-        removed = 0 if dry_run else drop_finished_state(config.uri, before=before)
+        removed = 0 if dry_run else drop_finished_state(protocol.place, before=before)
     return {"files": len(files), "dry_run": dry_run, "runs_state_removed": removed}
 
 
@@ -153,11 +155,12 @@ def migrate(output: str | OutputConfig) -> dict[str, int]:
     (`holding`), and every commit carries the fence.
     """
     config = _config(output)
-    old = LegacyLayout(config.uri)
+    place = Output.at(config.uri)
+    old = LegacyLayout(place.store)
     runs = old.runs()
     if not runs:
         return {"runs": 0, "rows": 0}
-    with holding(config, "migrate", labels=()) as protocol:
+    with holding(config, "migrate", labels=(), place=place) as protocol:
         return _migrate(old, runs, protocol)
 
 
@@ -236,11 +239,11 @@ def _runs_in_table(table: OutcomeTable) -> set[str]:
     return set(pc.unique(actions.column("partition.run_id")).to_pylist())
 
 
-def finished_runs(output: str) -> list[str]:
+def finished_runs(output: str | Output) -> list[str]:
     """Run ids the table records as committed (their fenced run commit), among the runs with
     rows in the table or state under `_raypipe/runs/`."""
-    store = OutputStore(output)
-    table = OutcomeTable(output)
+    place = output if isinstance(output, Output) else Output.at(output)
+    store, table = place.store, place.table
     runs = store.path(STATE_DIR, "runs")
     try:
         store.fs.invalidate_cache(runs)
@@ -258,10 +261,10 @@ def _finished_at(store: OutputStore, run_id: str) -> datetime | None:
     return datetime.fromisoformat(at) if at else None
 
 
-def drop_finished_state(output: str, *, before: datetime) -> int:
+def drop_finished_state(output: Output, *, before: datetime) -> int:
     """Removes plans and attempt statistics of runs committed and finished before `before`
     (reports stay)."""
-    store = OutputStore(output)
+    store = output.store
     removed = 0
     for run_id in finished_runs(output):
         at = _finished_at(store, run_id)
@@ -285,8 +288,8 @@ def drop_finished_state(output: str, *, before: datetime) -> int:
 class LegacyLayout:
     """An output written by raypipe's earlier layout (read by `raypipe migrate`)."""
 
-    def __init__(self, output: str) -> None:
-        self.store = OutputStore(output)
+    def __init__(self, store: OutputStore) -> None:
+        self.store = store
 
     def runs(self) -> list[str]:
         runs = self.store.path(STATE_DIR, "runs")

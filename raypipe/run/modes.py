@@ -38,8 +38,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from raypipe.call.metrics import RunMetrics
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
-from raypipe.commit.table import OutcomeTable
 from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan, plan_input, plan_replay
@@ -54,7 +54,7 @@ from raypipe.run.steps import (
     ReportRun,
     committed_report,
 )
-from raypipe.store import STATE_DIR, OutputStore
+from raypipe.store import STATE_DIR
 
 __all__ = ["backfill", "daily", "replay", "replay_run_id"]
 
@@ -71,11 +71,13 @@ def _run(
     make_plan: Callable[[CommitProtocol], Plan],
     *,
     input: InputConfig | None = None,
+    place: Output | None = None,
 ) -> RunReport:
     # A default id names a new run: two runs started in the same second must not share one (the
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
-    protocol = CommitProtocol(config.output, mode, run_id)
+    # The run's one object for its output (files and table), built here once and passed down.
+    protocol = CommitProtocol(config.output, mode, run_id, place=place or Output.at(config.output.uri))
     done = committed_report(protocol)
     if done is not None:
         return done
@@ -136,8 +138,9 @@ def daily(config: PipelineConfig, input: InputConfig, *, since: datetime | None 
     return _run(config, "daily", lambda protocol: plan_input(input, "daily", protocol, since=since), input=input)
 
 
-def replay_run_id(store: OutputStore, of_run: str) -> str:
+def replay_run_id(place: Output, of_run: str) -> str:
     """The replay to run for `of_run`: the latest unfinished one (to resume it), else a new one."""
+    store = place.store
     runs = store.path(STATE_DIR, "runs")
     try:
         store.fs.invalidate_cache(runs)
@@ -146,7 +149,7 @@ def replay_run_id(store: OutputStore, of_run: str) -> str:
         names = []
     prefix = f"{of_run}.replay-"
     numbers = sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit())
-    if numbers and not OutcomeTable(store.uri).is_committed(f"{prefix}{numbers[-1]}"):
+    if numbers and not place.table.is_committed(f"{prefix}{numbers[-1]}"):
         return f"{prefix}{numbers[-1]}"
     return f"{prefix}{(numbers[-1] + 1) if numbers else 1}"
 
@@ -159,8 +162,9 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
     resumed, else a new one starts. A resumed replay reads the dead letters still committed,
     so rows already replayed are not sent again.
     """
+    place = Output.at(config.output.uri)
     if config.run_id is None:
-        config = config.model_copy(update={"run_id": replay_run_id(OutputStore(config.output.uri), of_run)})
+        config = config.model_copy(update={"run_id": replay_run_id(place, of_run)})
     assert config.run_id is not None
 
     def make_plan(protocol: CommitProtocol) -> Plan:
@@ -170,4 +174,4 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
         version, dead_letters = found or (protocol.table.load().version(), Counter[str]())
         return plan_replay(config.output.uri, of_run, dead_letters, table_version=version)
 
-    return _run(config, "replay", make_plan)
+    return _run(config, "replay", make_plan, place=place)

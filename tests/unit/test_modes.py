@@ -11,6 +11,7 @@ import pytest
 
 from raypipe.api import build_config
 from raypipe.commit.fence import UnitCommitter, mark_committed, take_over
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable, outcome_schema
 from raypipe.config import InputConfig, PipelineConfig
@@ -18,7 +19,6 @@ from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan
 from raypipe.report import RunReport
 from raypipe.run import modes
-from raypipe.store import OutputStore
 
 LABELS = ("joy", "anger")
 
@@ -53,7 +53,7 @@ def fake_run(monkeypatch: Any, *, committed: bool = False, fail: dict[str, BaseE
             raise fail[name]
 
     class Protocol:
-        def __init__(self, output: Any, mode: str, run_id: str) -> None:
+        def __init__(self, output: Any, mode: str, run_id: str, *, place: Any = None) -> None:
             self.mode, self.run_id = mode, run_id
             step("protocol")
 
@@ -194,13 +194,13 @@ def committed_run(out: str, run_id: str, outcomes: dict[str, str]) -> None:
 
 def test_a_replay_resumes_its_latest_unfinished_attempt_else_starts_the_next(tmp_path):
     out = str(tmp_path / "out")
-    store = OutputStore(out)
-    OutcomeTable(out).ensure(LABELS)
-    assert modes.replay_run_id(store, "b1") == "b1.replay-1"  # none yet
-    store.write_json(store.run_state("b1.replay-1", "plan.json"), {})
-    assert modes.replay_run_id(store, "b1") == "b1.replay-1"  # started, not committed: resumed
+    place = Output.at(out)
+    place.table.ensure(LABELS)
+    assert modes.replay_run_id(place, "b1") == "b1.replay-1"  # none yet
+    place.store.write_json(place.store.run_state("b1.replay-1", "plan.json"), {})
+    assert modes.replay_run_id(place, "b1") == "b1.replay-1"  # started, not committed: resumed
     committed_run(out, "b1.replay-1", {"x": "result"})
-    assert modes.replay_run_id(store, "b1") == "b1.replay-2"  # committed: the next one
+    assert modes.replay_run_id(place, "b1") == "b1.replay-2"  # committed: the next one
 
 
 def test_a_replay_plans_a_unit_per_unit_holding_dead_letters(tmp_path):

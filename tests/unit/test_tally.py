@@ -140,6 +140,7 @@ def test_vacuum_drops_the_tallies_of_old_finished_runs(tmp_path):
     from datetime import UTC, datetime, timedelta
 
     from raypipe.commit.fence import mark_committed, take_over
+    from raypipe.commit.output import Output
     from raypipe.commit.table import OutcomeTable
     from raypipe.commit.upkeep import drop_finished_state
     from tests.fakes import LABELS
@@ -154,6 +155,6 @@ def test_vacuum_drops_the_tallies_of_old_finished_runs(tmp_path):
     tally = tally_path(store, "old", "a1", "host:1:ab")
     store.write_json(tally, record("host:1:ab", 1, {"OK": 1}))
 
-    assert drop_finished_state(str(tmp_path), before=datetime.now(UTC) - timedelta(days=7)) == 1
+    assert drop_finished_state(Output.at(str(tmp_path)), before=datetime.now(UTC) - timedelta(days=7)) == 1
     assert not store.exists(tally) and not store.exists(store.run_state("old", "attempts", "a1.json"))
     assert store.exists(store.report_file("old"))

@@ -13,6 +13,7 @@ import pytest
 
 import raypipe
 from raypipe.commit.fence import mark_committed, take_over
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import OutcomeTable
 from raypipe.commit.upkeep import drop_finished_state, finished_runs, migrate, quarantine, quarantined, vacuum
@@ -106,7 +107,7 @@ def test_vacuum_drops_old_finished_runs_state_and_keeps_reports(tmp_path):
         store.write_json(store.report_file(run_id), report)
     store.write_json(store.run_state("stale", "COMMITTED.json"), {"at": now.isoformat()})  # no run commit
     assert finished_runs(str(tmp_path)) == ["legacy", "old", "recent"]
-    assert drop_finished_state(str(tmp_path), before=now - timedelta(days=7)) == 2
+    assert drop_finished_state(Output.at(str(tmp_path)), before=now - timedelta(days=7)) == 2
     assert not store.exists(store.run_state("old", "plan.json"))
     assert not store.exists(store.run_state("legacy", "plan.json"))
     assert store.exists(store.report_file("old"))
