@@ -1,9 +1,10 @@
 """Run modes: backfill, daily delta and replay, over one shared run protocol.
 
 `_run` is the whole story of a run, a step at a time (`raypipe.run.steps`), each step given
-the part of the config it needs, over one `CommitProtocol` that owns the run's output. What
-each step asks of the protocol, in which order, and the fence that keeps an earlier attempt
-from landing anything, are told once, in `raypipe.commit.protocol`. The steps:
+the part of the config it needs, over one `CommitProtocol` that owns the run's output (built
+over the run's one `Output`). The order of the protocol's calls is told in
+`raypipe.commit.protocol`; the fence that keeps every older holder of the output from landing
+anything, in `raypipe.commit.fence`. The steps:
 1. a run id already committed returns at once, with its report (`committed_report`: rebuilt
    from the table if a killed driver left none);
 2. `ModelService.ask`: the model service is checked (labels, version, limits) before any data is read;

@@ -10,9 +10,9 @@
 Each takes the part of the config it needs (an `InputConfig`, a `ServiceConfig`, ...), never
 the whole `PipelineConfig`, and the run's `CommitProtocol` for what it does on the output.
 Setting up the commit (lease, table ready, take-over) is `CommitProtocol.setup_run`, between
-the service check and the plan; the order of the protocol's steps and the fence are told once,
-in `raypipe.commit.protocol`. After planning, what a step needs of the input (its columns, the
-bad-shard policy) comes with the `Plan`.
+the service check and the plan; the order of the protocol's calls is told in
+`raypipe.commit.protocol`, the fence in `raypipe.commit.fence`. After planning, what a step
+needs of the input (its columns, the bad-shard policy) comes with the `Plan`.
 """
 
 from __future__ import annotations
