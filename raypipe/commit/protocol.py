@@ -351,7 +351,7 @@ class CommitProtocol:
         mark_committed(self.table, self.fence, self.run_id, {"raypipe.attempt": self.attempt, **(metadata or {})})
 
     def abort(self) -> bool:
-        """Fences off this attempt's own writers, unless a newer attempt holds the run already.
+        """Fences off this attempt's own writers, unless a newer holder took the output already.
 
         Returns True if it did. Units committed before stay committed (a later attempt does
         not redo them); an actor's commit after this fails, and its files stay invisible."""
