@@ -154,7 +154,7 @@ def test_a_replay_keeps_the_dead_letters_whose_reason_is_the_row_itself(tmp_path
 
     def run(run_id: str, block: pa.Table, *, replay: bool) -> ScriptedClient:
         client = ScriptedClient()
-        committer = UnitCommitter(table.take_over(run_id))
+        committer = UnitCommitter(take_over(table, run_id))
         settings = ActorSettings(
             committer=committer,
             run_id=RUN,
