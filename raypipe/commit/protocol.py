@@ -45,6 +45,9 @@ immutable files under numbers no other writer uses, and the table names the curr
 app transaction); the watermark is an app transaction of its own. An earlier release's
 `plan.json`, `files_seen.parquet`, `watermark.json` and `COMMITTED.json` are read where the
 table names nothing. What lives where under OUTPUT: `raypipe.store`.
+
+(Near 500 lines, kept whole on purpose: every step a run asks of its output, in the order it
+asks, reads in one place; the mechanics of each commit are `raypipe.commit.fence`'s.)
 """
 
 from __future__ import annotations

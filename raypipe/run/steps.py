@@ -13,6 +13,8 @@ Setting up the commit (lease, table ready, take-over) is `CommitProtocol.setup_r
 the service check and the plan; the order of the protocol's calls is told in
 `raypipe.commit.protocol`, the fence in `raypipe.commit.fence`. After planning, what a step
 needs of the input (its columns, the bad-shard policy) comes with the `Plan`.
+
+(Over 400 lines, kept whole on purpose: the steps read in the order a run takes them.)
 """
 
 from __future__ import annotations
