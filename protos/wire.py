@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["APPLICATION_KEY", "SERVICER_FUNCTION", "TIMING_KEYS"]
+__all__ = ["APPLICATION_KEY", "MAX_MESSAGE_BYTES", "SERVICER_FUNCTION", "TIMING_KEYS"]
 
 APPLICATION_KEY = "application"
 """Request metadata: the Serve application that answers (Serve's gRPC proxy routes by it)."""
+
+MAX_MESSAGE_BYTES = 32 * 2**20
+"""Largest gRPC message either side accepts: a call's texts are cut at 16 MiB (the client's call
+cap, `raypipe.call.actor.CALL_TEXT_BYTES`); twice that leaves room for ids and framing, and a
+bigger message is refused before it is read whole (Serve's own limit is 2 GiB)."""
 
 SERVICER_FUNCTION = "protos.raypipe.v1.emotion_pb2_grpc.add_EmotionClassifierServicer_to_server"
 """What Serve's gRPC proxy registers (`grpc_options.grpc_servicer_functions`)."""

@@ -4,7 +4,7 @@
     raypipe model export (--from-hf DIR | --from-savedmodel DIR --labels A,B --tokenizer DIR) OUT
     raypipe model check DIR
     raypipe model optimize DIR [--sample URI] [--threshold 0.99] [--no-int8]
-    raypipe serve --model DIR [--grpc-port 9000] [--detach] [--wait-s 300]
+    raypipe serve --model DIR [--grpc-port 9000] [--host 127.0.0.1] [--token-file F] [--detach] [--wait-s 300]
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
     raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
@@ -140,6 +140,17 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="deploy the EmotionClassifier Serve app")
     serve.add_argument("--model", required=True, help="model directory")
     serve.add_argument("--grpc-port", type=int, default=9000)
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the gRPC proxy binds (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)",
+    )
+    serve.add_argument(
+        "--token-file",
+        default=None,
+        help="the service's bearer token, created (mode 600) when absent; calls without it get UNAUTHENTICATED "
+        "(default ~/.raypipe/service-token; RAYPIPE_SERVICE_TOKEN wins where set)",
+    )
     serve.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port (default 8000)")
     serve.add_argument("--app-name", default="raypipe")
     serve.add_argument(
@@ -395,6 +406,15 @@ def _serve(args: argparse.Namespace) -> int:
     except (ModelDirError, OSError, ValueError, yaml.YAMLError) as e:
         print(f"raypipe: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    from protos.credential import CredentialError, default_token_file, ensure_token, token_digest
+
+    try:
+        token, created = ensure_token(args.token_file)
+    except (CredentialError, OSError) as e:
+        print(f"raypipe: --token-file: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if created:
+        print(f"raypipe: wrote the service's token to {args.token_file or default_token_file()} (mode 600)", flush=True)
     if args.precision:
         settings = dataclasses.replace(settings, precision=args.precision)
     if args.runtime:
@@ -459,6 +479,8 @@ def _serve(args: argparse.Namespace) -> int:
                 max_queued_requests=args.max_queued_requests,
             ),
             wait_s=args.wait_s or DEFAULT_WAIT_S,
+            host=args.host,
+            token_sha256=token_digest(token),
         )
     except AppNotRunningError as e:
         print(f"raypipe: {e} (it stays deployed; `serve status` follows it, --wait-s waits longer)", file=sys.stderr)

@@ -45,6 +45,7 @@ __all__ = [
     "PipelineConfig",
     "RetryConfig",
     "ServiceConfig",
+    "check_run_id",
     "load_config",
     "validate_uri",
 ]
@@ -99,6 +100,12 @@ class ServiceConfig(_Frozen):
     carried in the config or Ray's task arguments: set it on the driver and on every node
     that runs actors (e.g. from one Kubernetes Secret in the head and worker pod templates).
     Needs TLS, so the token never crosses the network in the clear."""
+    token_file: str | None = None
+    """File holding the model service's token, sent as `authorization: Bearer <token>` on every
+    call (the replicas check it). None: the file `raypipe serve` writes
+    (`~/.raypipe/service-token`), sent when it exists; `RAYPIPE_SERVICE_TOKEN` in the
+    environment wins over either. Read by the process that makes the calls, like `token_env`:
+    the file must be on every node that runs actors (e.g. a Kubernetes Secret mounted there)."""
     application: str = "raypipe"
     """Serve application name, sent as the `application` metadata so the proxy can route."""
     timeout_s: float = Field(120.0, gt=0)
@@ -425,9 +432,26 @@ class PipelineConfig(_Frozen):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}", v):
-            raise ValueError(f"{v!r}: use letters, digits, '.', '_' and '-' (it names folders)")
+        if v is not None:
+            try:
+                check_run_id(v, what="")
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
         return v
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
+
+
+def check_run_id(value: str, *, what: str = "run id") -> str:
+    """`value` when it may name a run: letters, digits, '.', '_' and '-', not starting with '.'
+    (so never `..` or a path).
+    Every id that names a file or folder of an output goes through here: a run's, a replay's,
+    the run a replay or a report reads. Raises `ConfigError` (exit 2)."""
+    if not _RUN_ID.fullmatch(value) or ".." in value:
+        label = f"{what} " if what else ""
+        raise ConfigError(f"{label}{value!r}: use letters, digits, '.', '_' and '-' (it names folders)")
+    return value
 
 
 def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

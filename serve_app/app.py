@@ -13,6 +13,10 @@ many calls it merged; a second batch may form meanwhile and its passes queue beh
 the next calls overlaps the current passes, so a busy replica's model threads run passes back
 to back.
 
+A service deployed with a credential (`raypipe serve` always does: `protos.credential`) checks
+each call's bearer token against the digest it was given before anything else: a call without
+it gets UNAUTHENTICATED and never reaches the tokenizer or the model.
+
 Every answer carries the replica's view of the call in its trailing metadata (`TIMING_KEYS`):
 how long it waited in the replica, how long its batch computed, and how many other batches
 still had passes waiting for a model thread when its batch queued its own (`_WaitingBatches`).
@@ -42,6 +46,7 @@ import numpy as np
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
+from protos.credential import token_matches
 from protos.raypipe.v1 import emotion_pb2
 from protos.wire import TIMING_KEYS
 from serve_app.metrics import ServerMetrics
@@ -281,9 +286,17 @@ def batch_weight(jobs: list[_Job]) -> int:
     return max(len(jobs), math.ceil(sum(j.weight for j in jobs) - 1e-9))
 
 
+_UNAUTHENTICATED = (
+    "missing or wrong service credential: send `authorization: Bearer <token>` metadata with the token "
+    "`raypipe serve` wrote (service.token_file, default ~/.raypipe/service-token, or RAYPIPE_SERVICE_TOKEN)"
+)
+
+
 @serve.deployment(name="EmotionClassifier", max_ongoing_requests=64, health_check_period_s=5)
 class EmotionClassifier:
-    def __init__(self, model_dir: str, settings: dict[str, Any] | None = None) -> None:
+    def __init__(self, model_dir: str, settings: dict[str, Any] | None = None, token_sha256: str | None = None) -> None:
+        """`token_sha256`: the digest of the token every call must carry (None: no credential checked)."""
+        self._token_sha256 = token_sha256
         from serve_app.model import EmotionModel, configure_precision, configure_tf_threads, read_model_card
         from serve_app.runtimes import resolve, served_version
 
@@ -334,7 +347,7 @@ class EmotionClassifier:
         self._tokens_per_call = self._settings.batch_max_tokens / self._settings.batch_max_calls
         self._waiting = _WaitingBatches()
         self._fault = self._settings.fault
-        self._rng = random.Random(self._fault.seed)
+        self._rng = random.Random(self._fault.seed)  # noqa: S311  seeded fault injection, not a secret
         self._calls: Counter[str] = Counter()
         self._paragraphs: Counter[str] = Counter()
         self._model_counts: Counter[str] = Counter()
@@ -363,6 +376,8 @@ class EmotionClassifier:
         self, request: emotion_pb2.ClassifyRequest, grpc_context: RayServegRPCContext
     ) -> emotion_pb2.ClassifyResponse:
         arrived = time.monotonic()
+        if not self._authorized(grpc_context):
+            return self._fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED, 0)
         batch = Batch.of(request)
         problem = batch.problem(max_batch_size=self._settings.max_batch_size)
         if problem is not None:
@@ -471,7 +486,12 @@ class EmotionClassifier:
         self._model_cpu.add_current_thread()
         return self._model.run_chunk(tokenized, chunk)
 
-    def ModelInfo(self, request: emotion_pb2.ModelInfoRequest) -> emotion_pb2.ModelInfoResponse:
+    def ModelInfo(
+        self, request: emotion_pb2.ModelInfoRequest, grpc_context: RayServegRPCContext
+    ) -> emotion_pb2.ModelInfoResponse:
+        if not self._authorized(grpc_context):
+            self._fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED, 0)
+            return emotion_pb2.ModelInfoResponse()
         return emotion_pb2.ModelInfoResponse(
             labels=self._labels,
             model_version=self._version,
@@ -494,6 +514,9 @@ class EmotionClassifier:
             "model": dict(self._model_counts),
             "timing_us": dict(self._timing_us),
         }
+
+    def _authorized(self, context: RayServegRPCContext) -> bool:
+        return self._token_sha256 is None or token_matches(context.invocation_metadata(), self._token_sha256)
 
     def _count(self, status: str, paragraphs: int) -> None:
         self._calls[status] += 1

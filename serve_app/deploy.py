@@ -6,6 +6,11 @@ already running instead of silently keeping an old port. Several applications (s
 one and a fault-injected one) can share the proxy: clients pick one with the `application`
 metadata.
 
+Serve's gRPC proxy binds every interface (`[::]`) and accepts 2 GiB messages; raypipe's binds
+`DEFAULT_GRPC_HOST` (loopback) unless given another host, and accepts `MAX_MESSAGE_BYTES`
+(`proxy_runtime_env`). A deployment given a token's digest answers only calls that carry the
+token (`serve_app.app`, `protos.credential`).
+
 `deploy` waits for the application to be RUNNING for at most `wait_s`. Serve's own wait has no
 end: a replica that no node can hold (its CPUs, or the pool resource, on no alive node: a pool
 node lost and its replacement not yet joined) keeps it waiting in silence. Past the deadline
@@ -27,10 +32,11 @@ from typing import Any, cast
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from protos.wire import SERVICER_FUNCTION
+from protos.wire import MAX_MESSAGE_BYTES, SERVICER_FUNCTION
 from serve_app.settings import ServerSettings
 
 __all__ = [
+    "DEFAULT_GRPC_HOST",
     "DEFAULT_WAIT_S",
     "POOL_RESOURCE",
     "SERVICER_FUNCTION",
@@ -39,6 +45,7 @@ __all__ = [
     "ControllerUnreachableError",
     "DeploymentOptions",
     "NodeRoom",
+    "bind_grpc_proxy_host",
     "build_app",
     "check_controller_answers",
     "cluster_room",
@@ -47,6 +54,7 @@ __all__ = [
     "fit_pool",
     "fit_replicas",
     "pool_nodes",
+    "proxy_runtime_env",
     "size_replicas",
     "start_grpc_proxy",
     "start_serve",
@@ -170,8 +178,11 @@ def build_app(
     model_dir: str | Path,
     settings: ServerSettings | None = None,
     options: DeploymentOptions | None = None,
+    *,
+    token_sha256: str | None = None,
 ) -> Any:
-    """The bound application, ready for `serve.run`."""
+    """The bound application, ready for `serve.run`; with `token_sha256` (`protos.credential.token_digest`)
+    its replicas answer only calls that carry that token."""
     from serve_app.app import EmotionClassifier
     from serve_app.model import read_model_card
 
@@ -192,7 +203,7 @@ def build_app(
         max_ongoing_requests=options.max_ongoing_requests,
         max_queued_requests=options.max_queued_requests,
         ray_actor_options=actor_options,
-    ).bind(str(Path(model_dir).resolve()), settings.to_dict())
+    ).bind(str(Path(model_dir).resolve()), settings.to_dict(), token_sha256)
 
 
 #: How long a question to Serve's controller may take before `raypipe serve` gives up on it.
@@ -207,14 +218,66 @@ CONTROLLER_TIMEOUT_S = 60.0
 CONTROLLER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0"}
 
 
-def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None, controller_env: bool = True) -> None:
-    """Starts Serve with a gRPC proxy on grpc_port, or checks that the running one matches.
+#: Where raypipe's gRPC proxy listens unless told otherwise: this machine only.
+DEFAULT_GRPC_HOST = "127.0.0.1"
+
+#: Tells `bind_grpc_proxy_host`, in the proxy's process, which address to bind.
+GRPC_HOST_ENV = "RAYPIPE_SERVE_GRPC_HOST"
+
+
+def bind_grpc_proxy_host() -> None:
+    """Ray's `worker_process_setup_hook` for Serve's processes: the gRPC proxy binds the host in
+    `GRPC_HOST_ENV` instead of `[::]`.
+
+    Serve (2.60) hard-codes `[::]:<port>` and has no host option for gRPC (its HTTP proxy has
+    one); the proxy looks `add_grpc_address` up in `default_impl` when it starts its server, so
+    replacing it there, before the proxy starts, is the one place to choose the address. A Ray
+    that moves it fails the loopback test (the socket table), not silently.
+    """
+    host = os.environ.get(GRPC_HOST_ENV)
+    if not host:
+        return
+    from ray.serve._private import default_impl
+
+    add = default_impl.add_grpc_address
+    if getattr(add, "raypipe_host", None) == host:
+        return
+
+    def add_grpc_address(server: Any, address: str) -> None:
+        port = address.rpartition(":")[2]
+        add(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+    add_grpc_address.raypipe_host = host  # type: ignore[attr-defined]
+    default_impl.add_grpc_address = add_grpc_address
+
+
+def proxy_runtime_env(host: str, env_vars: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The runtime_env of Serve's controller, which the proxies it starts inherit: bound to
+    `host` (`bind_grpc_proxy_host`), messages up to `MAX_MESSAGE_BYTES`, and `env_vars`."""
+    # Serve lets the controller's runtime_env hold env_vars only, so the setup hook is named the
+    # way Ray's own `worker_process_setup_hook` plugin passes a module's hook to a worker: in
+    # the variable a starting worker reads (its name taken from Ray, so a rename fails here).
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    return {
+        "env_vars": {
+            **(env_vars or {}),
+            GRPC_HOST_ENV: host,
+            "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MAX_MESSAGE_BYTES),
+            WORKER_PROCESS_SETUP_HOOK_ENV_VAR: f"{__name__}.bind_grpc_proxy_host",
+        }
+    }
+
+
+def start_grpc_proxy(
+    grpc_port: int, *, http_port: int | None = None, controller_env: bool = True, host: str = DEFAULT_GRPC_HOST
+) -> None:
+    """Starts Serve with a gRPC proxy on host:grpc_port, or checks that the running one matches
+    (the port; the host of a running proxy cannot be asked).
 
     `http_port` matters only when Serve is not running yet (None: Serve's default, 8000), and so
-    does `controller_env`: False leaves out `CONTROLLER_ENV`, for a cluster that lives a minute
-    (the demo's), where the control loop's idle cost does not matter. A controller with an
-    environment of its own needs a worker process started for it; without one, it takes a worker
-    Ray has already started, seconds sooner.
+    do `host` and `controller_env`: False leaves out `CONTROLLER_ENV`, for a cluster that lives a
+    minute (the demo's), where the control loop's idle cost does not matter.
     """
     env = {k: os.environ.get(k, v) for k, v in CONTROLLER_ENV.items()}
     check_controller_answers()
@@ -222,7 +285,7 @@ def start_grpc_proxy(grpc_port: int, *, http_port: int | None = None, controller
         lambda: serve.start(
             http_options=None if http_port is None else {"host": "127.0.0.1", "port": http_port},
             grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]),
-            controller_options={"runtime_env": {"env_vars": env}} if controller_env else {},
+            controller_options={"runtime_env": proxy_runtime_env(host, env if controller_env else None)},
         )
     )
     import ray
@@ -358,8 +421,13 @@ def deploy(
     settings: ServerSettings | None = None,
     options: DeploymentOptions | None = None,
     wait_s: float = DEFAULT_WAIT_S,
+    host: str = DEFAULT_GRPC_HOST,
+    token_sha256: str | None = None,
 ) -> str:
     """Deploys the app on the connected Ray cluster; returns the gRPC address clients use.
+
+    The proxy listens on `host` (when this starts Serve); with `token_sha256` the replicas answer
+    only calls that carry the token (`raypipe serve` always passes one).
 
     Returns once every deployment is RUNNING (replicas loaded and warmed); raises
     `RuntimeError` if a replica's constructor fails (a bad model directory, say), and
@@ -367,13 +435,15 @@ def deploy(
     deployed: Serve keeps trying, and `serve.status()` follows it)."""
     if not wait_s > 0:
         raise ValueError(f"wait_s must be > 0, not {wait_s}")
-    start_grpc_proxy(grpc_port, http_port=http_port)
+    start_grpc_proxy(grpc_port, http_port=http_port, host=host)
     # `serve.run` waits for RUNNING without an end; this submits, then waits with a deadline.
     from ray.serve.api import _run
 
-    _run(build_app(model_dir, settings, options), _blocking=False, name=app_name, route_prefix=f"/{app_name}")
+    app = build_app(model_dir, settings, options, token_sha256=token_sha256)
+    _run(app, _blocking=False, name=app_name, route_prefix=f"/{app_name}")
     wait_until_running(app_name, wait_s=wait_s)
-    return f"127.0.0.1:{grpc_port}"
+    client_host = DEFAULT_GRPC_HOST if host in ("0.0.0.0", "::", "") else host  # noqa: S104  a bind-all host reached via loopback
+    return f"[{client_host}]:{grpc_port}" if ":" in client_host else f"{client_host}:{grpc_port}"
 
 
 class AppNotRunningError(TimeoutError):

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from protos.credential import CredentialError, bearer, read_token
+from protos.wire import MAX_MESSAGE_BYTES
 from raypipe.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,11 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = ["CHANNEL_OPTIONS", "ChannelSecurity", "aio_channel", "auth_metadata", "blocking_channel", "tls_problem"]
 
-# Large enough for a micro-batch of long paragraphs (and their answers) in one message.
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The same bound as the service's: a call over it is refused here, before it is sent.
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     # Retries live in raypipe.call.retry, one layer only: switch off the channel's own.
@@ -60,6 +61,10 @@ class ChannelSecurity:
     """The name the certificate must match (also sent as SNI); None: the address's host."""
     token_env: str | None = None
     """Environment variable holding a bearer token sent on every call (see `auth_metadata`)."""
+    token_file: str | None = None
+    """File holding the service's token (`raypipe serve` writes it); None: the default file
+    (`protos.credential.DEFAULT_TOKEN_FILE`), sent when it exists. Plaintext is allowed: the
+    service listens on loopback unless told otherwise (docs/security.md)."""
 
     def __post_init__(self) -> None:
         if not self.tls and (self.root_certificates is not None or self.server_name or self.token_env):
@@ -73,19 +78,31 @@ class ChannelSecurity:
             root_certificates=service.ca_pem,
             server_name=service.server_name,
             token_env=service.token_env,
+            token_file=service.token_file,
         )
 
 
 def auth_metadata(security: ChannelSecurity) -> tuple[tuple[str, str], ...]:
-    """`authorization: Bearer <token>` from this process's environment; () without `token_env`.
+    """`authorization: Bearer <token>`: from `token_env` where set, else the service's token
+    (`protos.credential.read_token`: `RAYPIPE_SERVICE_TOKEN`, else `token_file`, by default the
+    file `raypipe serve` writes); () when there is none (a service that checks no credential).
 
     Read by the process that makes the calls: the driver for its check, each actor on whatever
     node Ray placed it. The value is never put in the config or Ray's task arguments (which
-    Ray keeps in its control store), so it must be set on every node that runs actors.
+    Ray keeps in its control store), so it must be there on every node that runs actors.
     """
     name = security.token_env
     if name is None:
-        return ()
+        try:
+            token = read_token(security.token_file)
+        except CredentialError as e:
+            raise ConfigError(f"service.token_file: {e}") from None
+        if token is None and security.token_file is not None:
+            raise ConfigError(
+                f"service.token_file: {security.token_file} does not exist on {socket.gethostname()} "
+                "(`raypipe serve` writes the token there; copy it to every node that runs inference actors)"
+            )
+        return () if token is None else (bearer(token),)
     value = os.environ.get(name, "").strip()
     if not value:
         raise ConfigError(

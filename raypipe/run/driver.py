@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raypipe.errors import RunStopped
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FAST_START_ENV",
     "LOCAL_CLUSTER_FLAGS",
+    "ensure_cluster_token",
     "ensure_ray",
     "no_ray_data_usage_actor",
     "quiet",
@@ -78,6 +80,19 @@ def start_local_ray(**init_kwargs: Any) -> None:
             signal.signal(signal.SIGTERM, on_sigterm)  # `ray.init` sets its own (`sys.exit`); a run's stays
     _stop_autoscaler_monitor()
     quiet_ray_loggers()
+    _say_if_open()
+
+
+def _say_if_open() -> None:
+    """One WARNING line where the cluster this process joined or started has no token auth."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    if not is_token_auth_enabled():
+        logger.warning(
+            "this Ray cluster has no token authentication (RAY_AUTH_MODE=%s): anyone who reaches its ports can "
+            "run code on it; start it with RAY_AUTH_MODE=token (docs/security.md)",
+            os.environ.get("RAY_AUTH_MODE", "unset"),
+        )
 
 
 def _stop_autoscaler_monitor() -> None:
@@ -109,17 +124,61 @@ def _stop_autoscaler_monitor() -> None:
 LOCAL_CLUSTER_FLAGS = ("--include-dashboard=false", "--include-log-monitor=false")
 
 
+def ensure_cluster_token(environ: Mapping[str, str]) -> Path | None:
+    """The token file a cluster started with `environ` uses, created (mode 0600, Ray's token
+    format) when it does not exist, and made 0600 where others could read it; None where the
+    token comes from ``RAY_AUTH_TOKEN`` itself.
+
+    ``ray start`` creates a missing token with the process's umask (0644 on most machines),
+    readable by every user of the machine; the token lets its holder run code on the cluster.
+    """
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+    if environ.get("RAY_AUTH_TOKEN"):
+        return None
+    configured = environ.get("RAY_AUTH_TOKEN_PATH")
+    path = Path(configured) if configured else Path(environ.get("HOME") or Path.home()) / ".ray" / "auth_token"
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(generate_new_authentication_token())
+        logger.info("created the Ray cluster's token file %s (mode 600)", path)
+        return path
+    if mode & 0o077:
+        path.chmod(0o600)
+        logger.warning("the Ray token file %s was readable by others (mode %o): made it 600", path, mode)
+    return path
+
+
 def start_local_cluster(*, timeout_s: float = 120.0) -> None:
     """``ray start --head`` with `LOCAL_CLUSTER_FLAGS`: a cluster on the local machine that outlives
     the calling process (``ray stop`` stops it). Raises `RuntimeError` with Ray's own words if it
-    does not start within `timeout_s`."""
+    does not start within `timeout_s`.
+
+    The cluster has token authentication (``RAY_AUTH_MODE=token``, its token file 0600:
+    `ensure_cluster_token`) unless the environment sets ``RAY_AUTH_MODE`` itself; ``ray start``
+    alone turns it on only where a token file already exists. An explicit
+    ``RAY_AUTH_MODE=disabled`` is obeyed, with one WARNING line."""
     import subprocess
     import sys
 
+    env = with_fast_start(os.environ)
+    env.setdefault("RAY_AUTH_MODE", "token")
+    if env["RAY_AUTH_MODE"].lower() == "token":
+        ensure_cluster_token(env)
+    else:
+        logger.warning(
+            "starting a Ray cluster without token authentication (RAY_AUTH_MODE=%s): anyone who reaches its "
+            "ports can run code on it",
+            env["RAY_AUTH_MODE"],
+        )
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     cmd = [*ray_cli, "start", "--head", "--disable-usage-stats", *LOCAL_CLUSTER_FLAGS]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=with_fast_start(os.environ))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)  # noqa: S603  argv of Ray's CLI, no shell
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"`ray start --head` did not finish within {timeout_s:g} s") from e
     if done.returncode != 0:
