@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raypipe.config import PipelineConfig, load_config, run_input
+from raypipe.config import PipelineConfig, check_run_id, load_config, run_input
 from raypipe.errors import RunNotFoundError
 from raypipe.run.preflight import check_input_run, check_replay, parse_since
 
@@ -61,11 +61,14 @@ def read_report(output_uri: str, run_id: str) -> RunReport:
 
 
 def report_dict(output_uri: str, run_id: str) -> dict[str, Any]:
-    """The stored report of `run_id` as written (`read_report`'s source; `raypipe report --json`)."""
+    """The stored report of `run_id` as written (`read_report`'s source; `raypipe report --json`).
+    A run id that is not one (`..`, a path) is a `ConfigError`: nothing outside the output is read."""
     import difflib
     import posixpath
 
     from raypipe.store import OutputStore
+
+    check_run_id(run_id, what="--run-id")
 
     store = OutputStore(output_uri)
     data = store.read_json_or_none(store.report_file(run_id))

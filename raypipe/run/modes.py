@@ -41,7 +41,7 @@ from datetime import UTC, datetime
 from raypipe.call.metrics import RunMetrics
 from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
-from raypipe.config import InputConfig, PipelineConfig
+from raypipe.config import InputConfig, PipelineConfig, check_run_id
 from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan, plan_input, plan_replay
 from raypipe.report import RunReport
@@ -163,9 +163,12 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
     resumed, else a new one starts. A resumed replay reads the dead letters still committed,
     so rows already replayed are not sent again.
     """
+    check_run_id(of_run, what="replayed run id")  # it names the replay's state folder too
     place = Output.at(config.output.uri)
     if config.run_id is None:
-        config = config.model_copy(update={"run_id": replay_run_id(place, of_run)})
+        # model_copy skips the field's validator: the id is checked here, as the field would.
+        replay_id = check_run_id(replay_run_id(place, of_run), what="replay id")
+        config = config.model_copy(update={"run_id": replay_id})
     assert config.run_id is not None
 
     def make_plan(protocol: CommitProtocol) -> Plan:

@@ -29,6 +29,7 @@ they rely on, later (a shard can change between this look and the run).
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import os
 import posixpath
 import socket
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from raypipe.config import InputConfig, PipelineConfig, run_input
+from raypipe.config import InputConfig, PipelineConfig, check_run_id, run_input
 from raypipe.errors import ConfigError
 
 __all__ = ["check_input_run", "check_ray_address", "check_replay", "check_run", "parse_since"]
@@ -95,6 +96,7 @@ def check_replay(config: PipelineConfig, of_run: str | None) -> None:
     _check_output(config.output.uri)
     if of_run is None:
         raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
+    check_run_id(of_run, what="--run-id")
     _check_replay(config.output.uri, of_run)
     _check_ray()
 
@@ -181,15 +183,32 @@ def _check_bucket(uri: str, bucket: str) -> None:
 
 
 def _check_not_inside(output: str, input: str) -> None:
-    """The output must not sit in the input's folder: the next run would read its results."""
-    if any(ch in input for ch in "*?["):
-        return
+    """The output must not sit in what the input reads: the next run would read its results.
+
+    Paths are compared after `os.path.realpath` (so `..` and symlinks count) and S3 keys after
+    normalising; a glob reads below its literal folder, so an output there counts as inside when
+    the glob's next part could name it (`*` or `**` does; `*.jsonl` does not match `out`)."""
     out, inp = _comparable(output), _comparable(input)
-    if out is not None and inp is not None and (out == inp or out.startswith(inp.rstrip("/") + "/")):
-        raise ConfigError(
-            f"output {output} is inside input {input}: the next run would read its results as input; "
-            "choose an output outside the input"
-        )
+    if out is None or inp is None:
+        return
+    base, rest = _split_glob(inp)
+    if out == base or out.startswith(base.rstrip("/") + "/"):
+        below = out[len(base) :].strip("/").split("/")
+        if not rest or "**" in rest or (below[0] and fnmatch.fnmatchcase(below[0], rest[0])) or out == base:
+            raise ConfigError(
+                f"output {output} is inside input {input}: the next run would read its results as input; "
+                "choose an output outside the input"
+            )
+
+
+def _split_glob(path: str) -> tuple[str, list[str]]:
+    """(the literal folder a glob starts from, its parts from the first with a wildcard on);
+    (path, []) for a path without one."""
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if any(ch in part for ch in "*?["):
+            return "/".join(parts[:i]) or "/", parts[i:]
+    return path, []
 
 
 def _comparable(uri: str) -> str | None:
@@ -197,7 +216,10 @@ def _comparable(uri: str) -> str | None:
     if parsed.scheme in ("s3", "s3a"):
         return posixpath.normpath(f"s3/{parsed.netloc}/{parsed.path.lstrip('/')}")
     if parsed.scheme in ("", "file"):
-        return str(Path(parsed.path if parsed.scheme == "file" else uri).expanduser().absolute())
+        path = os.path.expanduser(parsed.path if parsed.scheme == "file" else uri)
+        base, rest = _split_glob(os.path.abspath(path))
+        # realpath of the literal part only: a wildcard must not be resolved as a file name.
+        return "/".join([os.path.realpath(base), *rest])
     return None
 
 
