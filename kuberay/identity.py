@@ -22,7 +22,7 @@ from typing import Any
 
 from kuberay.validate import Resource, cluster_pod_templates, get, jobs, ref
 
-TOKEN_KEY = "auth_token"
+TOKEN_KEY = "auth_token"  # noqa: S105  the Secret's key name, not a token
 """The key KubeRay reads from a token Secret (utils.RAY_AUTH_TOKEN_SECRET_KEY)."""
 WORKLOAD_IDENTITY = (
     "eks.amazonaws.com/role-arn",

@@ -86,7 +86,7 @@ def _kustomize(directory: str) -> str:
     exe = shutil.which("kubectl")
     if exe is None:
         raise RenderError("kubectl is not on PATH (it renders the kustomize overlays)")
-    proc = subprocess.run([exe, "kustomize", directory], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run([exe, "kustomize", directory], capture_output=True, text=True, timeout=120, check=False)  # noqa: S603  argv, no shell
     if proc.returncode != 0:
         raise RenderError(f"kubectl kustomize {directory} failed: {proc.stderr.strip()}")
     return proc.stdout
@@ -133,7 +133,7 @@ def _embedded_rayjobs(resource: Resource) -> Iterator[tuple[str, Resource]]:
         return
     for key, text in (resource.get("data") or {}).items():
         try:
-            doc = yaml.load(text, Loader=_Loader)
+            doc = yaml.load(text, Loader=_Loader)  # noqa: S506  _Loader is (C)SafeLoader
         except yaml.YAMLError:
             continue
         if isinstance(doc, dict) and doc.get("kind") == "RayJob":
@@ -227,7 +227,7 @@ def crd_schemas(crd_dir: Path) -> dict[str, dict[str, Any]]:
         raise SchemasUnavailable(f"no CRD files (*.yaml) in {crd_dir}")
     schemas = {}
     for path in files:
-        crd = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        crd = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506  _Loader is (C)SafeLoader
         if not isinstance(crd, dict) or crd.get("kind") != "CustomResourceDefinition":
             continue
         for version in crd["spec"]["versions"]:

@@ -49,7 +49,7 @@ def write_sample_corpus(
     """Writes `rows` paragraphs split over the shards and returns what was written."""
     from serve_app.demo_data import paragraphs
 
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # noqa: S311  seeded sample data, not a secret
     generated = paragraphs(rows, seed=seed)
     when = updated_at or datetime(2026, 1, 1, tzinfo=UTC)
     ids, texts, stamps, bad_ids, labels = [], [], [], [], {}

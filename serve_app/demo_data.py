@@ -449,7 +449,7 @@ def sentences(n: int, *, seed: int) -> list[tuple[str, int]]:
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    rng = random.Random(f"sentences:{seed}")
+    rng = random.Random(f"sentences:{seed}")  # noqa: S311  seeded demo text
     return [(_sentence(rng, label), label) for label in (i % len(LABELS) for i in range(n))]
 
 
@@ -471,7 +471,7 @@ def paragraphs(n: int, *, seed: int) -> list[tuple[str, int]]:
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    rng = random.Random(f"paragraphs:{seed}")
+    rng = random.Random(f"paragraphs:{seed}")  # noqa: S311  seeded demo text
     out: list[tuple[str, int]] = []
     for i in range(n):
         label = i % len(LABELS)

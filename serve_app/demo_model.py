@@ -170,7 +170,7 @@ def _train_in_child(tmp: Path, *, seed: int, fingerprint: str) -> dict[str, Any]
     tail: collections.deque[str] = collections.deque(maxlen=30)
     summary: dict[str, Any] = {}
     # One merged stream: reading two pipes one after the other could deadlock on a full one.
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # noqa: S603  argv, no shell
         assert proc.stdout is not None
         # Relay progress as it happens (a build takes a minute); keep the tail for errors.
         for line in proc.stdout:

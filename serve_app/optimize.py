@@ -143,7 +143,7 @@ def default_sample(rows: int = DEFAULT_ROWS) -> list[str]:
 def split_sample(texts: Sequence[str], *, source: str, seed: int = _SEED) -> Sample:
     """Shuffle (fixed seed) and split: ~30% (at most 300) calibration, the rest held out."""
     shuffled = list(texts)
-    random.Random(seed).shuffle(shuffled)
+    random.Random(seed).shuffle(shuffled)  # noqa: S311  a seeded split, not a secret
     n_cal = min(_MAX_CALIBRATION, max(1, round(len(shuffled) * _CALIBRATION_SHARE)))
     if len(shuffled) - n_cal < 20:
         raise ValueError(f"a sample needs at least {n_cal + 20} texts to hold 20 out; got {len(shuffled)}")

@@ -117,7 +117,7 @@ def take_over(table: OutcomeTable, run_id: str, *, holder: str = "") -> TableFen
                     expires_at="?",
                 ) from None
             # A unit commit of the older holder landed first: our snapshot is stale. Again.
-            time.sleep(random.uniform(0.01, 0.1))
+            time.sleep(random.uniform(0.01, 0.1))  # noqa: S311  jitter, not a secret
     raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=table.uri)
 
 
@@ -141,7 +141,7 @@ def retire(table: OutcomeTable, fence: TableFence) -> bool:
             )
             return True
         except failed:
-            time.sleep(random.uniform(0.01, 0.1))  # a commit of ours or a take-over: look again
+            time.sleep(random.uniform(0.01, 0.1))  # noqa: S311  jitter: a commit of ours or a take-over, look again
     raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri)
 
 
@@ -193,7 +193,7 @@ def fenced_commit(
             _empty_commit(dt, props)
             return version
         except failed:
-            time.sleep(random.uniform(0.01, 0.2))
+            time.sleep(random.uniform(0.01, 0.2))  # noqa: S311  jitter, not a secret
     raise SinkError(failure, path=table.uri)
 
 
@@ -359,7 +359,7 @@ class UnitCommitter:
                 except failed:
                     # Another commit of this slot or unit won: look again on a fresh snapshot
                     # (a newer generation there fences us off above).
-                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))
+                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))  # noqa: S311  jitter, not a secret
                 except (LeaseLostError, SinkError):
                     raise
                 except Exception as e:

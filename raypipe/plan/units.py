@@ -94,7 +94,7 @@ class WorkUnit:
         if self.name:
             return self.name
         mark = f"{self.shard}|{self.row_start}|{self.row_stop}|{self.fingerprint}"
-        digest = hashlib.sha1(mark.encode()).hexdigest()[:12]
+        digest = hashlib.sha1(mark.encode(), usedforsecurity=False).hexdigest()[:12]
         return f"{_ascii_stem(self.shard)}-{self.row_start}-{digest}"
 
     @property
@@ -159,6 +159,8 @@ def _ascii_stem(shard: str) -> str:
 
 def _legacy_key(unit: WorkUnit) -> str:
     """The key an earlier release derived (up to 40 characters of the name, any script)."""
-    digest = hashlib.sha1(f"{unit.shard}|{unit.row_start}|{unit.row_stop}".encode()).hexdigest()[:12]
+    digest = hashlib.sha1(f"{unit.shard}|{unit.row_start}|{unit.row_stop}".encode(), usedforsecurity=False).hexdigest()[
+        :12
+    ]
     stem = posixpath.basename(unit.shard).split(".")[0][:40] or "shard"
     return f"{stem}-{unit.row_start}-{digest}"
