@@ -597,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from raypipe.redact import install
+
+    install()  # no credential in any line, at any level (botocore's DEBUG headers included)
     if not args.verbose:
         # "Found credentials in environment variables" on every S3 run: not news to the user.
         for name in ("botocore", "aiobotocore", "s3fs"):
@@ -610,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from raypipe.errors import ConfigError, InputError, RaypipeError, RunStopped
+    from raypipe.redact import redact
 
     try:
         if args.command == "model":
@@ -646,10 +650,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             return run_demo(workdir=args.workdir, rows=args.rows, model_dir=args.model_dir, grpc_port=args.grpc_port)
         return _run(args)
     except (ConfigError, InputError) as e:
-        print(f"raypipe: {e}", file=sys.stderr)
+        print(f"raypipe: {redact(str(e))}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except RaypipeError as e:
-        print(f"raypipe: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"raypipe: {type(e).__name__}: {redact(str(e))}", file=sys.stderr)
         return EXIT_FAILED
     except RunStopped as e:
         print(f"raypipe: {e}; the run's report says failed, and the same --run-id resumes it", file=sys.stderr)
