@@ -554,6 +554,25 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_upkeep(args: argparse.Namespace) -> None:
+    """`ConfigError` where compact or migrate has nothing to work on: an output without the
+    outcomes table (compact), or without runs of the earlier layout (migrate)."""
+    from raypipe.commit.table import OutcomeTable
+    from raypipe.commit.upkeep import LegacyLayout
+    from raypipe.config import check_run_id
+    from raypipe.errors import ConfigError
+
+    for run_id in getattr(args, "run_id", None) or []:
+        check_run_id(run_id, what="--run-id")
+    if args.command == "compact" and not OutcomeTable(args.output).exists():
+        raise ConfigError(f"output {args.output} holds no outcomes table: nothing to compact (check --output)")
+    if args.command == "migrate" and not LegacyLayout(args.output).runs():
+        raise ConfigError(
+            f"output {args.output} holds no runs of the earlier layout (_raypipe/runs/): nothing to migrate "
+            "(check --output)"
+        )
+
+
 def run() -> NoReturn:
     """The console entry point (``raypipe``, ``python -m raypipe``): `main`, then a quick exit.
 
@@ -624,7 +643,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             return _report(args)
         if args.command == "shards":
             from raypipe.commit.upkeep import quarantine
+            from raypipe.store import OutputStore
 
+            store = OutputStore(args.output)
+            if not store.fs.exists(store.path()):  # a mistyped output must not be created by it
+                raise ConfigError(
+                    f"output {args.output} does not exist: give the output of the runs that read the shards"
+                )
             release = args.shards_command == "release"
             held = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)
             print(json.dumps({"quarantined": held}))
@@ -634,8 +659,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command in ("compact", "vacuum", "migrate"):
             from raypipe.commit import upkeep
 
+            _check_upkeep(args)
             if args.command == "compact":
-                done = upkeep.compact(args.output, run_ids=args.run_id)
+                try:
+                    done = upkeep.compact(args.output, run_ids=args.run_id)
+                except ValueError as e:  # runs named that have not finished
+                    raise ConfigError(f"compact: {e}; compact them once they finish") from None
             elif args.command == "vacuum":
                 done = upkeep.vacuum(
                     args.output, retention_hours=args.retention_hours, dry_run=args.dry_run, force=args.force

@@ -165,7 +165,7 @@ class ServiceConfig(_Frozen):
     @classmethod
     def _env_name(cls, v: str | None) -> str | None:
         # Never echo the value: a token pasted here by mistake must not land in a log.
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+        if v is not None and (not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) or _looks_like_a_token(v)):
             raise ValueError("must name an environment variable (letters, digits, _), not hold the token itself")
         return v
 
@@ -440,6 +440,13 @@ class PipelineConfig(_Frozen):
         return v
 
 
+def _looks_like_a_token(name: str) -> bool:
+    """A value no one names a variable: long, and mixing lower-case letters with digits (a hex
+    or base64 token), or longer than any variable name in use."""
+    lower_and_digits = any(c.islower() for c in name) and sum(c.isdigit() for c in name) >= 4
+    return len(name) > 64 or (len(name) >= 20 and lower_and_digits)
+
+
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 
 
@@ -489,9 +496,13 @@ def _datadog_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at {e.start}): save it as UTF-8"
+        ) from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:

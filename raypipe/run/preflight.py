@@ -171,6 +171,7 @@ def _check_local_output(path: Path) -> None:
 
 
 def _check_bucket(uri: str, bucket: str) -> None:
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
     from fsspec.core import url_to_fs
 
     fs, _ = url_to_fs(uri)
@@ -178,6 +179,11 @@ def _check_bucket(uri: str, bucket: str) -> None:
         fs.info(bucket)
     except FileNotFoundError:
         raise ConfigError(f"output {uri}: bucket {bucket!r} does not exist; create it or choose another") from None
+    except (EndpointConnectionError, ConnectTimeoutError) as e:
+        endpoint = e.kwargs.get("endpoint_url", "the S3 endpoint")
+        raise ConfigError(
+            f"output {uri}: cannot reach {endpoint} (check AWS_ENDPOINT_URL, the network or a proxy)"
+        ) from None
     except OSError:
         pass  # e.g. 403 on the bucket itself while its prefix is writable: the run reports what it cannot do
 
