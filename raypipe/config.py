@@ -261,6 +261,10 @@ class LimiterConfig(_Frozen):
 
 
 class ClientConfig(_Frozen):
+    max_text_bytes: int = Field(16 * 2**20, ge=1, le=16 * 2**20)
+    """Largest text (UTF-8 bytes) that is sent; a longer one is a dead letter `too_large` with its
+    size, never a call. At most 16 MiB, the bytes of text one call carries (the service refuses
+    messages over 32 MiB); the model reads only its first `max_sequence_length` tokens anyway."""
     micro_batch_size: int = Field(128, ge=1, le=4096)
     """Paragraphs per Classify call; 1 reproduces the reference build's per-paragraph calls.
     A call costs the actor, Serve's proxy and the replica a fixed share besides its rows, and a

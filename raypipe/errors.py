@@ -10,6 +10,7 @@
     │   └── BadRowError             one row cannot be sent: a dead letter, the unit goes on
     │       ├── InvalidTextError    text not valid UTF-8
     │       ├── InvalidIdError      id not valid UTF-8
+    │       ├── TextTooLargeError   text over client.max_text_bytes (never sent)
     │       └── MissingIdError      id null or empty
     ├── ModelServiceError           a call to the model service failed (status_code, address)
     │   ├── ServiceUnavailable      UNAVAILABLE (or the channel could not connect)   transient, service
@@ -71,6 +72,7 @@ __all__ = [
     "ServiceUnavailable",
     "ShardChangedError",
     "SinkError",
+    "TextTooLargeError",
     "UnsafeOutputError",
 ]
 
@@ -146,6 +148,12 @@ class InvalidRowError(BadRowError):
     """A JSON-lines line that is not a JSON object (the message says what it is, and its line)."""
 
     kind = "invalid_row"
+
+
+class TextTooLargeError(BadRowError):
+    """The text is over `client.max_text_bytes`: it is never sent (the message says its size)."""
+
+    kind = "too_large"
 
 
 class MissingIdError(BadRowError):

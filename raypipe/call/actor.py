@@ -76,6 +76,7 @@ from raypipe.errors import (
     MissingIdError,
     ModelServiceError,
     SinkError,
+    TextTooLargeError,
 )
 from raypipe.report import UnitStats
 from raypipe.store import OutputStore
@@ -115,6 +116,24 @@ def micro_batches(order: np.ndarray, nbytes: np.ndarray, size: int, max_bytes: i
         total += n
     batches.append(order[start:])
     return batches
+
+
+def _within(rows: np.ndarray, nbytes: np.ndarray, max_bytes: int) -> tuple[np.ndarray, list[_Outcome]]:
+    """(the rows whose text is at most `max_bytes`, a `too_large` dead letter for each other one)."""
+    over = nbytes[rows] > max_bytes
+    if not over.any():
+        return rows, []
+    dead = [
+        _Outcome(
+            np.array([i], np.int64),
+            error=TextTooLargeError(
+                f"too large: a text of {int(nbytes[i]):,} bytes is over client.max_text_bytes ({max_bytes:,}); "
+                "it was not sent (shorten it: the model reads only its first tokens)"
+            ),
+        )
+        for i in rows[over].tolist()
+    ]
+    return rows[~over], dead
 
 
 def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
@@ -366,6 +385,7 @@ class InferenceActor:
         copied, sendable, duplicates = await self._reuse_answers(sendable, hashes, stats)
         # Length-sorted micro-batches: neighbours pad to the same bucket on the server.
         lengths = pc.binary_length(rows.column("text")).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        sendable, too_large = _within(sendable, lengths, self._settings.client.max_text_bytes)
         order = sendable[np.argsort(lengths[sendable], kind="stable")]
         batches = micro_batches(order, lengths[order], self._settings.client.micro_batch_size, CALL_TEXT_BYTES)
         # A TaskGroup: when one batch raises (the service stayed down), the others are cancelled.
@@ -378,7 +398,8 @@ class InferenceActor:
         for o in sent:
             if o.result is not None:
                 stats.answered_by[o.result.setting or "unknown"] += len(o.rows)
-        outcomes = refused + copied + sent + _share_answers(sent, duplicates)
+        # A text too large is refused once; the rows that repeat it share its dead letter.
+        outcomes = refused + copied + too_large + sent + _share_answers(too_large + sent, duplicates)
         answers, dead_letters = self._fates(outcomes, stats)
         stats.empty_text = len(empty)
         return unit_rows(
