@@ -13,10 +13,14 @@ those `args` and returns the same bound application that `raypipe serve` runs, b
         args:
           model_dir: /opt/raypipe/model   # a local directory on every node; never downloaded here
           settings: {max_batch_size: 256} # serve_app.settings.ServerSettings
+          token_file: /var/run/raypipe/service-token/token  # optional: calls must carry this token
         deployments:
           - name: EmotionClassifier
             num_replicas: auto            # the code pins 1 replica; "auto" lets autoscaling_config rule
             autoscaling_config: {min_replicas: 1, max_replicas: 8}
+
+With `token_file` (a Kubernetes Secret mounted on the head, say) every call must carry that
+token as `authorization: Bearer <token>` (`protos.credential`), as with `raypipe serve`.
 
 Replica counts, CPUs and autoscaling belong in the config's `deployments` entry, where Serve
 applies them over the code's defaults; `args` carries only what the code cannot default.
@@ -28,12 +32,13 @@ from typing import Any, cast
 
 from ray.serve import Application
 
+from protos.credential import read_token, token_digest
 from serve_app.deploy import build_app
 from serve_app.settings import ServerSettings
 
 __all__ = ["ARGS", "app_builder"]
 
-ARGS = ("model_dir", "settings")
+ARGS = ("model_dir", "settings", "token_file")
 """The keys `app_builder` accepts in the application's `args`."""
 
 
@@ -53,4 +58,12 @@ def app_builder(args: dict[str, Any]) -> Application:
     settings = args.get("settings") or {}
     if not isinstance(settings, dict):
         raise ValueError(f"application args: settings must be a mapping, not {type(settings).__name__}")
-    return cast(Application, build_app(model_dir, ServerSettings.from_dict(settings)))
+    digest = None
+    token_file = args.get("token_file")
+    if token_file is not None:
+        # Read where the app is built (the controller's node); the replicas get the digest only.
+        token = read_token(str(token_file), environ={})
+        if token is None:
+            raise ValueError(f"application args: token_file {token_file} does not exist on this node")
+        digest = token_digest(token)
+    return cast(Application, build_app(model_dir, ServerSettings.from_dict(settings), token_sha256=digest))

@@ -226,3 +226,16 @@ def test_serve_refuses_a_token_file_others_can_read(tmp_path: Path, demo_model_d
     assert main(["serve", "--model", str(demo_model_dir), "--token-file", str(token)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "readable by others" in err[0] and "abc" not in err[0]
+
+
+def test_the_rayservice_builder_deploys_with_the_digest_of_its_token_file(tmp_path: Path, demo_model_dir: Path) -> None:
+    from serve_app.builder import app_builder
+
+    path = tmp_path / "token"
+    token, _ = ensure_token(path, environ={})
+    app = app_builder({"model_dir": str(demo_model_dir), "token_file": str(path)})
+    init_args = app._bound_deployment.init_args
+    assert init_args[-1] == token_digest(token) and token not in repr(init_args)
+    with pytest.raises(ValueError, match="does not exist"):
+        app_builder({"model_dir": str(demo_model_dir), "token_file": str(tmp_path / "missing")})
+    assert app_builder({"model_dir": str(demo_model_dir)})._bound_deployment.init_args[-1] is None
