@@ -243,9 +243,9 @@ def bind_grpc_proxy_host() -> None:
     if getattr(add, "raypipe_host", None) == host:
         return
 
-    def add_grpc_address(server: Any, address: str) -> None:
-        port = address.rpartition(":")[2]
-        add(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    def add_grpc_address(grpc_server: Any, server_address: str) -> None:
+        port = server_address.rpartition(":")[2]
+        add(grpc_server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
     add_grpc_address.raypipe_host = host  # type: ignore[attr-defined]
     default_impl.add_grpc_address = add_grpc_address

@@ -9,6 +9,7 @@ the end): `ray stop` would stop every cluster on the machine.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import stat
@@ -68,6 +69,13 @@ def _listening(port: int) -> set[str]:
     }
 
 
+def _loopback(ip: str) -> bool:
+    """127.0.0.1, also as gRPC's dual-stack socket shows it (::ffff:127.0.0.1); never :: or 0.0.0.0."""
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 def test_serve_detach_starts_a_closed_cluster_and_an_authenticated_local_service(
     fresh_user: dict[str, str], demo_model_dir: Path
 ) -> None:
@@ -105,7 +113,8 @@ def test_serve_detach_starts_a_closed_cluster_and_an_authenticated_local_service
     assert "JOINED" in joined.stdout, joined.stderr
 
     # The service: on loopback only, its token private, the credential checked.
-    assert _listening(port) == {"127.0.0.1"}, "the gRPC proxy must listen on loopback only"
+    listening = _listening(port)
+    assert listening and all(_loopback(ip) for ip in listening), f"the gRPC proxy listens on {listening}"
     service_token = home / ".raypipe" / "service-token"
     assert _mode(service_token) == 0o600
     token = service_token.read_text().strip()
