@@ -66,6 +66,7 @@ INTERNAL_ERRORS = {
     "ServiceOverloaded",
     "ServiceTimeout",
     "ShardChangedError",
+    "TextTooLargeError",
 }
 
 
