@@ -7,9 +7,10 @@
   `RAY_AUTH_TOKEN` comes from that cluster's Secret (KubeRay 1.7 keeps a submitter's own
   `RAY_AUTH_TOKEN` instead of injecting one, common/pod.go SetContainerTokenAuthEnvVars).
 - Separate ServiceAccounts: the model service's pods run as one account (it reads the model),
-  the job clusters' pods and their submitters as another (they read the corpus and write the
-  output); none runs as the namespace's default account. Where workload identity annotates the
-  accounts, each has its own role.
+  the job clusters' pods as another (they read the corpus and write the output), the jobs'
+  submitters as a third with no cloud role (they only send the entrypoint to their head); none
+  runs as the namespace's default account. Where workload identity annotates the accounts, each
+  has its own role, and the submitters' has none.
 - API tokens only where needed: every rendered ServiceAccount sets
   `automountServiceAccountToken: false`; a pod template turns it on only for a Ray head with
   the in-tree autoscaler (KubeRay binds the autoscaler's Role to the head's account) or for the
@@ -78,13 +79,13 @@ def token_problems(resources: list[Resource]) -> list[str]:
 
 def _pods(resources: list[Resource]) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """Pod templates by part: the model service's, the jobs' (clusters and submitters)."""
-    parts: dict[str, list[tuple[str, dict[str, Any]]]] = {"model service": [], "jobs": []}
+    parts: dict[str, list[tuple[str, dict[str, Any]]]] = {"model service": [], "jobs": [], "submitters": []}
     # The keys name the parts in messages: "the model service and the jobs share ...".
     for owner, where, cluster, submitter in _clusters(resources):
         part = "model service" if owner.startswith("RayService/") else "jobs"
         parts[part] += cluster_pod_templates(where, cluster)
         if submitter is not None:
-            parts[part].append((f"{owner}.submitterPodTemplate", submitter))
+            parts["submitters"].append((f"{owner}.submitterPodTemplate", submitter))
     return parts
 
 
@@ -108,6 +109,12 @@ def account_problems(resources: list[Resource]) -> list[str]:
             f"the model service and the jobs share ServiceAccount {', '.join(sorted(shared))}: the service reads "
             "the model, the jobs read the corpus and write the output; give each its own"
         )
+    lent = used["submitters"] & (used["model service"] | used["jobs"])
+    if lent:
+        problems.append(
+            f"the submitters run as ServiceAccount {', '.join(sorted(lent))} of the clusters: a submitter only sends "
+            "the entrypoint to its head and needs none of their S3 access; give them an account of their own"
+        )
     for key in WORKLOAD_IDENTITY:
         roles = {
             part: {get(accounts.get(n), "metadata", "annotations", key) for n in names} - {None}
@@ -117,6 +124,8 @@ def account_problems(resources: list[Resource]) -> list[str]:
             problems.append(
                 f"the model service and the jobs assume the same {key}: {roles['model service'] & roles['jobs']}"
             )
+        if roles["submitters"]:
+            problems.append(f"the submitters assume {key} {sorted(roles['submitters'])}: they need no cloud role")
     return problems
 
 

@@ -150,14 +150,27 @@ def test_each_cluster_has_its_own_token_and_the_parts_their_own_accounts(overlay
 def test_prod_gives_each_account_its_own_role() -> None:
     resources = rendered("prod")
     roles = {
-        r["metadata"]["name"]: r["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+        r["metadata"]["name"]: r["metadata"].get("annotations", {}).get("eks.amazonaws.com/role-arn")
         for r in resources
         if r["kind"] == "ServiceAccount"
     }
     assert roles == {
         "raypipe-serve": "arn:aws:iam::111122223333:role/raypipe-serve",
         "raypipe-jobs": "arn:aws:iam::111122223333:role/raypipe-jobs",
+        "raypipe-submitter": None,  # it only submits: no S3 access
     }
+
+
+def test_a_submitter_running_as_the_jobs_account_is_a_problem() -> None:
+    from kuberay.identity import identity_problems
+
+    resources = rendered("prod")
+    assert identity_problems(resources) == []
+    for r in resources:
+        template = (r.get("spec") or {}).get("submitterPodTemplate")
+        if template:
+            template["spec"]["serviceAccountName"] = "raypipe-jobs"
+    assert any("the submitters run as ServiceAccount raypipe-jobs" in p for p in identity_problems(resources))
 
 
 def test_the_model_workers_advertise_the_pool_the_replicas_ask_for() -> None:
