@@ -287,8 +287,11 @@ def test_token_arrives_as_bearer_metadata_on_every_call(pki, monkeypatch):
     assert servicer.metadata_seen[0]["application"] == "emotions"
 
 
-def test_without_token_env_no_authorization_is_sent(pki, monkeypatch):
+def test_without_token_env_no_authorization_is_sent(pki, monkeypatch, tmp_path):
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # set, but not asked for
+    # and no service token (`raypipe serve`'s file under HOME, or RAYPIPE_SERVICE_TOKEN) to send instead
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAYPIPE_SERVICE_TOKEN", raising=False)
 
     async def scenario():
         async with tls_service(pki.server_context()) as (servicer, _, proxy):
