@@ -28,7 +28,6 @@ def test_a_64_mib_text_is_a_too_large_dead_letter_and_the_rest_is_inferred(tmp_p
     pq.write_table(pa.table({"id": ["a", "big", "b", "big2"], "text": texts}), tmp_path / "in.parquet")
     del huge, texts
     units, _ = plan_units(list_shards(str(tmp_path / "in.parquet")), unit_rows=1000, columns=ColumnNames())
-    block = read_unit(units[0], ColumnNames())
     table = OutcomeTable(str(tmp_path / "out"))
     table.ensure(LABELS)
     retry = RetryConfig(max_attempts=2, initial_backoff_s=0.001, max_backoff_s=0.002)
@@ -45,12 +44,14 @@ def test_a_64_mib_text_is_a_too_large_dead_letter_and_the_rest_is_inferred(tmp_p
                 labels=LABELS,
             )
             actor = InferenceActor(settings, client_factory=lambda: GrpcModelClient(address, timeout_s=30))
-            return await actor(block), dict(servicer.calls)
+            # Units may be cut by bytes: each is read and inferred in turn, as Ray Data would hand them over.
+            summaries = [await actor(read_unit(unit, ColumnNames())) for unit in units]
+            return pa.concat_tables(summaries), dict(servicer.calls)
         finally:
             await server.stop(None)
 
     summary, calls = asyncio.run(scenario())
-    assert summary.column("fatal").to_pylist() == [None]
+    assert set(summary.column("fatal").to_pylist()) == {None}
     rows = read_outcomes(str(tmp_path / "out"), "r1").to_pylist()
     fates = {r["id"]: r for r in rows}
     assert {i: r["outcome"] for i, r in fates.items()} == {
@@ -62,4 +63,4 @@ def test_a_64_mib_text_is_a_too_large_dead_letter_and_the_rest_is_inferred(tmp_p
     for i in ("big", "big2"):
         assert fates[i]["error_kind"] == "too_large"
         assert "67,108,864 bytes" in fates[i]["message"] and "client.max_text_bytes" in fates[i]["message"]
-    assert calls.get("OK") == 1, "one call, of the two small texts: the large one was never sent"
+    assert calls.get("OK", 0) <= len(units) and not set(calls) - {"OK", "ModelInfo"}, "the large texts were never sent"
