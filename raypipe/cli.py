@@ -561,12 +561,13 @@ def _check_upkeep(args: argparse.Namespace) -> None:
     from raypipe.commit.upkeep import LegacyLayout
     from raypipe.config import check_run_id
     from raypipe.errors import ConfigError
+    from raypipe.store import OutputStore
 
     for run_id in getattr(args, "run_id", None) or []:
         check_run_id(run_id, what="--run-id")
     if args.command == "compact" and not OutcomeTable(args.output).exists():
         raise ConfigError(f"output {args.output} holds no outcomes table: nothing to compact (check --output)")
-    if args.command == "migrate" and not LegacyLayout(args.output).runs():
+    if args.command == "migrate" and not LegacyLayout(OutputStore(args.output)).runs():
         raise ConfigError(
             f"output {args.output} holds no runs of the earlier layout (_raypipe/runs/): nothing to migrate "
             "(check --output)"

@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 
 from raypipe.call.actor import ActorSettings, InferenceActor
 from raypipe.call.client import GrpcModelClient
+from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import OutcomeTable, UnitCommitter
+from raypipe.commit.table import OutcomeTable
 from raypipe.config import ClientConfig, RetryConfig, ServiceConfig
 from raypipe.plan.planning import list_shards, plan_units
 from raypipe.plan.units import ColumnNames
@@ -36,7 +37,7 @@ def test_a_64_mib_text_is_a_too_large_dead_letter_and_the_rest_is_inferred(tmp_p
         server, servicer, address = await start_fake_server()
         try:
             settings = ActorSettings(
-                committer=UnitCommitter(table.take_over("r1")),
+                committer=UnitCommitter(take_over(table, "r1")),
                 run_id="r1",
                 attempt="a1",
                 service=ServiceConfig(address=address),
