@@ -23,6 +23,7 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     import pyarrow.compute as pc
     import ray
 
+    from protos.credential import ensure_token, token_digest
     from raypipe import api
     from raypipe.commit.outcomes import latest
     from raypipe.run.driver import start_local_ray, start_ray_data_helpers
@@ -57,13 +58,22 @@ def run_demo(*, workdir: str, rows: int = 3000, model_dir: str | None = None, gr
     try:
         replicas, cpus = fit_replicas(2)  # the defaults `raypipe serve` picks on a 2-CPU cluster
         options = DeploymentOptions(num_replicas=replicas, num_cpus=cpus)
+        # The demo's service answers only calls that carry its own token, as `raypipe serve`'s does.
+        token_file = work / "service-token"
+        token, _ = ensure_token(token_file, environ={})
         # Ray Data's helper actors start here while the replica loads, not on the run's path.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-warm") as pool:
             warm = pool.submit(start_ray_data_helpers)
-            address = deploy(model, grpc_port=grpc_port, options=options)
+            address = deploy(model, grpc_port=grpc_port, options=options, token_sha256=token_digest(token))
             warm.result()
         print(f"demo: Serve gRPC app up at {address} after {time.monotonic() - t0:.1f} s", flush=True)
-        report = api.backfill(str(work / "input"), str(work / "output"), service=address, run_id="demo")
+        report = api.backfill(
+            str(work / "input"),
+            str(work / "output"),
+            service=address,
+            run_id="demo",
+            settings={"service": {"token_file": str(token_file)}},
+        )
     finally:
         # The cluster is the demo's own: shutting it down stops Serve too. (serve.shutdown()
         # first would leave the raylet reporting its controller's cancelled graceful shutdown.)
