@@ -266,8 +266,9 @@ class ClientConfig(_Frozen):
     size, never a call. At most 16 MiB, the bytes of text one call carries (the service refuses
     messages over 32 MiB); the model reads only its first `max_sequence_length` tokens anyway."""
     micro_batch_size: int = Field(128, ge=1, le=4096)
-    """Paragraphs per Classify call; 1 reproduces the reference build's per-paragraph calls.
-    A call costs the actor, Serve's proxy and the replica a fixed share besides its rows, and a
+    """Most paragraphs per Classify call (1: one call per paragraph); a call also stops at
+    16 MiB of text (`raypipe.call.actor.CALL_TEXT_BYTES`), so long documents go in smaller
+    calls. A call costs the actor, Serve's proxy and the replica a fixed share besides its rows, and a
     call of many length-sorted rows splits into forward passes that pad little and spread
     evenly over the replica's model threads (docs/performance.md, "What a bigger call buys",
     measures 32, 64 and 128)."""
@@ -283,9 +284,12 @@ class InputConfig(_Frozen):
     format: Literal["auto", "parquet", "jsonl"] = "auto"
     """Shard format; `auto` decides per file by its extension."""
     id_column: str = "id"
+    """Column of each row's id: strings or integers (a row with a null id is a dead letter)."""
     text_column: str = "text"
+    """Column of the paragraph to classify."""
     updated_at_column: str = "updated_at"
-    """Used by daily runs to pick new and changed rows; passed through to the results."""
+    """Column of each row's last-change time: daily runs pick new and changed rows by it; passed
+    through to the results."""
     unit_rows: int = Field(2000, ge=1)
     """Rows per work unit, the grain of commits and of resume. Parquet row groups are kept whole:
     a unit is one or more of them, and only a group over `unit_bytes` is cut by rows (each
@@ -378,6 +382,7 @@ class DedupConfig(_Frozen):
 
 class ActorPoolConfig(_Frozen):
     min_actors: int = Field(1, ge=1)
+    """Lower bound of the autoscaling actor pool (fewer when the run has fewer work units)."""
     max_actors: int | None = Field(None, ge=1)
     """Upper bound of the autoscaling actor pool. Unset: `default_max_actors` of the cluster's
     CPUs when the run starts (at least `min_actors`). One async actor keeps many calls in
