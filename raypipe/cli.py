@@ -8,11 +8,12 @@
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
     raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
-    raypipe report   --output URI --run-id ID
+    raypipe report   --output URI --run-id ID [--json]
     raypipe compact  --output URI [--run-id ID]          (Delta optimize of finished runs)
-    raypipe vacuum   --output URI [--retention-hours H]  (Delta vacuum, old runs' state)
+    raypipe vacuum   --output URI [--retention-hours H] [--dry-run]  (Delta vacuum, old runs' state)
     raypipe migrate  --output URI                        (the earlier layout -> the table)
     raypipe shards quarantine|release --output URI SHARD...
+    raypipe lease show|expire --output URI [--run-id ID]
     raypipe demo
 
 Run commands also take `--config FILE` and `--set section.key=value` (repeatable); the
@@ -32,6 +33,103 @@ from typing import Any, NoReturn
 __all__ = ["main", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_INCOMPLETE, EXIT_STOPPED = 0, 1, 2, 3, 143
+
+
+_EXIT_CODES = """\
+exit codes:
+  0    done
+  1    failed (stderr says why)
+  2    bad configuration, input or argument: one line on stderr names it"""
+
+_RUN_EXIT_CODES = """\
+exit codes:
+  0    the run completed
+  1    it failed (e.g. the model service down past client.breaker.max_wait_s); the same
+       --run-id resumes it
+  2    bad configuration, input or argument: one line on stderr names it
+  3    it finished incomplete: bad shards, listed in its report
+  143  SIGTERM stopped it: its report says failed; the same --run-id resumes it"""
+
+_SETTINGS = """\
+settings, later layers winning: --config FILE (YAML or JSON), then the environment
+(RAYPIPE_<SECTION>__<FIELD>, e.g. RAYPIPE_SERVICE__ADDRESS=10.0.0.5:9000; top-level
+settings such as core_hour_usd have none), then the flags and --set section.key=value
+(repeatable, e.g. --set input.unit_rows=5000 --set client.retry.max_attempts=6).
+docs/configuration.md lists every setting."""
+
+_RUN_COMMANDS = ("raypipe", "raypipe backfill", "raypipe daily", "raypipe replay")
+"""The parsers whose help shows how settings are layered and a run's exit codes."""
+
+_EXAMPLES = {
+    "raypipe": [
+        "raypipe model build-demo .cache/demo-model",
+        "raypipe serve --model .cache/demo-model --detach",
+        "raypipe backfill --input 's3://bucket/shards/*.parquet' --output s3://bucket/out --run-id backfill-1",
+        "raypipe report --output s3://bucket/out --run-id backfill-1",
+    ],
+    "raypipe model": ["raypipe model build-demo .cache/demo-model", "raypipe model check ./my-model"],
+    "raypipe model build-demo": ["raypipe model build-demo .cache/demo-model"],
+    "raypipe model export": [
+        "raypipe model export --from-hf ./checkpoint ./my-model",
+        "raypipe model export --from-savedmodel ./saved --labels joy,anger,fear --tokenizer ./tok ./my-model",
+    ],
+    "raypipe model check": ["raypipe model check ./my-model", "raypipe model check ./my-model --text 'What a day!'"],
+    "raypipe model optimize": [
+        "raypipe model optimize ./my-model --sample 's3://bucket/shards/part-0*.parquet'",
+        "raypipe model optimize ./my-model --no-int8",
+    ],
+    "raypipe serve": [
+        "raypipe serve --model .cache/demo-model --detach",
+        "raypipe serve --model ./my-model --num-replicas auto --max-replicas 4 --precision auto",
+    ],
+    "raypipe backfill": [
+        "raypipe backfill --input 's3://bucket/shards/*.parquet' --output s3://bucket/out --run-id backfill-1",
+        "raypipe backfill --input ./shards --output ./out --service 127.0.0.1:9000 --set input.unit_rows=5000",
+        "raypipe backfill --config job.yaml --run-id backfill-1 --force",
+    ],
+    "raypipe daily": [
+        "raypipe daily --input 's3://bucket/shards/*.parquet' --output s3://bucket/out",
+        "raypipe daily --input ./shards --output ./out --since 2026-11-20T00:00:00+00:00",
+        "raypipe daily --config job.yaml --set input.on_bad_shard=fail",
+    ],
+    "raypipe replay": [
+        "raypipe replay --output s3://bucket/out --run-id backfill-1",
+        "raypipe replay --output ./out --run-id backfill-1 --replay-id backfill-1.replay-1",
+    ],
+    "raypipe compact": [
+        "raypipe compact --output s3://bucket/out",
+        "raypipe compact --output ./out --run-id backfill-1",
+    ],
+    "raypipe vacuum": ["raypipe vacuum --output s3://bucket/out --dry-run", "raypipe vacuum --output ./out"],
+    "raypipe shards": ["raypipe shards quarantine --output s3://bucket/out s3://bucket/shards/part-7.parquet"],
+    "raypipe shards quarantine": [
+        "raypipe shards quarantine --output s3://bucket/out s3://bucket/shards/part-7.parquet --reason 'truncated'"
+    ],
+    "raypipe shards release": ["raypipe shards release --output s3://bucket/out s3://bucket/shards/part-7.parquet"],
+    "raypipe lease": ["raypipe lease show --output s3://bucket/out"],
+    "raypipe lease show": ["raypipe lease show --output s3://bucket/out"],
+    "raypipe lease expire": ["raypipe lease expire --output s3://bucket/out --run-id backfill-1"],
+    "raypipe migrate": ["raypipe migrate --output s3://bucket/out"],
+    "raypipe report": [
+        "raypipe report --output s3://bucket/out --run-id backfill-1",
+        "raypipe report --output ./out --run-id backfill-1 --json",
+    ],
+    "raypipe demo": ["raypipe demo", "raypipe demo --rows 10000 --workdir /tmp/raypipe-demo"],
+}
+"""Each parser's examples, by its `prog`."""
+
+
+def _add_help_tails(parser: argparse.ArgumentParser) -> None:
+    """Gives `parser` and every parser under it a `--help` tail: examples, how settings are
+    layered (run commands) and the exit codes, kept as written (`RawDescriptionHelpFormatter`)."""
+    examples = "examples:\n" + "\n".join(f"  {e}" for e in _EXAMPLES[parser.prog])
+    tail = [_SETTINGS, _RUN_EXIT_CODES] if parser.prog in _RUN_COMMANDS else [_EXIT_CODES]
+    parser.epilog = "\n\n".join([examples, *tail])
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                _add_help_tails(child)
 
 
 def _set_pairs(pairs: list[str]) -> dict[str, Any]:
@@ -54,9 +152,19 @@ def _add_run_args(p: argparse.ArgumentParser, *, with_input: bool) -> None:
     if with_input:
         p.add_argument("--input", help="shards to read: a file, folder or glob, local or s3://")
     p.add_argument("--output", help="output location, local or s3://")
-    p.add_argument("--service", help="host:port of the Serve gRPC proxy (default 127.0.0.1:9000)")
-    p.add_argument("--config", help="a YAML or JSON config file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    p.add_argument(
+        "--service",
+        help="the model service (Serve's gRPC proxy): host:port, grpc://host:port or grpcs://host:port "
+        "(default: service.address, 127.0.0.1:9000)",
+    )
+    p.add_argument("--config", metavar="FILE", help="a YAML or JSON config file")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, e.g. input.unit_rows=5000 (repeatable)",
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -84,7 +192,9 @@ def _positive_seconds(value: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     from serve_app.settings import PRECISION_SETTINGS, RUNTIME_SETTINGS
 
-    parser = argparse.ArgumentParser(prog="raypipe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="raypipe", description=__doc__.split("\n\n")[0] + "\n\nEach command's flags: raypipe COMMAND --help."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -274,6 +384,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rows", type=int, default=3000)
     demo.add_argument("--model-dir", help="default: .cache/demo-model")
     demo.add_argument("--grpc-port", type=int, default=9000)
+    _add_help_tails(parser)
     return parser
 
 
