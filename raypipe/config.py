@@ -113,8 +113,8 @@ class ServiceConfig(_Frozen):
     `deadline_safety` x the time the call should take: this actor's work in flight with and
     ahead of it, over the rate at which the service has been answering it (Little's law),
     so a busy but healthy service never times out a call. Also the whole deadline until
-    the rate is known: the first wave of every actor's calls queues at once, and on a
-    bert-base replica of 2 cores its last call waited 29 s (measured), so 30 s was too tight."""
+    the rate is known: the first wave of every actor's calls queues at once, and on a small
+    replica (bert-base on 2 cores) the last of that wave waits tens of seconds."""
     max_timeout_s: float = Field(600.0, gt=0)
     """Ceiling of a call's deadline, so a service that stopped answering is still noticed."""
     deadline_safety: float = Field(4.0, ge=1)
@@ -386,8 +386,8 @@ class ActorPoolConfig(_Frozen):
     max_actors: int | None = Field(None, ge=1)
     """Upper bound of the autoscaling actor pool. Unset: `default_max_actors` of the cluster's
     CPUs when the run starts (at least `min_actors`). One async actor keeps many calls in
-    flight and spends a few ms of CPU per paragraph; on a small node a second one costs more
-    than it gives (2 cores, MiniLM-L6: 58.8 para/s with one actor, 50.6 with up to two)."""
+    flight and spends a few ms of CPU per paragraph; on a small node a second one takes more
+    CPU from the model than it adds in calls."""
     num_cpus: float = Field(0.25, gt=0)
     """CPUs reserved per actor; fractional, since the actors wait on I/O (whole CPUs can starve reads)."""
     units_per_actor: int = Field(2, ge=1)
