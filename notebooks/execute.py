@@ -12,6 +12,8 @@ A reader on GitHub then sees the tables and the plot without running anything; t
 the same notebooks again against the test cluster (tests/integration/test_notebooks.py).
 Data goes under `notebook-output/` (git-ignored), which is emptied first; each kernel's own
 log (Ray's lines as its cluster stops, say) goes to `notebook-output/<notebook>.kernel.log`.
+The outputs are written with the machine's paths taken out (`scrub`): the repository's path
+becomes relative, the home folder `~`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import nbformat
 from nbclient import NotebookClient
@@ -28,6 +31,33 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 WORK = REPO / "notebook-output"
 ORDER = ("backfill_and_explore.ipynb", "run_report_and_dead_letters.ipynb")
+
+
+def scrub(nb: Any, paths: dict[str, str]) -> Any:
+    """`nb` with each of `paths`' keys replaced by its value in every output's text and data
+    (the longest key first, so the repository's path wins over the home folder holding it)."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            for old in sorted(paths, key=len, reverse=True):
+                value = value.replace(old, paths[old])
+            return value
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return type(value)((k, clean(v)) for k, v in value.items())
+        return value
+
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [clean(o) for o in cell.get("outputs", [])]
+    return nb
+
+
+def machine_paths(repo: Path = REPO) -> dict[str, str]:
+    """This machine's paths in a notebook's outputs and what they become: the repository's
+    (a run's output folder is `notebook-output/...` in it) and the home folder."""
+    return {f"{repo}/": "", str(repo): ".", f"{Path.home()}/": "~/"}
 
 
 def execute_in_place(name: str, *, timeout_s: int = 600) -> None:
@@ -44,7 +74,7 @@ def execute_in_place(name: str, *, timeout_s: int = 600) -> None:
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     if errors:
         raise SystemExit(f"{name}: a cell failed: {errors[0].get('ename')}: {errors[0].get('evalue')}")
-    nbformat.write(nb, path)
+    nbformat.write(scrub(nb, machine_paths()), path)
     print(f"executed {path.relative_to(REPO)}")
 
 
