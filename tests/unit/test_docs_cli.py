@@ -108,6 +108,27 @@ def test_every_setting_variable_the_docs_name_exists():
     )
 
 
+_SETTING_SPAN = re.compile(
+    r"`((?:input|output|service|client|actors|dedup|metrics)\.[a-z_][a-z_.]*[a-z_])(?:[=: ][^`]*)?`"
+)
+
+
+def test_every_setting_the_docs_name_in_a_code_span_exists():
+    from protos.telemetry import Catalog
+    from raypipe.call.metrics import CATALOG
+
+    assert isinstance(CATALOG, Catalog)
+    metrics = {m.name for m in CATALOG.metrics}  # `client.breaker.open` is a metric, not a setting
+    sections = {".".join(s.path[:i]) for s in config_docs.settings() for i in range(1, len(s.path))}
+    unknown = [
+        f"{path.relative_to(ROOT).as_posix()}: {name}"
+        for path in DOCS
+        for name in _SETTING_SPAN.findall(path.read_text(encoding="utf-8"))
+        if name not in SETTINGS | sections | metrics and not name.startswith("metrics.tags.")
+    ]
+    assert unknown == []
+
+
 def test_the_check_catches_an_unknown_command_and_flag():
     root = cli._parser()
     assert _problems("gc --output s3://b/o", root) == ["no command raypipe gc"]
