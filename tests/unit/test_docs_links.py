@@ -3,6 +3,7 @@ every repository file a doc names in a code span exists."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -83,3 +84,23 @@ def test_the_check_sees_a_broken_link_and_a_missing_heading(tmp_path):
     page = tmp_path / "b.md"
     page.write_text("[ok](a.md#some-heading-here) [bad](docs/a.md) [gone](a.md#nowhere) [web](https://x.y)\n")
     assert _broken_links(page) == ["docs/a.md: no such file", "a.md#nowhere: no heading #nowhere"]
+
+
+_NUMBERS = {
+    w: i
+    for i, w in enumerate(
+        ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    )
+}
+
+
+def test_the_number_of_monitors_the_docs_give_is_the_files():
+    monitors = json.loads((ROOT / "kuberay" / "datadog" / "monitors.json").read_text(encoding="utf-8"))
+    said = [
+        (path.relative_to(ROOT).as_posix(), word)
+        for path in DOCS
+        for word in re.findall(r"\b(\w+) (?:metric )?monitors\b", path.read_text(encoding="utf-8"))
+        if word.lower() in _NUMBERS
+    ]
+    assert said, "no doc says how many monitors ship"
+    assert [(where, w) for where, w in said if _NUMBERS[w.lower()] != len(monitors)] == []
