@@ -113,7 +113,8 @@ def readme_block(lines: dict[str, dict[str, SpeedLine]]) -> list[str]:
     cores = max(s.cores for s in models.values())
     return [
         f"Measured end to end at these defaults against the same setting in process, on {cores} cores "
-        f"of an {cpu}: {'; '.join(parts)}. See [docs/performance.md](docs/performance.md)."
+        f"of an {cpu}: {'; '.join(parts)}. The bench's clusters run without Ray's token authentication "
+        "(`RAY_AUTH_MODE=disabled`); [docs/performance.md](docs/performance.md) says what that leaves out."
     ]
 
 
