@@ -36,6 +36,8 @@ class SpeedLine:
     commit: str
     started_at: str
     line: dict[str, Any]
+    auth_mode: str = "disabled"
+    """`RAY_AUTH_MODE` of the bench's processes (results files before it was recorded ran `disabled`)."""
 
 
 def newest_lines(results_dir: Path) -> dict[str, dict[str, SpeedLine]]:
@@ -66,6 +68,7 @@ def newest_lines(results_dir: Path) -> dict[str, dict[str, SpeedLine]]:
                     commit=str(env.get("git_commit") or "")[:7],
                     started_at=str(results.get("started_at") or ""),
                     line=line,
+                    auth_mode=str(env.get("ray_auth_mode") or "disabled"),
                 ),
             )
     return found
@@ -111,10 +114,16 @@ def readme_block(lines: dict[str, dict[str, SpeedLine]]) -> list[str]:
         # Three digits: the targets are two-digit ratios (0.90), which a rounded 0.897 would seem to meet.
         parts.append(f"{s.line['ratio']:.3f} for {s.model} ({_f(busy)} cores busy, `{s.file}`)")
     cores = max(s.cores for s in models.values())
+    modes = sorted({s.auth_mode for s in models.values()})
+    auth = (
+        ""
+        if modes == ["token"]
+        else f" These clusters ran without Ray's token authentication (`RAY_AUTH_MODE={'/'.join(modes)}`): "
+        "[docs/performance.md](docs/performance.md) says what that leaves out."
+    )
     return [
         f"Measured end to end at these defaults against the same setting in process, on {cores} cores "
-        f"of an {cpu}: {'; '.join(parts)}. The bench's clusters run without Ray's token authentication "
-        "(`RAY_AUTH_MODE=disabled`); [docs/performance.md](docs/performance.md) says what that leaves out."
+        f"of an {cpu}: {'; '.join(parts)}. See [docs/performance.md](docs/performance.md).{auth}"
     ]
 
 

@@ -511,6 +511,8 @@ def _environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": dirty,
         "command": "python -m bench.run " + shlex.join(argv),
+        # How Ray's own RPCs were authenticated: users' clusters may differ (bench.docs says so).
+        "ray_auth_mode": bench_env().get("RAY_AUTH_MODE", ""),
         "quick": bool(args.quick),
         "cpu": cpu_info(),
         "threads": args.threads,
