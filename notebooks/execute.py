@@ -55,7 +55,7 @@ def scrub(nb: Any, paths: dict[str, str]) -> Any:
 
 
 def machine_paths(repo: Path = REPO) -> dict[str, str]:
-    """This machine's paths in a notebook's outputs and what they become: the repository's
+    """The executing machine's paths in a notebook's outputs and what they become: the repository's
     (a run's output folder is `notebook-output/...` in it) and the home folder."""
     return {f"{repo}/": "", str(repo): ".", f"{Path.home()}/": "~/"}
 
