@@ -108,6 +108,20 @@ def test_every_setting_variable_the_docs_name_exists():
     )
 
 
+#: Flags of other tools that the docs name on their own: `ray job submit`, a cloud's node pool, helm.
+FOREIGN_FLAGS = {"--runtime-env-json", "--node-labels", "--crds"}
+
+
+def test_every_flag_the_docs_name_on_its_own_is_raypipes():
+    flags = {o for p in _parsers(cli._parser()) for a in p._actions for o in a.option_strings}
+    named = {
+        (path.relative_to(ROOT).as_posix(), flag)
+        for path in DOCS
+        for flag in re.findall(r"`(--[a-z][a-z0-9-]*)[^`]*`", _BLOCK.sub("", path.read_text(encoding="utf-8")))
+    }
+    assert sorted((where, f) for where, f in named if f not in flags | FOREIGN_FLAGS) == []
+
+
 _SETTING_SPAN = re.compile(
     r"`((?:input|output|service|client|actors|dedup|metrics)\.[a-z_][a-z_.]*[a-z_])(?:[=: ][^`]*)?`"
 )
