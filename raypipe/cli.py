@@ -326,8 +326,8 @@ def _parser() -> argparse.ArgumentParser:
     daily.add_argument("--run-id")
     daily.add_argument(
         "--since",
-        help="ISO time with zone: also re-read files read before, for their rows updated after it (a rerun over an "
-        "earlier window; default: only new and changed files)",
+        help="ISO time with zone: also re-read the unchanged files read before, for their rows updated at or after "
+        "it (a rerun over an earlier window; default: only new and changed files, each read whole)",
     )
 
     replay = sub.add_parser("replay", help="re-infer a run's dead letters into its results")
