@@ -128,3 +128,36 @@ class ScriptedClient:
 
     async def close(self) -> None:
         pass
+
+
+class CountingClient:
+    """A `ModelClient` without a network that counts, per (id, text), the rows it answered, and
+    can be told to reject a class of texts (those starting with `reject_prefix`, refused as
+    INVALID_ARGUMENT: the actor bisects them into per-row dead letters) or to be down (every
+    call UNAVAILABLE: the breaker opens and the run stops). One instance may serve every actor
+    of a test, across runs: `answered` is the history of calls that got an answer."""
+
+    def __init__(self, *, version: str = "fake-1", labels: Sequence[str] = LABELS) -> None:
+        self.version = version
+        self.labels = tuple(labels)
+        self.answered: Counter[tuple[str, str]] = Counter()
+        self.reject_prefix: str | None = None
+        self.down = False
+
+    async def classify(self, ids: Sequence[str], texts: Sequence[str]) -> BatchResult:
+        from raypipe.errors import RequestRejected, ServiceUnavailable
+
+        await asyncio.sleep(0)
+        if self.down:
+            raise ServiceUnavailable("fake outage", status_code="UNAVAILABLE")
+        if self.reject_prefix is not None and any(t.startswith(self.reject_prefix) for t in texts):
+            raise RequestRejected("fake rejection", status_code="INVALID_ARGUMENT")
+        self.answered.update(zip(ids, texts, strict=True))
+        probs = np.array([fake_probs(t) for t in texts], dtype=np.float32).reshape(len(ids), len(LABELS))
+        return BatchResult(self.labels, self.version, probs, np.zeros(len(ids), dtype=bool))
+
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo(self.labels, self.version, 128, 64)
+
+    async def close(self) -> None:
+        pass

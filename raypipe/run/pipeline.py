@@ -11,10 +11,11 @@ per actor in memory, not the corpus.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from raypipe.call.actor import ActorSettings, InferenceActor
+from raypipe.call.client import ModelClient
 from raypipe.config import ActorPoolConfig, default_max_actors
 from raypipe.errors import InputError, ShardChangedError
 from raypipe.plan.units import ColumnNames, DeltaWindow, WorkUnit
@@ -32,7 +34,7 @@ from raypipe.report import UnitStats
 from raypipe.run.driver import no_ray_data_usage_actor
 from raypipe.run.read import marker_block, read_unit, unit_block_schema
 
-__all__ = ["UnitDatasource", "UnitResult", "run_units"]
+__all__ = ["UnitDatasource", "UnitResult", "run_units", "run_units_in_process"]
 
 logger = logging.getLogger("raypipe")
 
@@ -143,6 +145,31 @@ def run_units(
         num_cpus=actors.num_cpus,
     )
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        for row in batch.to_pylist():
-            stats = None if row["summary"] is None else UnitStats.from_dict(json.loads(row["summary"]))
-            yield UnitResult(row["unit"], row["error"], stats, row["fatal"])
+        yield from _results(batch)
+
+
+def _results(summaries: pa.Table) -> Iterator[UnitResult]:
+    for row in summaries.to_pylist():
+        stats = None if row["summary"] is None else UnitStats.from_dict(json.loads(row["summary"]))
+        yield UnitResult(row["unit"], row["error"], stats, row["fatal"])
+
+
+def run_units_in_process(
+    units: Sequence[WorkUnit],
+    *,
+    columns: ColumnNames,
+    on_bad_shard: Literal["fail", "record"],
+    settings: ActorSettings,
+    actors: ActorPoolConfig,
+    client_factory: Callable[[], ModelClient] | None = None,
+) -> Iterator[UnitResult]:
+    """`run_units` without Ray: each unit read by the same `_read_block` and handed whole to
+    one `InferenceActor` in this process, one unit after another, on one event loop; the same
+    outcomes, in plan order. `client_factory` builds the actor's model client (default: the
+    service the settings name). For tests of the whole run path (modes, protocol, table) that
+    must not start Ray; `actors` is accepted for `run_units`' signature and not used."""
+    actor = InferenceActor(settings, client_factory=client_factory)
+    with asyncio.Runner() as loop:
+        for unit in units:
+            blocks = _read_block(unit, columns, on_bad_shard)
+            yield from _results(loop.run(actor(pa.concat_tables(blocks))))

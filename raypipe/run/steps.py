@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -42,7 +42,7 @@ from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport, UnitStats
 from raypipe.run.cost import CpuMeter
 from raypipe.run.driver import ensure_ray
-from raypipe.run.pipeline import run_units
+from raypipe.run.pipeline import UnitResult, run_units
 from raypipe.run.progress import Progress
 from raypipe.tally import fold_tallies, read_tallies
 
@@ -194,12 +194,18 @@ class ExecuteRun:
         self.attempt = AttemptStats(attempt=protocol.attempt)
         self.meter: CpuMeter | None = None
 
+    runner: Callable[..., Iterator[UnitResult]] = staticmethod(run_units)
+    """How the units run: Ray Data's actor pool; `raypipe.run.pipeline.run_units_in_process`
+    (chosen by tests of the whole run path) runs them in this process, without Ray."""
+
     def execute(self, plan: Plan, todo: list[WorkUnit], model: ModelService, *, report: RunReport) -> Executed:
         bad = list(plan.bad_shards)
         committed: set[str] = set()
         if not todo:
             return Executed(committed, bad)
-        ensure_ray()  # joined or started here: the start-up line counts from the attempt's start
+        in_ray = self.runner is run_units
+        if in_ray:
+            ensure_ray()  # joined or started here: the start-up line counts from the attempt's start
         startup = Startup.begin(report)
         actor_settings = ActorSettings(
             committer=self.protocol.unit_committer(),
@@ -212,7 +218,7 @@ class ExecuteRun:
             replay=plan.mode == "replay",
             metrics=self.metrics.spec,
         )
-        self.meter = meter = CpuMeter.start()
+        self.meter = meter = CpuMeter.start() if in_ray else None
         progress = Progress(
             len(todo),
             None if any(u.expected_rows is None for u in todo) else sum(u.expected_rows or 0 for u in todo),
@@ -222,7 +228,7 @@ class ExecuteRun:
         units_by_key = {u.key: u for u in todo}
         answered = 0
         try:
-            for outcome in run_units(
+            for outcome in self.runner(
                 todo,
                 columns=plan.columns,
                 on_bad_shard=plan.on_bad_shard,
@@ -267,8 +273,8 @@ class ExecuteRun:
         )
         # Under planning until the report has a field of its own: a capped index is never silent.
         report.planning = {**(report.planning or {}), "reuse_index": index_stats.to_dict()}
-        if index is None:
-            return None
+        if index is None or self.runner is not run_units:
+            return index  # built in this process (Ray is not initialized): handed to the actor as is
         import ray
 
         return ray.put(index)
