@@ -1,0 +1,87 @@
+"""Failures the model-based test (`test_model_based.py`) found, each kept as its shortest story.
+
+Each test is the minimal step sequence Hypothesis shrank a failure to, on the same world (the
+real run path over local files, no Ray: `tests.modelcheck.world`). A test whose behaviour is
+not fixed yet is expected to fail (strict): its `PENDING` entry in the state machine says why,
+and a fix that makes it pass must drop that entry, so the machine searches that path again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from raypipe.commit.outcomes import latest, read_outcomes
+from raypipe.commit.table import text_hashes
+from tests.modelcheck.reference import Row
+from tests.modelcheck.world import World
+from tests.unit.test_model_based import PENDING
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def pending(key: str) -> Callable[[Any], Any]:
+    """Expected to fail while the state machine's `PENDING` holds `key`."""
+    if key in PENDING:
+        return pytest.mark.xfail(strict=True, reason=PENDING[key])
+    return lambda f: f
+
+
+@pytest.fixture
+def world(tmp_path: Any) -> Iterator[World]:
+    w = World(tmp_path)
+    yield w
+    w.close()
+
+
+def answers(world: World) -> dict[str, int | None]:
+    """id -> the text hash of its `latest` answer."""
+    rows = latest(str(world.output))
+    return dict(zip(rows.column("id").to_pylist(), rows.column("text_hash").to_pylist(), strict=True))
+
+
+def hash_of(text: str) -> int:
+    return text_hashes([text])[0].as_py()
+
+
+def completed(world: World, *args: Any, **kwargs: Any) -> None:
+    out = world.run(*args, **kwargs)
+    assert out.error is None and out.report is not None and out.report.status == "completed", out.error
+
+
+@pending("ns_stamps")
+def test_an_updated_at_of_timestamp_ns_with_sub_microsecond_digits_is_read(world):
+    world.write_file("a.parquet", [Row("r0", "t0", T0)], ns=True)
+    completed(world, "backfill", "b1")
+    assert answers(world) == {"r0": hash_of("t0")}
+
+
+@pending("one_row_per_id_across_files")
+def test_an_id_in_two_files_has_one_row_in_its_run(world):
+    world.write_file("a.parquet", [Row("r0", "t0", T0)])
+    world.write_file("b.parquet", [Row("r0", "t1", T0)])
+    completed(world, "backfill", "b1")
+    ids = read_outcomes(str(world.output), "b1").column("id").to_pylist()
+    assert ids == ["r0"]
+
+
+@pending("since_without_stamps")
+def test_a_daily_since_over_a_file_without_updated_at_completes(world):
+    world.write_file("a.parquet", [Row("r0", "t0", None)], stamps=False)
+    completed(world, "backfill", "b1")
+    completed(world, "daily", "d2", since=T0)
+
+
+@pending("changed_file_read_whole")
+def test_a_row_added_to_a_file_read_before_is_read_whatever_its_stamp(world):
+    """A file read by a backfill, deleted, and written again under its name with a row without
+    `updated_at`: the daily reads the changed file whole."""
+    world.write_file("a.parquet", [Row("r0", "t0", T0)])
+    completed(world, "backfill", "b1")
+    world.delete_file("a.parquet")
+    world.write_file("a.parquet", [Row("r1", "t0", None)])
+    completed(world, "daily", "d2")
+    assert answers(world) == {"r0": hash_of("t0"), "r1": hash_of("t0")}
