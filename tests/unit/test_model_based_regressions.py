@@ -8,6 +8,7 @@ and a fix that makes it pass must drop that entry, so the machine searches that 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from raypipe.commit.outcomes import latest, read_outcomes
 from raypipe.commit.table import text_hashes
+from raypipe.errors import LeaseLostError
 from tests.modelcheck.reference import Row
 from tests.modelcheck.world import World
 from tests.unit.test_model_based import PENDING
@@ -85,3 +87,31 @@ def test_a_row_added_to_a_file_read_before_is_read_whatever_its_stamp(world):
     world.write_file("a.parquet", [Row("r1", "t0", None)])
     completed(world, "daily", "d2")
     assert answers(world) == {"r0": hash_of("t0"), "r1": hash_of("t0")}
+
+
+@pending("fenced_invisible")
+def test_an_attempt_fenced_off_by_another_run_id_commits_nothing(world):
+    """A daily killed just before its unit commit (its actor stalled, not dead); the lease is
+    expired and a daily under another run id takes the output over; then the stalled actor
+    commits. Nothing of it may become visible."""
+    world.write_file("a.parquet", [Row("r0", "t0", T0)])
+    completed(world, "backfill", "b1")
+    world.write_file("b.parquet", [Row("r1", "t1", T0)])
+    assert world.run("daily", "d2", kill_at="before_unit").killed
+    world.expire_lease()
+    completed(world, "daily", "d3")
+    zombie = world.zombies.pop()
+    with contextlib.suppress(LeaseLostError):
+        zombie.committer.commit(zombie.unit, zombie.rows)
+    assert read_outcomes(str(world.output), "d2").num_rows == 0
+
+
+@pending("non_ascii_names")
+def test_a_run_over_a_non_ascii_shard_name_resumes(world):
+    """A backfill over a file named in 40 characters of CJK, killed after its first unit commit,
+    resumes under its run id and completes."""
+    name = "数据" * 20 + ".parquet"
+    world.write_file(name, [Row("r0", "t0", T0), Row("r1", "t1", T0), Row("r2", "t2", T0)])
+    assert world.run("backfill", "b1", kill_at="after_unit").killed
+    completed(world, "backfill", "b1", force=True)
+    assert set(answers(world)) == {"r0", "r1", "r2"}
