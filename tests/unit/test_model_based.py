@@ -67,8 +67,9 @@ def on(name: str) -> bool:
     return name not in PENDING
 
 
-EXAMPLES = int(os.environ.get("RAYPIPE_MODELCHECK_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("RAYPIPE_MODELCHECK_EXAMPLES", "200"))
 settings.register_profile("ci", derandomize=True, print_blob=True)
+PROFILE = "ci" if os.environ.get("CI") or os.environ.get("HYPOTHESIS_PROFILE") == "ci" else "default"
 
 NAMES = (
     "a.parquet",
@@ -490,6 +491,7 @@ class LossSearch(RuleBasedStateMachine):
 
 
 LossSearch.TestCase.settings = settings(
+    settings.get_profile(PROFILE),
     max_examples=EXAMPLES,
     stateful_step_count=10,
     deadline=None,
