@@ -40,7 +40,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from raypipe.commit.outcomes import latest, read_outcomes
 from raypipe.commit.table import OutcomeTable, text_hashes
-from raypipe.errors import CircuitOpenError, LeaseLostError, NoShardsError, OutputLockedError
+from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, NoShardsError, OutputLockedError
 from raypipe.run.modes import replay_run_id
 from raypipe.store import OutputStore
 from tests.modelcheck.reference import Reference, Row, Version, order
@@ -257,7 +257,10 @@ class LossSearch(RuleBasedStateMachine):
         kill_at, kill_unit = fault if isinstance(fault, tuple) else (None, 1)
         self.world.client.down = fault == "outage"
         had = self.committed_result_texts()
-        run = self.runs.setdefault(run_id, {"mode": mode, "since": since, "of_run": of_run, "seen": [], "done": False})
+        version = self.world.client.version
+        run = self.runs.setdefault(
+            run_id, {"mode": mode, "since": since, "of_run": of_run, "seen": [], "done": False, "version": version}
+        )
         try:
             out = self.world.run(
                 mode,
@@ -299,6 +302,8 @@ class LossSearch(RuleBasedStateMachine):
         if run_id not in self.unfinished:
             self.unfinished.append(run_id)
         expected_failure = out.killed or (fault == "outage" and isinstance(out.error, CircuitOpenError))
+        if run["version"] != version and isinstance(out.error, ConfigError):
+            expected_failure = True  # a resume under another model version is refused unless asked for
         if since is not None and self.stampless & set(self.ref.files) and not on("since_without_stamps"):
             expected_failure = True
         status = out.report.status if out.report is not None else repr(out.error)
