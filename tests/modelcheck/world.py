@@ -7,6 +7,9 @@ and replay and `raypipe.commit.upkeep` as an operator would, with two seams:
   inferred and committed by the real `InferenceActor`, in this process);
 - `ModelService.ask` answers from the fake client (its labels and model version).
 
+A *lost answer* carries out a write of the output store (the lease, a plan, files seen, a
+report) and then raises as a dropped connection would.
+
 A *kill* between two commit steps raises `Killed` (a `BaseException`, as nothing in the run
 catches) at that step and leaves the output as a SIGKILL would: no abort, no report, the lease
 still held (its heartbeat stopped). A kill just before a unit commit keeps that commit's
@@ -34,6 +37,7 @@ from raypipe.commit.lease import Lease
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.table import UnitCommitter
 from raypipe.config import PipelineConfig
+from raypipe.errors import SinkError
 from raypipe.report import RunReport
 from raypipe.run import modes
 from raypipe.run.pipeline import run_units_in_process
@@ -51,6 +55,9 @@ KILL_POINTS = (
     "after_commit_run",
     "after_report",
 )
+
+LOST_ANSWERS = {"lease": "/lease.json", "plan": "/plan/", "files_seen": "/files_seen/", "report": "/runs/"}
+"""Where a write's answer may be lost: a fragment of the path it writes."""
 
 
 class Killed(BaseException):
@@ -114,6 +121,7 @@ class World:
         self._mtime = itertools.count(1_800_000_000_000_000_000, 1_000_000_000)
         self._dead = False
         self._kill_at: str | None = None
+        self._lose_answer: str | None = None
         self._kill_unit = 0
         self._units_seen = 0
         self._stack = contextlib.ExitStack()
@@ -180,6 +188,18 @@ class World:
             return out
 
         set_attr(UnitCommitter, "commit", unit_commit)
+
+        # A storage fault: the write is carried out, and its answer lost (a dropped connection).
+        write_bytes = OutputStore.write_bytes
+
+        def lossy_write(self: OutputStore, path: str, data: bytes) -> None:
+            write_bytes(self, path, data)
+            target = world._lose_answer
+            if target is not None and LOST_ANSWERS[target] in path.replace(os.sep, "/"):
+                world._lose_answer = None
+                raise SinkError(f"cannot write: the answer was lost ({target})", path=path)
+
+        set_attr(OutputStore, "write_bytes", lossy_write)
 
         # What a dead driver never does: abort, report, give the lease back.
         def unless_dead(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -261,11 +281,13 @@ class World:
         force: bool = False,
         kill_at: str | None = None,
         kill_unit: int = 1,
+        lose_answer: str | None = None,
         had_results: set[str] | None = None,
     ) -> Outcome:
         config = self.config(run_id, force=force)
         out = Outcome(had_results=had_results or set())
         before = self.client.answered.copy()
+        self._lose_answer = lose_answer
         with self._run_faults(kill_at, kill_unit):
             try:
                 if mode == "backfill":
@@ -281,6 +303,7 @@ class World:
                 out.killed = True
             except Exception as e:
                 out.error = e
+        self._lose_answer = None
         out.calls = {text for (_, text), n in (self.client.answered - before).items() if n}
         return out
 

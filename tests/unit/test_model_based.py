@@ -40,11 +40,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from raypipe.commit.outcomes import latest, read_outcomes
 from raypipe.commit.table import OutcomeTable, text_hashes
-from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, NoShardsError, OutputLockedError
+from raypipe.errors import (
+    CircuitOpenError,
+    ConfigError,
+    LeaseLostError,
+    NoShardsError,
+    OutputLockedError,
+    SinkError,
+)
 from raypipe.run.modes import replay_run_id
 from raypipe.store import OutputStore
 from tests.modelcheck.reference import Reference, Row, Version, order
-from tests.modelcheck.world import KILL_POINTS, Outcome, World
+from tests.modelcheck.world import KILL_POINTS, LOST_ANSWERS, Outcome, World
 
 PENDING: dict[str, str] = {
     "one_row_per_id_across_files": "an id in two files read by one run is committed twice under that run id, and which "
@@ -58,6 +65,8 @@ PENDING: dict[str, str] = {
     "commits still land (two rows per id)",
     "non_ascii_names": "a unit key from a non-ASCII file name is longer than delta-rs keeps of string statistics: "
     "the run can never resume",
+    "lost_lease_answer": "a lease write carried out whose answer is lost stops the run, and the lease it wrote is "
+    "nobody's: every later run, its own run id too, waits it out (output.lease_s) or needs --force",
     "ns_stamps": "an `updated_at` of timestamp[ns] with sub-microsecond digits fails every read (a safe cast)",
 }
 """Clause or rule name -> why it is off: behaviour the code does not hold yet."""
@@ -84,7 +93,10 @@ CANARY = "The weather is fine today."
 SENTINEL = datetime(9999, 12, 31, tzinfo=UTC)
 STAMP_KINDS = ("normal", "normal", "null", "sentinel", "future", "older")
 FAULTS = st.sampled_from(
-    [None] * 16 + ["outage", "outage"] + [(point, unit) for point in KILL_POINTS for unit in (1, 2)]
+    [None] * 20
+    + ["outage", "outage"]
+    + [(point, unit) for point in KILL_POINTS for unit in (1, 2)]
+    + [("lost", target) for target in LOST_ANSWERS]
 )
 """About half the runs without a fault (shrinking goes to the first: no fault)."""
 PRODUCER = ("add_file", "rewrite_in_place", "overwrite_fixed_key", "id_in_two_files", "delete_file")
@@ -254,7 +266,8 @@ class LossSearch(RuleBasedStateMachine):
     ) -> Outcome:
         force = self.dead_holder == run_id
         locked_out = self.dead_holder is not None and not force
-        kill_at, kill_unit = fault if isinstance(fault, tuple) else (None, 1)
+        kill_at, kill_unit = fault if isinstance(fault, tuple) and fault[0] != "lost" else (None, 1)
+        lose = fault[1] if isinstance(fault, tuple) and fault[0] == "lost" else None
         self.world.client.down = fault == "outage"
         had = self.committed_result_texts()
         version = self.world.client.version
@@ -270,6 +283,7 @@ class LossSearch(RuleBasedStateMachine):
                 force=force,
                 kill_at=kill_at,
                 kill_unit=kill_unit,
+                lose_answer=lose,
                 had_results=had,
             )
         finally:
@@ -302,6 +316,10 @@ class LossSearch(RuleBasedStateMachine):
         if run_id not in self.unfinished:
             self.unfinished.append(run_id)
         expected_failure = out.killed or (fault == "outage" and isinstance(out.error, CircuitOpenError))
+        if lose is not None and isinstance(out.error, SinkError) and "answer was lost" in str(out.error):
+            expected_failure = True
+            if lose == "lease" and not on("lost_lease_answer"):
+                self.dead_holder = run_id  # the lease it wrote is nobody's now: --force or expire
         if run["version"] != version and isinstance(out.error, ConfigError):
             expected_failure = True  # a resume under another model version is refused unless asked for
         if since is not None and self.stampless & set(self.ref.files) and not on("since_without_stamps"):

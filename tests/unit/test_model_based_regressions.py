@@ -115,3 +115,14 @@ def test_a_run_over_a_non_ascii_shard_name_resumes(world):
     assert world.run("backfill", "b1", kill_at="after_unit").killed
     completed(world, "backfill", "b1", force=True)
     assert set(answers(world)) == {"r0", "r1", "r2"}
+
+
+@pending("lost_lease_answer")
+def test_a_lost_answer_to_the_lease_write_does_not_lock_the_output(world):
+    """The lease is written but its answer is lost: the run stops; run again under its run id,
+    without --force and without waiting (`output.lease_wait_s` is short here), it completes: the
+    attempt's own write is no live holder."""
+    world.write_file("a.parquet", [Row("r0", "t0", T0)])
+    out = world.run("backfill", "b1", lose_answer="lease")
+    assert out.error is not None and "answer was lost" in str(out.error)
+    completed(world, "backfill", "b1")
