@@ -59,6 +59,10 @@ KILL_POINTS = (
 LOST_ANSWERS = {"lease": "/lease.json", "plan": "/plan/", "files_seen": "/files_seen/", "report": "/runs/"}
 """Where a write's answer may be lost: a fragment of the path it writes."""
 
+INVALID = "<invalid UTF-8>"
+"""A row text the producer writes as bytes that are not UTF-8 (the row is an `invalid_text`)."""
+INVALID_BYTES = b"caf\xe9"
+
 
 class Killed(BaseException):
     """The driver died here (SIGKILL): nothing after this point of the run happens."""
@@ -224,9 +228,11 @@ class World:
     def write_file(self, name: str, rows: list[Row], *, ns: bool = False, stamps: bool = True) -> None:
         """Writes (or overwrites) an input file; `ns`: `updated_at` as timestamp[ns] with
         sub-microsecond digits; `stamps=False`: no `updated_at` column (every stamp is None)."""
+        texts = [INVALID_BYTES if r.text == INVALID else r.text.encode() for r in rows]
         columns: dict[str, pa.Array] = {
             "id": pa.array([r.id for r in rows], pa.string()),
-            "text": pa.array([r.text for r in rows], pa.string()),
+            # Parquet string columns hold any bytes; a binary column is read as strings.
+            "text": pa.array(texts, pa.binary()) if INVALID_BYTES in texts else pa.array([r.text for r in rows]),
         }
         if stamps:
             us = pa.array([r.stamp for r in rows], pa.timestamp("us", tz="UTC"))

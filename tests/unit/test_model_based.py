@@ -51,7 +51,7 @@ from raypipe.errors import (
 from raypipe.run.modes import replay_run_id
 from raypipe.store import OutputStore
 from tests.modelcheck.reference import Reference, Row, Version, order
-from tests.modelcheck.world import KILL_POINTS, LOST_ANSWERS, Outcome, World
+from tests.modelcheck.world import INVALID, KILL_POINTS, LOST_ANSWERS, Outcome, World
 
 PENDING: dict[str, str] = {
     "one_row_per_id_across_files": "an id in two files read by one run is committed twice under that run id, and which "
@@ -67,6 +67,8 @@ PENDING: dict[str, str] = {
     "the run can never resume",
     "lost_lease_answer": "a lease write carried out whose answer is lost stops the run, and the lease it wrote is "
     "nobody's: every later run, its own run id too, waits it out (output.lease_s) or needs --force",
+    "run_after_replay": "after a replay that rewrote dead letters, every later run that builds the reuse index "
+    "fails: \"Function 'equal' has no kernel matching input types (string, string_view)\"",
     "ns_stamps": "an `updated_at` of timestamp[ns] with sub-microsecond digits fails every read (a safe cast)",
 }
 """Clause or rule name -> why it is off: behaviour the code does not hold yet."""
@@ -87,7 +89,7 @@ NAMES = (
     "données-été.parquet",
     "数据" * 20 + ".parquet",  # 40 characters of CJK: 120 bytes of UTF-8
 )
-TEXTS = ("t0", "t1", "t2", "t3", "t4", "bad0", "bad1")
+TEXTS = ("t0", "t1", "t2", "t3", "t4", "bad0", "bad1", INVALID)
 REJECTED = "bad"
 CANARY = "The weather is fine today."
 SENTINEL = datetime(9999, 12, 31, tzinfo=UTC)
@@ -320,6 +322,12 @@ class LossSearch(RuleBasedStateMachine):
             expected_failure = True
             if lose == "lease" and not on("lost_lease_answer"):
                 self.dead_holder = run_id  # the lease it wrote is nobody's now: --force or expire
+        if (
+            not on("run_after_replay")
+            and "string_view" in str(out.error)
+            and any(r["mode"] == "replay" for r in self.runs.values())
+        ):
+            expected_failure = True
         if run["version"] != version and isinstance(out.error, ConfigError):
             expected_failure = True  # a resume under another model version is refused unless asked for
         if since is not None and self.stampless & set(self.ref.files) and not on("since_without_stamps"):
@@ -468,9 +476,18 @@ class LossSearch(RuleBasedStateMachine):
         )
         for id, texts in sorted(expected.items()):
             row = got.get(id)
-            hashes = set(text_hashes(sorted(texts)).to_pylist())
             self.check("latest_answer", row is not None, f"id {id} (text {sorted(texts)}) has no answer in latest")
             assert row is not None
+            if INVALID in texts and row["outcome"] == "dead_letter" and row["error_kind"] == "invalid_text":
+                continue
+            if texts == {INVALID}:
+                self.check(
+                    "invalid_rows_keep_their_reason",
+                    row["outcome"] == "dead_letter" and row["error_kind"] == "invalid_text",
+                    f"id {id}: a row whose text is not UTF-8 is answered {row['outcome']} {row['error_kind']}",
+                )
+                continue
+            hashes = set(text_hashes(sorted(texts)).to_pylist())
             self.check(
                 "latest_answer",
                 row["text_hash"] in hashes,

@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import pyarrow.compute as pc
 import pytest
 
 from raypipe.commit.outcomes import latest, read_outcomes
 from raypipe.commit.table import text_hashes
 from raypipe.errors import LeaseLostError
 from tests.modelcheck.reference import Row
-from tests.modelcheck.world import World
+from tests.modelcheck.world import INVALID, World
 from tests.unit.test_model_based import PENDING
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -126,3 +127,27 @@ def test_a_lost_answer_to_the_lease_write_does_not_lock_the_output(world):
     out = world.run("backfill", "b1", lose_answer="lease")
     assert out.error is not None and "answer was lost" in str(out.error)
     completed(world, "backfill", "b1")
+
+
+@pending("invalid_rows_keep_their_reason")
+def test_a_replay_keeps_an_invalid_rows_reason(world):
+    """A row whose text is not UTF-8 is an `invalid_text` dead letter; a replay of its run
+    cannot make it a result (its text was never stored)."""
+    world.write_file("a.parquet", [Row("r0", "t0", T0), Row("r1", INVALID, T0)])
+    completed(world, "backfill", "b1")
+    completed(world, "replay", "b1.replay-1", of_run="b1")
+    row = latest(str(world.output)).filter(pc.equal(pc.field("id"), "r1")).to_pylist()[0]
+    assert (row["outcome"], row["error_kind"]) == ("dead_letter", "invalid_text")
+
+
+@pending("run_after_replay")
+def test_a_run_after_a_replay_completes(world):
+    """Found by the state machine (shrunk, then cut by hand to its three runs): a backfill with
+    a rejected row, a replay of it (still rejected: its MERGE rewrites the dead letter), then
+    another backfill: building the reuse index failed with "Function 'equal' has no kernel
+    matching input types (string, string_view)"."""
+    world.client.reject_prefix = "bad"
+    world.write_file("a.parquet", [Row("r0", "t0", T0), Row("r1", "bad0", T0)])
+    completed(world, "backfill", "b1")
+    completed(world, "replay", "b1.replay-1", of_run="b1")
+    completed(world, "backfill", "b2")
