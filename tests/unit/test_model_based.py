@@ -58,18 +58,12 @@ PENDING: dict[str, str] = {
     "one `latest` shows is not documented",
     "since_without_stamps": "`daily --since` records a file read before that has no `updated_at` column as a bad "
     "shard, on every run: the daily never completes",
-    "changed_file_read_whole": "a file read before and changed is read only for its rows stamped at or after the "
-    "newest `updated_at` read of it: rows added or changed with an older, null or (after a future stamp) correct "
-    "stamp are never read",
     "fenced_invisible": "fencing is per run id: after a take-over by another run id, a stalled attempt's unit "
     "commits still land (two rows per id)",
-    "non_ascii_names": "a unit key from a non-ASCII file name is longer than delta-rs keeps of string statistics: "
-    "the run can never resume",
     "lost_lease_answer": "a lease write carried out whose answer is lost stops the run, and the lease it wrote is "
     "nobody's: every later run, its own run id too, waits it out (output.lease_s) or needs --force",
     "run_after_replay": "after a replay that rewrote dead letters, every later run that builds the reuse index "
     "fails: \"Function 'equal' has no kernel matching input types (string, string_view)\"",
-    "ns_stamps": "an `updated_at` of timestamp[ns] with sub-microsecond digits fails every read (a safe cast)",
 }
 """Clause or rule name -> why it is off: behaviour the code does not hold yet."""
 
