@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 
 from raypipe.api import build_config
 from raypipe.commit import upkeep
+from raypipe.commit.fence import UnitCommitter
 from raypipe.commit.lease import Lease
 from raypipe.commit.protocol import CommitProtocol
-from raypipe.commit.table import UnitCommitter
 from raypipe.config import PipelineConfig
 from raypipe.errors import SinkError
 from raypipe.report import RunReport
@@ -319,13 +319,14 @@ class World:
     def lease_holder(self) -> dict[str, Any] | None:
         return Lease(OutputStore(str(self.output)), "operator").current()
 
+    # Maintenance holds the output as a run does: `OutputLockedError` while a run's lease is live.
     def compact(self) -> None:
         if (self.output / "outcomes").exists():
-            upkeep.compact(str(self.output))
+            upkeep.compact(self.config(None).output)
 
     def vacuum(self) -> None:
         if (self.output / "outcomes").exists():
-            upkeep.vacuum(str(self.output), retention_hours=0, force=True)
+            upkeep.vacuum(self.config(None).output, retention_hours=0, force=True)
 
     def quarantine(self, name: str) -> None:
-        OutputStore(str(self.output)).quarantine([self.shard(name)], reason="model-based test")
+        upkeep.quarantine(self.config(None).output, [self.shard(name)], reason="model-based test")

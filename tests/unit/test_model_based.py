@@ -23,6 +23,7 @@ the `ci` profile (`HYPOTHESIS_PROFILE=ci`) is derandomized and prints the failin
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -39,6 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from raypipe.commit.outcomes import latest, read_outcomes
+from raypipe.commit.output import Output
 from raypipe.commit.table import OutcomeTable, text_hashes
 from raypipe.errors import (
     CircuitOpenError,
@@ -49,7 +51,6 @@ from raypipe.errors import (
     SinkError,
 )
 from raypipe.run.modes import replay_run_id
-from raypipe.store import OutputStore
 from tests.modelcheck.reference import Reference, Row, Version, order
 from tests.modelcheck.world import INVALID, KILL_POINTS, LOST_ANSWERS, Outcome, World
 
@@ -58,8 +59,6 @@ PENDING: dict[str, str] = {
     "one `latest` shows is not documented",
     "since_without_stamps": "`daily --since` records a file read before that has no `updated_at` column as a bad "
     "shard, on every run: the daily never completes",
-    "fenced_invisible": "fencing is per run id: after a take-over by another run id, a stalled attempt's unit "
-    "commits still land (two rows per id)",
     "lost_lease_answer": "a lease write carried out whose answer is lost stops the run, and the lease it wrote is "
     "nobody's: every later run, its own run id too, waits it out (output.lease_s) or needs --force",
     "run_after_replay": "after a replay that rewrote dead letters, every later run that builds the reuse index "
@@ -72,7 +71,7 @@ def on(name: str) -> bool:
     return name not in PENDING
 
 
-EXAMPLES = int(os.environ.get("RAYPIPE_MODELCHECK_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("RAYPIPE_MODELCHECK_EXAMPLES", "150"))
 settings.register_profile("ci", derandomize=True, print_blob=True)
 PROFILE = "ci" if os.environ.get("CI") or os.environ.get("HYPOTHESIS_PROFILE") == "ci" else "default"
 
@@ -359,16 +358,18 @@ class LossSearch(RuleBasedStateMachine):
         of_run = data.draw(
             st.sampled_from(sorted(k for k, r in self.runs.items() if r["done"] and r["mode"] != "replay"))
         )
-        run_id = replay_run_id(OutputStore(str(self.world.output)), of_run)
+        run_id = replay_run_id(Output.at(str(self.world.output)), of_run)
         self.operate("replay", run_id, fault, of_run=of_run)
 
     def compact(self, data: st.DataObject) -> None:
         if on("compact"):
-            self.world.compact()
+            with contextlib.suppress(OutputLockedError):  # a dead attempt's lease holds the output
+                self.world.compact()
 
     def vacuum(self, data: st.DataObject) -> None:
         if on("vacuum"):
-            self.world.vacuum()
+            with contextlib.suppress(OutputLockedError):
+                self.world.vacuum()
 
     def expire_lease(self, data: st.DataObject) -> None:
         self.world.expire_lease()
@@ -378,7 +379,10 @@ class LossSearch(RuleBasedStateMachine):
         if not on("quarantine"):
             return
         name = data.draw(st.sampled_from(sorted(self.ref.files)))
-        self.world.quarantine(name)
+        try:
+            self.world.quarantine(name)
+        except OutputLockedError:
+            return  # refused while a run (here a dead attempt) holds the output
         self.ref.quarantined.add(name)
 
     # -- service faults ----------------------------------------------------------------------
