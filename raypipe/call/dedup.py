@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from raypipe.commit.table import OUTCOME_RESULT, RESULT_STATUS_OK, OutcomeTable, label_column, text_hashes
@@ -265,7 +266,9 @@ def build_index(
     ds = dt.to_pyarrow_dataset()
     if "text_hash" not in ds.schema.names or not all(label_column(x) in ds.schema.names for x in labels):
         return None, stats
-    fragments = list(ds.get_fragments())
+    # Only files whose statistics admit answers of this version (the plain expression meets the
+    # statistics alone; the rows are filtered in `_split`).
+    fragments = list(ds.get_fragments(filter=pc.field("model_version") == model_version))
     if not fragments:
         return None, stats
     rows = _committed_rows(dt, len(fragments))
@@ -391,10 +394,13 @@ def _split(
 
     schema, fmt, filesystem = source
     ds = pds.FileSystemDataset(fragments, schema, fmt, filesystem)
+    # Files a MERGE rewrote (a replay's) store their strings as string_view, the others as string;
+    # comparing a column cast to string holds for both (a plain comparison has no kernel for a
+    # view). `build_index` pruned the files by the log's statistics already (`scan_where`).
     flt = (
-        (pc.field("model_version") == model_version)
-        & (pc.field("outcome") == OUTCOME_RESULT)
-        & (pc.field("status") == RESULT_STATUS_OK)
+        (pc.field("model_version").cast(pa.string()) == model_version)
+        & (pc.field("outcome").cast(pa.string()) == OUTCOME_RESULT)
+        & (pc.field("status").cast(pa.string()) == RESULT_STATUS_OK)
         & pc.field("text_hash").is_valid()
     )
     columns = ["text_hash", "truncated", *[label_column(x) for x in labels]]

@@ -74,6 +74,7 @@ from raypipe.commit.table import (
     QUARANTINE_APP,
     WATERMARK_APP,
     plan_app,
+    scan_where,
 )
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, SinkError
@@ -405,17 +406,13 @@ class CommitProtocol:
         if not units:
             return Ledger()
         key = ["id", "unit", "source", "row"]
-        in_units = (pc.field("run_id") == plan.replay_of) & pc.field("unit").isin(units)
-        before = (
-            self.table.load_version(int(version))
-            .to_pyarrow_dataset()
-            .to_table(filter=in_units & (pc.field("outcome") == "dead_letter"), columns=key)
+        in_units: dict[str, str | list[str]] = {"run_id": plan.replay_of, "unit": units}
+        before = scan_where(
+            self.table.load_version(int(version)).to_pyarrow_dataset(),
+            {**in_units, "outcome": OUTCOME_DEAD_LETTER},
+            key,
         )
-        now = (
-            self.table.load()
-            .to_pyarrow_dataset()
-            .to_table(filter=in_units, columns=[*key, "outcome", "status", "error_kind"])
-        )
+        now = scan_where(self.table.load().to_pyarrow_dataset(), in_units, [*key, "outcome", "status", "error_kind"])
         return ledger_of(before.join(now, key, join_type="inner"))
 
     def earlier_attempts(self) -> list[AttemptStats]:

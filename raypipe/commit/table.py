@@ -56,6 +56,7 @@ __all__ = [
     "label_column",
     "outcome_schema",
     "plan_app",
+    "scan_where",
     "slot_app",
     "storage_options",
     "text_hashes",
@@ -101,6 +102,37 @@ _TAIL = [
     pa.field("source", pa.string()),
     pa.field("row", pa.int64()),
 ]
+
+
+def scan_where(
+    dataset: Any, equal: dict[str, str | list[str]], columns: list[str], *, valid: tuple[str, ...] = ()
+) -> pa.Table:
+    """The rows of a table's dataset whose string columns equal the given values (a list: any of
+    them) and whose `valid` columns are not null.
+
+    A file that delta-rs's MERGE rewrote (a replay's) stores its strings as `string_view`, the
+    others as `string`, and Arrow has no comparison kernel between a view and a string literal:
+    the rows are filtered on the columns cast to string. A cast hides the expression from the
+    log's file statistics, so the files are first pruned with the plain expression, which only
+    meets the statistics (a replay reads its unit's file, not every file of the run)."""
+    import pyarrow.dataset as pds
+
+    def where(cast: bool) -> Any:
+        terms = []
+        for name, value in equal.items():
+            field = pc.field(name).cast(pa.string()) if cast else pc.field(name)
+            terms.append(field.isin(value) if isinstance(value, list) else field == value)
+        terms += [pc.field(name).is_valid() for name in valid]
+        expr = terms[0]
+        for term in terms[1:]:
+            expr = expr & term
+        return expr
+
+    fragments = list(dataset.get_fragments(filter=where(False)))
+    if not fragments:
+        return dataset.schema.empty_table().select(columns)
+    pruned = pds.FileSystemDataset(fragments, dataset.schema, dataset.format, dataset.filesystem)
+    return pruned.to_table(filter=where(True), columns=columns)
 
 
 def label_column(label: str) -> str:

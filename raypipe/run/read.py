@@ -337,17 +337,14 @@ BAD_ROW_KINDS = frozenset(e.kind for e in (BadRowError, InvalidIdError, InvalidR
 def _read_dead_letters(unit: WorkUnit) -> pa.Table:
     """A unit's committed dead letters of run `unit.source_run`, read from the outcomes table
     (`unit.shard` is the output URI); the rows keep their original source and row."""
-    from raypipe.commit.table import OutcomeTable
+    from raypipe.commit.table import OUTCOME_DEAD_LETTER, OutcomeTable, scan_where
 
-    # The unit and outcome in the scan's filter: the log's file statistics skip the run's other
-    # units' files, so a replay reads each unit's file once, not the run's partition per unit.
-    flt = (
-        (pc.field("run_id") == (unit.source_run or ""))
-        & (pc.field("unit") == unit.key)
-        & (pc.field("outcome") == "dead_letter")
-    )
     dataset = OutcomeTable(unit.shard).load().to_pyarrow_dataset()
-    dead = dataset.to_table(filter=flt, columns=["id", "text", "updated_at", "source", "row", "error_kind", "message"])
+    dead = scan_where(
+        dataset,
+        {"run_id": unit.source_run or "", "unit": unit.key, "outcome": OUTCOME_DEAD_LETTER},
+        ["id", "text", "updated_at", "source", "row", "error_kind", "message"],
+    )
     n = dead.num_rows
     # A reason that is the row's own (its text is not UTF-8, its line is not an object...) holds
     # on every replay: such a row goes back as refused, so it keeps its dead letter and reason

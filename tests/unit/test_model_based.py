@@ -61,8 +61,6 @@ PENDING: dict[str, str] = {
     "shard, on every run: the daily never completes",
     "lost_lease_answer": "a lease write carried out whose answer is lost stops the run, and the lease it wrote is "
     "nobody's: every later run, its own run id too, waits it out (output.lease_s) or needs --force",
-    "run_after_replay": "after a replay that rewrote dead letters, every later run that builds the reuse index "
-    "fails: \"Function 'equal' has no kernel matching input types (string, string_view)\"",
 }
 """Clause or rule name -> why it is off: behaviour the code does not hold yet."""
 

@@ -207,3 +207,30 @@ def test_unit_transactions_carry_last_updated_so_the_table_retention_prunes_them
     assert dt.transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # expired: pruned
     assert dt.transaction_version(f"raypipe/r1/unit/{recent}") == fence.generation
     assert table.generation() == fence.generation
+
+
+def test_scan_where_reads_files_a_merge_rewrote_and_prunes_by_statistics(tmp_path):
+    """delta-rs's MERGE writes strings as string_view; a plain comparison with a string literal
+    has no kernel for them (a run after a replay failed building its reuse index), and a cast
+    alone would read every file of the run."""
+    from deltalake import DeltaTable, write_deltalake
+
+    from raypipe.commit.table import scan_where
+
+    path = str(tmp_path / "t")
+    for unit in ("u1", "u2", "u3"):
+        rows = {"run_id": ["r"], "unit": [unit], "outcome": ["dead_letter"], "id": [f"a{unit}"]}
+        write_deltalake(path, pa.table(rows), partition_by=["run_id"], mode="append")
+    source = pa.table({"run_id": ["r"], "unit": ["u1"], "outcome": ["result"], "id": ["au1"]})
+    predicate = "t.run_id = 'r' AND t.unit = 'u1' AND t.id = s.id"
+    DeltaTable(path).merge(
+        source, predicate=predicate, source_alias="s", target_alias="t"
+    ).when_matched_update_all().execute()
+    ds = DeltaTable(path).to_pyarrow_dataset()
+    assert any(pa.types.is_string_view(f.physical_schema.field("unit").type) for f in ds.get_fragments())
+
+    got = scan_where(ds, {"run_id": "r", "unit": "u1", "outcome": "result"}, ["id"])
+    assert got.column("id").to_pylist() == ["au1"]
+    got = scan_where(ds, {"unit": ["u2", "u3"], "outcome": "dead_letter"}, ["id"])
+    assert sorted(got.column("id").to_pylist()) == ["au2", "au3"]
+    assert scan_where(ds, {"unit": "none"}, ["id"]).num_rows == 0
