@@ -27,6 +27,10 @@ was stalled, and there is no window between a check and a write.
 - `set_pointer` (plan, files seen, quarantine, watermark), `mark_committed` (a run's commit)
   and a maintenance commit (`fence_transactions`) carry every slot.
 - `retire`: a holder fences off its own writers (`CommitProtocol.abort`).
+
+Every commit carries a token of its own (`commit_token`): a commit that landed though its call
+raised (S3 carried the PUT out and lost the answer) is recognised as ours (`landed`), not taken
+for a conflict with another holder.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +86,30 @@ def _commit_failed() -> type[Exception]:
     return CommitFailedError
 
 
+COMMIT_KEY = "raypipe.commit"
+"""The commit-info key of a token unique to one commit call (`landed`)."""
+
+
+def commit_token() -> dict[str, str]:
+    """Commit metadata naming this commit call alone, so a retry can recognise it (`landed`)."""
+    return {COMMIT_KEY: uuid.uuid4().hex}
+
+
+def landed(dt: Any, since: int, token: dict[str, str]) -> bool:
+    """Did the commit carrying `token` land after version `since`, though its call raised?
+
+    On S3 a commit is a conditional PUT of the next log entry. When S3 carries it out but the
+    answer is lost, the client retries, finds the entry taken, and delta-rs checks our commit
+    against the one there: its own, whose app transactions conflict with ours, so it raises
+    `CommitFailedError` for a commit that happened. The commits after `since` (the snapshot
+    the call was built on) are read back for the token. `dt` is refreshed to the latest version."""
+    dt.update_incremental()
+    newer = dt.version() - since
+    if newer <= 0:
+        return False
+    return any(c.get(COMMIT_KEY) == token[COMMIT_KEY] for c in dt.history(limit=newer))
+
+
 def _empty_commit(dt: Any, props: Any) -> None:
     """A commit of no rows that carries `props` (app transactions, metadata)."""
     dt.create_write_transaction([], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props)
@@ -99,16 +128,20 @@ def take_over(table: OutcomeTable, run_id: str, *, holder: str = "") -> TableFen
     for _ in range(20):
         dt = table.load()
         generation = generation_of(dt) + 1
+        since, token = dt.version(), commit_token()
+        metadata = {"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder, **token}
         try:
             _empty_commit(
                 dt,
                 CommitProperties(
                     app_transactions=[Transaction(slot_app(s), generation) for s in range(SLOTS)],
-                    custom_metadata={"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder},
+                    custom_metadata=metadata,
                 ),
             )
             return TableFence(table.output_uri, run_id, generation)
         except failed:
+            if landed(dt, since, token):
+                return TableFence(table.output_uri, run_id, generation)
             if table.generation() >= generation:
                 raise LeaseLostError(
                     f"run {run_id}: another holder took over {table.uri} at the same moment (generation "
@@ -131,16 +164,19 @@ def retire(table: OutcomeTable, fence: TableFence) -> bool:
         dt = table.load()
         if generation_of(dt) != fence.generation:
             return False  # a newer holder took over: the output is its, leave it be
+        since, token = dt.version(), commit_token()
         try:
             _empty_commit(
                 dt,
                 CommitProperties(
                     app_transactions=[Transaction(slot_app(s), fence.generation + 1) for s in range(SLOTS)],
-                    custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id},
+                    custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id, **token},
                 ),
             )
             return True
         except failed:
+            if landed(dt, since, token):
+                return True
             time.sleep(random.uniform(0.01, 0.1))  # noqa: S311  jitter: a commit of ours or a take-over, look again
     raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri)
 
@@ -186,13 +222,17 @@ def fenced_commit(
         dt = table.load()
         check_fence(dt, fence)
         app, version = mark(dt)
+        since, token = dt.version(), commit_token()
         props = CommitProperties(
-            app_transactions=[*fence_transactions(fence), Transaction(app, version)], custom_metadata=metadata
+            app_transactions=[*fence_transactions(fence), Transaction(app, version)],
+            custom_metadata={**metadata, **token},
         )
         try:
             _empty_commit(dt, props)
             return version
         except failed:
+            if landed(dt, since, token):
+                return version
             time.sleep(random.uniform(0.01, 0.2))  # noqa: S311  jitter, not a secret
     raise SinkError(failure, path=table.uri)
 
@@ -323,6 +363,7 @@ class UnitCommitter:
                         return False
                     if self._schema is None or attempt:
                         self._schema = pa.schema(dt.schema().to_arrow())
+                    since, token = dt.version(), commit_token()
                     props = CommitProperties(
                         app_transactions=[
                             Transaction(slot_app(slot), generation),
@@ -330,7 +371,7 @@ class UnitCommitter:
                             # units per backfill would otherwise sit in every snapshot forever.
                             Transaction(unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),
                         ],
-                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation)},
+                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation), **token},
                     )
                     if rows.num_rows and replace_dead_letters:
                         conformed = self._conform(rows, self._schema)
@@ -357,6 +398,8 @@ class UnitCommitter:
                         _empty_commit(dt, props)
                     return True
                 except failed:
+                    if landed(dt, since, token):
+                        return True
                     # Another commit of this slot or unit won: look again on a fresh snapshot
                     # (a newer generation there fences us off above).
                     self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))  # noqa: S311  jitter, not a secret

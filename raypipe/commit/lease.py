@@ -126,10 +126,11 @@ class Lease:
                     return False
                 self._store.write_bytes(self._path, self._record())
             return True
+        body = self._record()
         try:
-            self._store.fs.pipe_file(self._path, self._record(), mode="create")
+            self._store.fs.pipe_file(self._path, body, mode="create")
         except FileExistsError:
-            return False
+            return self._landed(body)
         except PermissionError as e:
             raise OutputPermissionError(
                 f"no permission to write the output lease ({e}); check the credentials' access to the output",
@@ -148,18 +149,31 @@ class Lease:
                 self._store.write_bytes(self._path, body or self._record())
             return True
         bucket, _, key = self._path.partition("/")
+        body = body or self._record()
         try:
-            self._store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body or self._record(), IfMatch=tag)
+            self._store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, IfMatch=tag)
         except PermissionError as e:
             raise OutputPermissionError(
                 f"no permission to write the output lease ({e})", path=self._store.full_uri(self._path)
             ) from e
         except OSError as e:
             if e.errno == errno.EINVAL or isinstance(e, FileExistsError | FileNotFoundError):
-                return False  # 412 Precondition Failed: somebody else changed it first
+                return self._landed(body)  # 412 Precondition Failed: somebody else changed it first, or we did
             raise SinkError(f"cannot write the output lease: {e}", path=self._store.full_uri(self._path)) from e
         self._store.fs.invalidate_cache(self._path)
         return True
+
+    def _landed(self, body: bytes) -> bool:
+        """Is the lease on S3 the record we just wrote, though its conditional PUT was refused?
+
+        S3 may carry a PUT out and lose the answer; the client's retry then finds the object
+        changed (by us) and fails its condition. Every record we write is unique (our token, the
+        instant it expires), so the stored bytes say whether the write was ours."""
+        self._store.fs.invalidate_cache(self._path)
+        try:
+            return self._store.read_bytes(self._path) == body
+        except FileNotFoundError:
+            return False
 
     def check_conditional_writes(self) -> None:
         """Refuses an S3 endpoint that ignores `If-None-Match` (the lease could not exclude anyone)."""
@@ -167,7 +181,9 @@ class Lease:
             return
         probe = self._store.state(f".conditional-write-probe-{uuid.uuid4().hex[:8]}")
         try:
-            self._store.fs.pipe_file(probe, b"1", mode="create")
+            # The probe's name is new: if this create is refused, its answer was lost and a retry found it.
+            with contextlib.suppress(FileExistsError):
+                self._store.fs.pipe_file(probe, b"1", mode="create")
             try:
                 self._store.fs.pipe_file(probe, b"2", mode="create")
             except FileExistsError:

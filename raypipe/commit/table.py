@@ -257,14 +257,20 @@ class OutcomeTable:
         schema = outcome_schema(labels)
         try:
             if not self.exists():
-                DeltaTable.create(
-                    self.uri,
-                    schema=schema,
-                    partition_by=["run_id"],
-                    mode="ignore",  # a concurrent creator wins: same schema
-                    storage_options=self._options,
-                    configuration={"delta.setTransactionRetentionDuration": "interval 90 days"},
-                )
+                try:
+                    DeltaTable.create(
+                        self.uri,
+                        schema=schema,
+                        partition_by=["run_id"],
+                        mode="ignore",  # a concurrent creator wins: same schema
+                        storage_options=self._options,
+                        configuration={"delta.setTransactionRetentionDuration": "interval 90 days"},
+                    )
+                except Exception:
+                    # A create whose answer was lost (`raypipe.commit.fence.landed`) fails its
+                    # retry with "protocol changed": the table is there, as with a concurrent creator.
+                    if not self.exists():
+                        raise
             dt = self.load()
             have = set(pa.schema(dt.schema().to_arrow()).names)
             if not set(schema.names) <= have:

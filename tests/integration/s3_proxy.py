@@ -1,7 +1,10 @@
 """An HTTP proxy on 127.0.0.1 in front of moto's S3 server, to imitate S3-compatible stores that
 misbehave: one that ignores conditional writes (`If-None-Match` / `If-Match` headers are dropped
-before they reach moto), one that refuses our credentials on writes (403 AccessDenied), and one
-that holds writes (a stalled PUT, a partition) while `holding` is set, until `release` is set."""
+before they reach moto), one that refuses our credentials on writes (403 AccessDenied), one
+that holds writes (a stalled PUT, a partition) while `holding` is set, until `release` is set,
+and one that carries out a conditional PUT and then loses its answer (the connection drops, as
+real S3 does under load): the first conditional PUT of each key containing `drop_key` (any if
+empty), `drop_answers` of them in all; `dropped` lists the keys whose answer was lost."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import urlparse
 
-Mode = Literal["strip_conditions", "deny_writes", "hold_writes"]
+Mode = Literal["strip_conditions", "deny_writes", "hold_writes", "drop_answer"]
 
 _DENIED = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
@@ -46,16 +49,32 @@ class S3Proxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host",)}
                 if proxy.mode == "strip_conditions":
                     headers = {k: v for k, v in headers.items() if k.lower() not in ("if-none-match", "if-match")}
+                drop = (
+                    proxy.mode == "drop_answer"
+                    and self.command == "PUT"
+                    and proxy.drop_answers > 0
+                    and proxy.drop_key in self.path
+                    and self.path not in proxy.dropped  # its retry goes through
+                    and any(k.lower() in ("if-none-match", "if-match") for k in self.headers)
+                )
+                if drop:
+                    proxy.drop_answers -= 1
+                    proxy.dropped.append(self.path)
                 conn = http.client.HTTPConnection(host, port, timeout=30)
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
+                    if drop:  # the PUT is carried out; its answer never arrives
+                        self.close_connection = True
+                        return
                     self.send_response(resp.status)
                     for k, v in resp.getheaders():
                         if k.lower() not in ("content-length", "transfer-encoding", "connection"):
                             self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
+                    # A HEAD's answer has no body but tells the object's length.
+                    length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                    self.send_header("Content-Length", length or str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)
@@ -68,6 +87,9 @@ class S3Proxy:
         self.holding = False
         self.held = 0
         self.release = threading.Event()
+        self.drop_answers = 0
+        self.drop_key = ""
+        self.dropped: list[str] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

@@ -302,3 +302,59 @@ def test_a_lease_whose_store_went_away_is_lost_before_it_expires():
             lease.check()
     finally:
         server.stop()
+
+
+def _lost_answers_attempt(output: str, endpoint: str, results) -> None:
+    """One attempt of run `lost` through the protocol's steps (no Ray), its S3 traffic through
+    `endpoint`: lease, take-over, a unit commit, the files seen, the run commit."""
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    from raypipe.commit.protocol import CommitProtocol
+    from raypipe.config import OutputConfig
+    from raypipe.plan.planning import Plan
+    from raypipe.plan.units import WorkUnit
+    from tests.fakes import LABELS
+    from tests.unit.test_table import UNIT, rows
+
+    protocol = CommitProtocol(OutputConfig(uri=output, lease_s=60, lease_wait_s=5), "backfill", "lost")
+    try:
+        protocol.setup_run(LABELS)
+        committed = protocol.commit_unit(UNIT, rows({"A": "result", "B": "result"}, version="m"))
+        plan = Plan("backfill", "/in", [WorkUnit("/in/a.parquet", "parquet", 0, None, fingerprint="fp-a")], [])
+        seen = protocol.record_files_seen(plan, {u.key for u in plan.units})
+        protocol.commit_run()
+        results.put(("completed", committed, seen, protocol.files_seen()))
+    except Exception as e:
+        results.put(("failed", f"{type(e).__name__}: {e}"))
+    finally:
+        protocol.release()
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_answer_to_a_conditional_put_does_not_stop_a_run(s3):
+    """S3 carries out a conditional PUT and the answer is lost (a dropped connection): the client
+    retries and finds the object there. Each of the run's conditional writes (the lease, the
+    take-over, the unit commit, the files-seen pointer, the run commit) loses its first answer,
+    and the run recognises each as its own: it completes, with every id once."""
+    import multiprocessing
+
+    from raypipe.commit.outcomes import read_outcomes
+
+    out = f"{s3.bucket('lost-answers')}/out"
+    ctx = multiprocessing.get_context("spawn")
+    with S3Proxy(s3.endpoint, "drop_answer") as proxy:
+        proxy.drop_answers = 100
+        proxy.drop_key = ""
+        q = ctx.Queue()
+        attempt = ctx.Process(target=_lost_answers_attempt, args=(out, proxy.endpoint, q))
+        attempt.start()
+        outcome = q.get(timeout=240)
+        attempt.join(60)
+        dropped = list(proxy.dropped)
+    print("answers lost:", dropped)
+    assert outcome[0] == "completed", outcome
+    assert any(k.endswith("/lease.json") for k in dropped)
+    assert sum("_delta_log/" in k for k in dropped) >= 4  # table, take-over, unit, files seen, run
+    assert outcome[1] is True and outcome[2] == 1
+    committed = read_outcomes(out)
+    assert sorted(committed.column("id").to_pylist()) == ["A", "B"]
+    assert OutcomeTable(out).is_committed("lost")
