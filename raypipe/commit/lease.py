@@ -5,6 +5,11 @@ and when it expires. A run creates it exclusively (S3 `If-None-Match: *`; locall
 `flock` of `lease.json.lock`), renews it from a heartbeat thread, and deletes it at the end.
 
 - Another run id finding a live lease is refused with `OutputLockedError`, naming the holder.
+- A holder on this machine whose process is gone (a SIGKILLed driver, resumed on the same host)
+  is dead whatever its lease says: its lease is taken over at once, as an expired one. The
+  record names the holder's process by host, boot, pid namespace, pid and the process's start
+  time, so a pid reused by another process, or the same pid in another container, is not
+  taken for it.
 - An expired lease (its holder died) is taken over with a conditional replace (S3 `If-Match`
   on the ETag; locally a compare-and-swap under `flock`), so two takers racing cannot both
   win. Each takeover increments the generation.
@@ -48,6 +53,38 @@ logger = logging.getLogger("raypipe")
 LEASE_FILE = "lease.json"
 
 
+def _process(pid: int) -> dict[str, str] | None:
+    """Who process `pid` is on this machine: host, boot, pid namespace, pid and start time
+    (clock ticks since boot), or None where that cannot be told (no `/proc`: not Linux).
+
+    Read from `/proc` rather than psutil, which is no runtime dependency of raypipe; drivers
+    run on Linux (KubeRay pods), and elsewhere a dead holder's lease lapses by itself."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: fields follow the last ')'.
+    started = stat.rsplit(")", 1)[1].split()[19]
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns, "pid": str(pid), "started": started}
+
+
+def _holder_is_gone(record: dict[str, Any]) -> bool:
+    """Is the lease's holder a process of this machine (host, boot, pid namespace) that no longer
+    runs? False whenever that cannot be told: only a certain death skips the lease's expiry."""
+    holder = record.get("process")
+    me = _process(os.getpid())
+    if not isinstance(holder, dict) or me is None or holder.get("pid") is None:
+        return False
+    if any(holder.get(k) != me[k] for k in ("host", "boot", "pidns")):
+        return False
+    now = _process(int(holder["pid"]))
+    return now is None or now["started"] != holder.get("started")
+
+
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
 
@@ -75,6 +112,7 @@ class Lease:
         self._clock = clock
         self._sleep = sleep
         self._token = uuid.uuid4().hex
+        self._me = _process(os.getpid())
         self.generation = 0
         self.lost = False
         self._stop = threading.Event()
@@ -89,6 +127,7 @@ class Lease:
                 "generation": self.generation,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
+                "process": self._me,
                 "expires_at": expires,
                 "expires_at_iso": _iso(expires),
                 "duration_s": self.duration_s,
@@ -214,6 +253,15 @@ class Lease:
             now = self._clock()
             expires = float(current.get("expires_at", 0))
             same_run = current.get("holder") == self.holder
+            if expires >= now and _holder_is_gone(current):
+                logger.warning(
+                    "the output lease's holder, run %s (generation %s, pid %s on this host), is no longer running: "
+                    "taking its lease over now",
+                    current.get("holder"),
+                    current.get("generation"),
+                    current.get("pid"),
+                )
+                expires = now - 1
             if expires >= now and not same_run:
                 raise OutputLockedError(
                     f"output {self._store.uri} is being written by run {current.get('holder')!r} "

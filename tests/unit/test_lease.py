@@ -250,3 +250,70 @@ def test_expire_refuses_another_runs_lease_and_says_when_there_is_none(tmp_path)
     assert Lease(store, "cli").expire() is None
     with Lease(store, "run-b", duration_s=60), pytest.raises(OutputLockedError, match="run-b"):
         Lease(store, "cli").expire(run_id="run-a")
+
+
+def _hold_and_wait(output: str, held) -> None:
+    Lease(OutputStore(output), "run-a", duration_s=600).acquire()
+    held.set()
+    import time
+
+    time.sleep(600)  # killed long before
+
+
+def _no_sleep(s: float) -> None:
+    raise AssertionError("a dead holder on this host is not waited for")
+
+
+def test_a_killed_holder_on_this_host_is_taken_over_at_once(tmp_path):
+    """A driver SIGKILLed on this host leaves a lease that looks live for `duration_s`; its
+    process is gone, so the resume (or another run id) takes the lease over without waiting."""
+    ctx = multiprocessing.get_context("spawn")
+    held = ctx.Event()
+    holder = ctx.Process(target=_hold_and_wait, args=(str(tmp_path), held))
+    holder.start()
+    assert held.wait(60)
+    holder.kill()
+    holder.join(30)
+    store = OutputStore(str(tmp_path))
+    assert Lease(store, "run-a").current()["pid"] == holder.pid
+    resumed = Lease(store, "run-a", duration_s=600, sleep=_no_sleep)
+    resumed.acquire()
+    assert resumed.held() and resumed.generation == 2
+    resumed.release()
+
+
+def _record_of_a_holder(store: OutputStore, **process: str) -> Lease:
+    """A live lease held by this process, its record's process fields then replaced by `process`."""
+    lease = Lease(store, "run-a", duration_s=600)
+    lease.acquire()
+    lease._stop.set()
+    record = lease.current()
+    assert record is not None and record["process"] is not None
+    record["process"] = {**record["process"], **process}
+    store.write_bytes(store.state("lease.json"), json.dumps(record).encode())
+    return lease
+
+
+def test_a_holder_whose_pid_now_names_another_process_is_dead(tmp_path):
+    store = OutputStore(str(tmp_path))
+    _record_of_a_holder(store, started="1")  # our pid, but a process started at another time
+    taker = Lease(store, "run-b", duration_s=600, sleep=_no_sleep)
+    taker.acquire()
+    assert taker.held()
+    taker.release()
+
+
+@pytest.mark.parametrize(
+    "process",
+    [
+        {},  # the holder is this very process: alive
+        {"host": "another-host", "pid": "999999999"},  # another machine's pid says nothing here
+        {"pidns": "pid:[1]", "pid": "999999999"},  # another container's pid namespace neither
+    ],
+)
+def test_a_holder_not_known_dead_keeps_its_live_lease(tmp_path, process):
+    store = OutputStore(str(tmp_path))
+    holder = _record_of_a_holder(store, **process)
+    with pytest.raises(OutputLockedError, match="run-a"):
+        Lease(store, "run-b", duration_s=600, sleep=_no_sleep).acquire()
+    holder.release()
