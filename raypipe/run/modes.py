@@ -55,7 +55,6 @@ from raypipe.run.steps import (
     ReportRun,
     committed_report,
 )
-from raypipe.store import STATE_DIR
 
 __all__ = ["backfill", "daily", "replay", "replay_run_id"]
 
@@ -140,19 +139,20 @@ def daily(config: PipelineConfig, input: InputConfig, *, since: datetime | None 
 
 
 def replay_run_id(place: Output, of_run: str) -> str:
-    """The replay to run for `of_run`: the latest unfinished one (to resume it), else a new one."""
-    store = place.store
-    runs = store.path(STATE_DIR, "runs")
-    try:
-        store.fs.invalidate_cache(runs)
-        names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)]
-    except FileNotFoundError:
-        names = []
-    prefix = f"{of_run}.replay-"
-    numbers = sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit())
-    if numbers and not place.table.is_committed(f"{prefix}{numbers[-1]}"):
-        return f"{prefix}{numbers[-1]}"
-    return f"{prefix}{(numbers[-1] + 1) if numbers else 1}"
+    """The replay to run for `of_run`: `<of_run>.replay-<n>`, one past the last the table
+    records as committed, so the latest unfinished one is resumed, else a new one starts.
+
+    From the table, never from state folders: `vacuum` drops a finished replay's state, and a
+    number taken from the folders left would name a committed replay again (which then does
+    nothing). Replays of a run are numbered one after another, a new one only once the last
+    is committed, so the committed ones are looked up in batches until one comes up short."""
+    prefix, last, batch = f"{of_run}.replay-", 0, 64
+    while True:
+        names = {f"{prefix}{n}": n for n in range(last + 1, last + batch + 1)}
+        done = [names[r] for r in place.table.committed_runs(set(names))]
+        last = max(done, default=last)
+        if last < max(names.values()):
+            return f"{prefix}{last + 1}"
 
 
 def replay(config: PipelineConfig, *, of_run: str) -> RunReport:

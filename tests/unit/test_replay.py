@@ -186,3 +186,25 @@ def test_a_replay_keeps_the_dead_letters_whose_reason_is_the_row_itself(tmp_path
     after = fates()
     assert {row: f[:2] for row, f in after.items()} == {row: f[:2] for row, f in before.items()}
     assert [after[row][2] for row in (1, 2, 3)] == [before[row][2] for row in (1, 2, 3)]
+
+
+def test_replay_numbering_comes_from_the_table_not_from_state_folders(tmp_path):
+    """`vacuum` drops a finished replay's state: the next replay still gets a new number, never
+    the committed one (which would do nothing, saying completed)."""
+    import shutil
+
+    from raypipe.commit.fence import mark_committed
+    from raypipe.commit.output import Output
+    from raypipe.run.modes import replay_run_id
+
+    table = original_run(tmp_path / "out", unit_names(1))
+    place = Output.at(str(tmp_path / "out"))
+    store = place.store
+    assert replay_run_id(place, RUN) == REPLAY
+    fence = take_over(table, REPLAY)  # the replay starts: its plan stored, then it is committed
+    store.write_json(store.run_state(REPLAY, "plan", "1.json"), {})
+    assert replay_run_id(place, RUN) == REPLAY  # started, not committed: resumed
+    mark_committed(table, fence, REPLAY, {})
+    shutil.rmtree(store.run_state(REPLAY))  # what vacuum does to a finished run's state
+    assert replay_run_id(place, RUN) == "r1.replay-2"
+    assert replay_run_id(place, "r1.replay-2") == "r1.replay-2.replay-1"  # a replay of a replay
