@@ -17,6 +17,7 @@ fenced off first; its own commits carry the fence.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import posixpath
@@ -24,12 +25,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from raypipe.commit.fence import fence_transactions, mark_committed
+from raypipe.commit.fence import UnitCommitter, fence_transactions, mark_committed
 from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol, holding, read_quarantine
-from raypipe.commit.table import QUARANTINE_APP, OutcomeTable
+from raypipe.commit.table import QUARANTINE_APP
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError
 from raypipe.store import STATE_DIR, OutputStore
@@ -146,13 +146,15 @@ def vacuum(
 def migrate(output: str | OutputConfig) -> dict[str, int]:
     """Copies an output of raypipe's earlier layout (`results/run=R/*.parquet`,
     `dead_letters/run=R/*.parquet`, committed units' markers under `_raypipe/runs/R/units/`)
-    into the outcomes table, one commit per run; the old files are left in place.
+    into the outcomes table; the old files are left in place.
 
     Only units with a commit marker are copied (an unfinished attempt's files never were
-    committed), and only a run with its `COMMITTED.json` is recorded as committed in the
-    table: a half-done legacy run, resumed under its run id, infers its other units. A run
-    already in the table is skipped, so the command can be rerun. It holds the output
-    (`holding`), and every commit carries the fence.
+    committed), each in its own unit commit (so each is one file the table lists as a
+    committed unit), and only a run with its `COMMITTED.json` is then recorded as committed in
+    the table: a half-done legacy run, resumed under its run id, infers its other units. A
+    rerun copies what the table does not hold yet and records what is not recorded yet (a
+    migrate killed between its copy and its mark is finished), so the command can be rerun.
+    It holds the output (`holding`), and every commit carries the fence.
     """
     config = _config(output)
     place = Output.at(config.uri)
@@ -165,78 +167,28 @@ def migrate(output: str | OutputConfig) -> dict[str, int]:
 
 
 def _migrate(old: LegacyLayout, runs: list[str], protocol: CommitProtocol) -> dict[str, int]:
-    import pyarrow.parquet as pq
-
-    from raypipe.commit.table import text_hashes
-
-    table, fence = protocol.table, protocol.fence
+    table = protocol.table
     copied = {"runs": 0, "rows": 0}
     for run_id in runs:
-        if table.exists() and run_id in _runs_in_table(table):
+        legacy_done = old.has_commit_marker(run_id)
+        if table.exists() and table.is_committed(run_id):
             continue
-        units = old.committed_units(run_id)
-        parts: list[pa.Table] = []
-        labels: list[str] = []
-        for unit in sorted(units):
-            for kind, path in (
-                ("result", old.results_file(run_id, unit)),
-                ("dead_letter", old.dead_file(run_id, unit)),
-            ):
-                if not old.store.exists(path):
-                    continue
-                with old.store.fs.open(path, "rb") as f:
-                    t = pq.read_table(f)
-                labels = labels or [c.removeprefix("prob_") for c in t.column_names if c.startswith("prob_")]
-                n = t.num_rows
-                cols: dict[str, Any] = {c: t.column(c) for c in t.column_names if c != "failed_at"}
-                cols["outcome"] = pa.array([kind] * n, pa.string())
-                cols["unit"] = pa.array([unit] * n, pa.string())
-                cols["run_id"] = pa.array([run_id] * n, pa.string())
-                if kind == "dead_letter":
-                    cols["inferred_at"] = t.column("failed_at")
-                    cols["text_hash"] = text_hashes(t.column("text"))
-                parts.append(pa.table(cols))
-        if not parts:
+        held = table.committed_units(run_id) if table.exists() else set()
+        units = {u: rows for u in sorted(old.committed_units(run_id) - held) if (rows := old.unit_rows(run_id, u))}
+        if not units and not (legacy_done and table.exists()):
             continue
-        table.ensure(tuple(labels))
-        full = table.arrow_schema()
-        rows = pa.concat_tables(
-            [
-                pa.Table.from_arrays(
-                    [
-                        p.column(f.name).cast(f.type) if f.name in p.column_names else pa.nulls(p.num_rows, f.type)
-                        for f in full
-                    ],
-                    schema=full,
-                )
-                for p in parts
-            ]
-        )
-        from deltalake import CommitProperties, write_deltalake
-
-        write_deltalake(
-            table.load(),
-            rows,
-            mode="append",
-            partition_by=["run_id"],
-            commit_properties=CommitProperties(
-                app_transactions=fence_transactions(fence),
-                custom_metadata={"raypipe.operation": "migrate", "raypipe.run_id": run_id},
-            ),
-        )
-        if old.has_commit_marker(run_id):  # else a half-done legacy run: resuming it does its other units
+        labels = [c.removeprefix("prob_") for t in units.values() for c in t.column_names if c.startswith("prob_")]
+        table.ensure(tuple(dict.fromkeys(labels)))
+        # The holder's fence, for the legacy run's units: their own transactions name that run.
+        fence = dataclasses.replace(protocol.fence, run_id=run_id)
+        committer = UnitCommitter(fence)
+        rows = sum(t.num_rows for unit, t in units.items() if committer.commit(unit, t))
+        if legacy_done:  # else a half-done legacy run: resuming it does its other units
             mark_committed(table, fence, run_id, {"raypipe.migrated": "true"})
         copied["runs"] += 1
-        copied["rows"] += rows.num_rows
-        logger.info("migrated run %s: %d rows", run_id, rows.num_rows)
+        copied["rows"] += rows
+        logger.info("migrated run %s: %d rows", run_id, rows)
     return copied
-
-
-def _runs_in_table(table: OutcomeTable) -> set[str]:
-    actions = pa.table(table.load().get_add_actions(flatten=True))
-    if actions.num_rows == 0:
-        return set()
-    return set(pc.unique(actions.column("partition.run_id")).to_pylist())
 
 
 def finished_runs(output: str | Output) -> list[str]:
@@ -307,6 +259,29 @@ class LegacyLayout:
     def committed_units(self, run_id: str) -> set[str]:
         folder = self.store.run_state(run_id, "units")
         return {p.rsplit("/", 1)[-1].removesuffix(".json") for p in self.store.list_files(folder, ".json")}
+
+    def unit_rows(self, run_id: str, unit: str) -> pa.Table | None:
+        """A committed unit's results and dead letters as the table's rows (None: it has none)."""
+        import pyarrow.parquet as pq
+
+        from raypipe.commit.table import text_hashes
+
+        parts: list[pa.Table] = []
+        for kind, path in (("result", self.results_file(run_id, unit)), ("dead_letter", self.dead_file(run_id, unit))):
+            if not self.store.exists(path):
+                continue
+            with self.store.fs.open(path, "rb") as f:
+                t = pq.read_table(f)
+            n = t.num_rows
+            cols: dict[str, Any] = {c: t.column(c) for c in t.column_names if c != "failed_at"}
+            cols["outcome"] = pa.array([kind] * n, pa.string())
+            cols["unit"] = pa.array([unit] * n, pa.string())
+            cols["run_id"] = pa.array([run_id] * n, pa.string())
+            if kind == "dead_letter":
+                cols["inferred_at"] = t.column("failed_at")
+                cols["text_hash"] = text_hashes(t.column("text"))
+            parts.append(pa.table(cols))
+        return pa.concat_tables(parts, promote_options="permissive") if parts else None
 
     def results_file(self, run_id: str, unit: str) -> str:
         return self.store.path("results", f"run={run_id}", f"{unit}.parquet")

@@ -63,6 +63,44 @@ def test_migrate_marks_committed_only_the_legacy_runs_that_were(tmp_path):
     assert table.committed_units("half") == {"u1"}  # its migrated unit is not redone on resume
 
 
+def legacy_run(tmp_path, run_id: str, units: list[str], *, committed: bool) -> None:
+    """A run of the earlier layout: a result file and a unit marker per unit."""
+    store = OutputStore(str(tmp_path))
+    for unit in units:
+        path = tmp_path / "results" / f"run={run_id}" / f"{unit}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": [f"{run_id}-{unit}"], "status": ["ok"], "prob_joy": [0.5]}), path)
+        store.write_json(store.run_state(run_id, "units", f"{unit}.json"), {"rows": 1})
+    if committed:
+        store.write_json(store.run_state(run_id, "COMMITTED.json"), {"run_id": run_id, "at": T0.isoformat()})
+
+
+def test_a_migrated_half_done_run_of_several_units_can_resume(tmp_path):
+    """Each legacy unit is its own file in the table, so a resume reads which are committed."""
+    legacy_run(tmp_path, "half", ["u1", "u2", "u3"], committed=False)
+    assert migrate(str(tmp_path)) == {"runs": 1, "rows": 3}
+    assert OutcomeTable(str(tmp_path)).committed_units("half") == {"u1", "u2", "u3"}
+
+
+def test_a_migrate_killed_between_its_copy_and_its_mark_is_finished_by_a_rerun(tmp_path, monkeypatch):
+    legacy_run(tmp_path, "done", ["u1", "u2"], committed=True)
+    from raypipe.commit import upkeep
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies after its units were copied
+
+    monkeypatch.setattr(upkeep, "mark_committed", killed)
+    with pytest.raises(KeyboardInterrupt):
+        migrate(str(tmp_path))
+    monkeypatch.undo()
+    table = OutcomeTable(str(tmp_path))
+    assert not table.is_committed("done")
+    migrate(str(tmp_path))
+    assert table.is_committed("done")
+    assert sorted(raypipe.read_outcomes(str(tmp_path), "done").column("id").to_pylist()) == ["done-u1", "done-u2"]
+    assert migrate(str(tmp_path)) == {"runs": 0, "rows": 0}
+
+
 def test_vacuum_refuses_a_retention_under_the_floor_and_never_truncates(tmp_path):
     """A file a live attempt has written but not yet committed is younger than any unit: a
     retention under the floor is refused unless forced, and 0.9 h never becomes 0 h."""
