@@ -9,7 +9,7 @@
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
     raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
     raypipe report   --output URI --run-id ID [--json]
-    raypipe compact  --output URI [--run-id ID]          (Delta optimize of finished runs)
+    raypipe compact  --output URI [--run-id ID]          (small files of finished runs)
     raypipe vacuum   --output URI [--retention-hours H] [--dry-run]  (Delta vacuum, old runs' state)
     raypipe migrate  --output URI                        (the earlier layout -> the table)
     raypipe shards quarantine|release --output URI SHARD...
@@ -338,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
         help="names the replay (default: resume the latest unfinished <run-id>.replay-<n>, else a new one)",
     )
 
-    compact = sub.add_parser("compact", help="Delta optimize: merge finished runs' small files (one per unit)")
+    compact = sub.add_parser("compact", help="merge finished runs' small files (dead letters stay apart)")
     compact.add_argument("--output", required=True)
     compact.add_argument("--run-id", action="append", help="only these runs (repeatable; default: every finished run)")
     vacuum = sub.add_parser(

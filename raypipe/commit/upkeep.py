@@ -1,6 +1,7 @@
 """Keeping an output in shape: compaction, vacuum, and copying an earlier layout in.
 
-- `compact`: Delta's own `optimize.compact` over finished runs' partitions (small files).
+- `compact`: finished runs' small files rewritten into fewer, the units a replay rewrites
+  (files holding dead letters) left apart.
 - `vacuum`: Delta's `vacuum` (files no commit references, such as those of a fenced-off
   attempt, and the log's expired entries), plus removing finished runs' state
   (`drop_finished_state`).
@@ -25,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raypipe.commit.fence import UnitCommitter, fence_transactions, mark_committed
 from raypipe.commit.output import Output
@@ -70,15 +72,25 @@ def quarantined(output: str) -> frozenset[str]:
     return frozenset(read_quarantine(place.store, place.table.pointer(QUARANTINE_APP)))
 
 
+COMPACT_TARGET_BYTES = 128 * 2**20
+"""About how many bytes of small files `compact` writes into one."""
+
+
 def compact(
     output: str | OutputConfig, *, run_ids: list[str] | None = None, target_size: int | None = None
 ) -> dict[str, Any]:
-    """Delta `optimize.compact` over finished runs' partitions (all finished runs by default),
-    holding the output (its commit carries the fence).
+    """Rewrites finished runs' small files into fewer, keeping the units a replay may rewrite
+    apart (all finished runs by default; an unfinished run is refused).
 
-    An unfinished run is never compacted: its progress is read from one file per unit.
+    A replay rewrites each unit's dead letters with a MERGE that reads only the files holding
+    them. Delta's `optimize.compact` would put many units' dead letters in one file, and then
+    every replay unit's MERGE reads and rewrites that whole file, and replays of different units
+    conflict. So only files without dead letters (by the log's statistics) are compacted, and
+    only units all of whose files are such; files holding dead letters stay as they are, one
+    unit each. Each group of about `target_size` bytes is one commit that replaces its units'
+    rows with the same rows in fewer files. It holds the output (its commits carry the fence).
     """
-    from deltalake import CommitProperties
+    from deltalake import CommitProperties, write_deltalake
 
     config = _config(output)
     place = Output.at(config.uri)
@@ -90,13 +102,67 @@ def compact(
     if not runs:
         return {"runs": 0}
     with holding(config, "compact", place=place) as protocol:
-        props = CommitProperties(
-            app_transactions=fence_transactions(protocol.fence), custom_metadata={"raypipe.operation": "compact"}
-        )
-        metrics = protocol.table.load().optimize.compact(
-            partition_filters=[("run_id", "in", runs)], target_size=target_size, commit_properties=props
-        )
-    return {"runs": len(runs), **{k: v for k, v in metrics.items() if isinstance(v, int | float)}}
+        dt = protocol.table.load()
+        out = {"runs": len(runs), "units": 0, "files_before": len(dt.file_uris())}
+        for run_id in runs:
+            for units in _compactable(dt, run_id, target_size or COMPACT_TARGET_BYTES):
+                where = pc.field("run_id") == run_id
+                rows = dt.to_pyarrow_dataset().to_table(filter=where & pc.field("unit").isin(units)).sort_by("unit")
+                write_deltalake(
+                    dt,
+                    rows,
+                    mode="overwrite",
+                    predicate=f"run_id = {_quoted(run_id)} AND unit IN ({', '.join(map(_quoted, units))})",
+                    partition_by=["run_id"],
+                    commit_properties=CommitProperties(
+                        app_transactions=fence_transactions(protocol.fence),
+                        custom_metadata={"raypipe.operation": "compact", "raypipe.run_id": run_id},
+                    ),
+                )
+                dt.update_incremental()
+                out["units"] += len(units)
+        out["files_after"] = len(dt.file_uris())
+    return out
+
+
+def _quoted(value: str) -> str:
+    """A SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _compactable(dt: Any, run_id: str, target_size: int) -> list[list[str]]:
+    """Groups of `run_id`'s units (about `target_size` bytes each, two files at least) that
+    `compact` may rewrite together: units whose every file is one unit's and holds no dead
+    letter (`outcome` statistics all "result"). A file without statistics counts as holding one."""
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    if actions.num_rows == 0 or not {"min.unit", "min.outcome"} <= set(actions.column_names):
+        return []
+    mine = actions.filter(pc.equal(actions.column("partition.run_id"), run_id)).to_pylist()
+    kept: set[str] = set()  # units a replay may rewrite: never mixed with others
+    spans: list[tuple[str, str]] = []  # files of several units (compacted before): left as they are
+    sizes: dict[str, int] = {}
+    for f in mine:
+        unit = f["min.unit"]
+        if unit is None or f["max.unit"] is None:
+            return []  # a file whose units the log does not tell: any rewrite might touch it
+        if unit != f["max.unit"]:
+            spans.append((unit, f["max.unit"]))
+        elif f["min.outcome"] == "result" and f["max.outcome"] == "result":
+            sizes[unit] = sizes.get(unit, 0) + int(f["size_bytes"])
+        else:
+            kept.add(unit)
+    # A unit that may have rows in a file of several units is left too: rewriting its rows
+    # would rewrite that file.
+    free = sorted(u for u in sizes if u not in kept and not any(lo <= u <= hi for lo, hi in spans))
+    groups: list[list[str]] = [[]]
+    total = 0
+    for unit in free:
+        if groups[-1] and total + sizes[unit] > target_size:
+            groups.append([])
+            total = 0
+        groups[-1].append(unit)
+        total += sizes[unit]
+    return [g for g in groups if len(g) >= 2]
 
 
 VACUUM_FLOOR_HOURS = 168.0

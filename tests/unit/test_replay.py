@@ -208,3 +208,47 @@ def test_replay_numbering_comes_from_the_table_not_from_state_folders(tmp_path):
     shutil.rmtree(store.run_state(REPLAY))  # what vacuum does to a finished run's state
     assert replay_run_id(place, RUN) == "r1.replay-2"
     assert replay_run_id(place, "r1.replay-2") == "r1.replay-2.replay-1"  # a replay of a replay
+
+
+def test_replays_after_compact_rewrite_only_their_own_units_files(tmp_path):
+    """`compact` merges the small files of units without dead letters and leaves the units a
+    replay rewrites apart: two replays built on one snapshot both land at the first try, and
+    each replaces its own unit's file only."""
+    from raypipe.commit.fence import mark_committed
+    from raypipe.commit.upkeep import compact
+
+    a, b, *clean = unit_names(5)
+    table = original_run(tmp_path, [a, b])
+    committer = UnitCommitter(take_over(table, RUN))
+    for u in clean:
+        assert committer.commit(u, unit_rows(u, {f"{u}-1": "result", f"{u}-2": "result"}))
+    mark_committed(table, committer.fence, RUN, {})
+
+    def files_by_unit() -> dict[str, set[str]]:
+        actions = pa.table(table.load().get_add_actions(flatten=True)).to_pylist()
+        out: dict[str, set[str]] = {}
+        for f in actions:
+            key = f["min.unit"] if f["min.unit"] == f["max.unit"] else "several"
+            out.setdefault(key, set()).add(f["path"])
+        return out
+
+    before = files_by_unit()
+    done = compact(str(tmp_path))
+    compacted = files_by_unit()
+    assert compacted.get(a) == before[a] and compacted.get(b) == before[b]  # the replay's units stay apart
+    assert len(compacted["several"]) == 1 and not set(clean) & set(compacted)
+    assert done["units"] == 3 and done["files_after"] == done["files_before"] - 2
+    assert len(read_outcomes(str(tmp_path), RUN)) == 12  # the same rows
+
+    fence = take_over(table, REPLAY)
+    first, second = UnitCommitter(fence), UnitCommitter(fence)
+    stale = table.load()
+    second._fresh = lambda: stale  # type: ignore[method-assign]  # its snapshot predates the first commit
+    assert first.commit(a, unit_rows(a, {f"{a}-d1": "result", f"{a}-d2": "result"}), replace_dead_letters=True,
+                        max_tries=1)  # fmt: skip
+    assert second.commit(b, unit_rows(b, {f"{b}-d1": "result", f"{b}-d2": "result"}), replace_dead_letters=True,
+                         max_tries=1)  # fmt: skip
+    after = files_by_unit()
+    assert after["several"] == compacted["several"]  # neither replay rewrote the compacted file
+    assert not after[a] & compacted[a] and not after[b] & compacted[b]
+    assert read_outcomes(str(tmp_path), RUN).column("outcome").to_pylist().count("dead_letter") == 0
