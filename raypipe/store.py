@@ -4,7 +4,7 @@
       outcomes/                                   the Delta table: results and dead letters (raypipe.commit.table)
       runs/<run_id>.json                          the run report
       _raypipe/lease.json                         who runs here now (raypipe.commit.lease; liveness only)
-      _raypipe/files_seen/<n>.parquet             input files read whole; the table names the current n
+      _raypipe/files_seen/<n>.parquet             files read whole: deltas over a full copy; the table names the last
       _raypipe/quarantine/<n>.json                shards set aside (raypipe.commit.upkeep); the table names n
       _raypipe/runs/<run_id>/plan/<n>.json        the run's units; the table names the current n
       _raypipe/runs/<run_id>/attempts/<a>.json    each attempt's call statistics

@@ -91,6 +91,9 @@ FilesSeen = dict[str, tuple[str, str | None]]
 """Input file URI -> (fingerprint, the latest `updated_at` read in it, ISO, if known)."""
 
 FILES_SEEN_DIR = "files_seen"
+FILES_SEEN_CHAIN = 16
+"""Files-seen deltas stacked on a full copy before the next write is a full copy again."""
+_BASE = b"raypipe.base"
 LEGACY_FILES_SEEN = "files_seen.parquet"
 WATERMARK = "watermark.json"
 """An earlier release's watermark file (read where the table holds no `WATERMARK_APP`)."""
@@ -299,8 +302,11 @@ class CommitProtocol:
         """Adds the plan's files whose every unit is committed (also in an incomplete run: its
         healthy files are not read again), fenced; returns how many were added or updated.
 
-        The files seen are stored as a new file the table names; a concurrent change by another
-        run makes it read and apply again."""
+        The files seen are stored as a new file the table names, holding only the entries this
+        run adds or updates and naming the file it builds on (`read_files_seen`), so a daily
+        writes what it read, not the history. Every `FILES_SEEN_CHAIN` files the new one is a
+        full copy instead, and once the table names it the files it replaces are deleted. A
+        concurrent change by another run makes it read and apply again."""
         by_shard: dict[str, list[WorkUnit]] = {}
         for u in plan.units:
             by_shard.setdefault(u.shard, []).append(u)
@@ -315,25 +321,35 @@ class CommitProtocol:
             return 0
         self.check_lease()
         changed: FilesSeen = {}
+        replaced: list[int] = []
 
         def write(current: int | None) -> int:
-            seen = read_files_seen(self.store, current)
+            chain = _files_seen_chain(self.store, current)
+            seen = _merged(chain)
             changed.clear()
             changed.update(_changes(done, latest, seen))
             seen.update(changed)
-            files = sorted(seen)
+            full = current is None or len(chain) >= FILES_SEEN_CHAIN
+            replaced[:] = [n for n, _ in chain] if full else []
+            entries = seen if full else changed
+            files = sorted(entries)
             number = _fresh_number()
             table = pa.table(
                 {
                     "path": files,
-                    "fingerprint": [seen[f][0] for f in files],
-                    "max_updated_at": pa.array([seen[f][1] for f in files], pa.string()),
+                    "fingerprint": [entries[f][0] for f in files],
+                    "max_updated_at": pa.array([entries[f][1] for f in files], pa.string()),
                 }
             )
+            if not full:
+                table = table.replace_schema_metadata({_BASE: str(current).encode()})
             self.store.write_parquet(self.store.state(FILES_SEEN_DIR, f"{number}.parquet"), table)
             return number
 
         set_pointer(self.table, self.fence, FILES_SEEN_APP, write, operation="files-seen")
+        # Named by no pointer now; the run holding the output is the only one that reads them.
+        for number in replaced:
+            self.store.delete(self.store.state(FILES_SEEN_DIR, f"{number}.parquet"))
         return len(changed)
 
     # -- the run -------------------------------------------------------------------------------
@@ -461,14 +477,37 @@ def read_quarantine(store: OutputStore, number: int | None) -> dict[str, dict[st
 
 
 def read_files_seen(store: OutputStore, number: int | None) -> FilesSeen:
-    """The files-seen state numbered `number` (the table's `FILES_SEEN_APP`); with None, the
-    one an earlier release kept as `_raypipe/files_seen.parquet`, if any."""
-    path = store.state(LEGACY_FILES_SEEN) if number is None else store.state(FILES_SEEN_DIR, f"{number}.parquet")
-    if not store.exists(path):
-        if number is not None:
+    """The files-seen state numbered `number` (the table's `FILES_SEEN_APP`): that file's
+    entries over those of the file it builds on, and so on down to a full copy (a file naming
+    no base); with None, the one an earlier release kept as `_raypipe/files_seen.parquet`."""
+    if number is None:
+        path = store.state(LEGACY_FILES_SEEN)
+        return _entries(store.read_parquet(path)) if store.exists(path) else {}
+    return _merged(_files_seen_chain(store, number))
+
+
+def _files_seen_chain(store: OutputStore, number: int | None) -> list[tuple[int, pa.Table]]:
+    """The files-seen files from `number` down to its full copy, newest first ([] for None)."""
+    chain: list[tuple[int, pa.Table]] = []
+    while number is not None:
+        path = store.state(FILES_SEEN_DIR, f"{number}.parquet")
+        if not store.exists(path):
             raise SinkError(f"the files-seen state the table names is missing: {path}", path=path)
-        return {}
-    t = store.read_parquet(path)
+        t = store.read_parquet(path)
+        chain.append((number, t))
+        base = (t.schema.metadata or {}).get(_BASE)
+        number = None if base is None else int(base)
+    return chain
+
+
+def _merged(chain: list[tuple[int, pa.Table]]) -> FilesSeen:
+    seen: FilesSeen = {}
+    for _, t in reversed(chain):
+        seen.update(_entries(t))
+    return seen
+
+
+def _entries(t: pa.Table) -> FilesSeen:
     latest = t.column("max_updated_at").to_pylist() if "max_updated_at" in t.column_names else [None] * t.num_rows
     return {
         p: (fp, m)
