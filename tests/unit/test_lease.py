@@ -261,7 +261,7 @@ def _hold_and_wait(output: str, held) -> None:
 
 
 def _no_sleep(s: float) -> None:
-    raise AssertionError("a dead holder on this host is not waited for")
+    raise AssertionError("the lease was waited for")
 
 
 def test_a_killed_holder_on_this_host_is_taken_over_at_once(tmp_path):
@@ -317,3 +317,66 @@ def test_a_holder_not_known_dead_keeps_its_live_lease(tmp_path, process):
     with pytest.raises(OutputLockedError, match="run-a"):
         Lease(store, "run-b", duration_s=600, sleep=_no_sleep).acquire()
     holder.release()
+
+
+class _LostAnswersFs:
+    """An S3 of conditional PUTs in memory whose first create and first `If-Match` replace are
+    carried out and then answered as the client's retry finds them: the condition failed."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.lose = {"create": 1, "replace": 1}
+
+    def _etag(self, path: str) -> str:
+        import hashlib
+
+        return hashlib.md5(self.objects[path]).hexdigest()
+
+    def pipe_file(self, path: str, data: bytes, mode: str = "overwrite") -> None:
+        if mode == "create" and path in self.objects:
+            raise FileExistsError(path)
+        self.objects[path] = data
+        if mode == "create" and self.lose["create"]:
+            self.lose["create"] -= 1
+            raise FileExistsError(path)  # the retry's 412
+
+    def call_s3(self, method: str, *, Bucket: str, Key: str, Body: bytes, IfMatch: str) -> None:
+        path = f"{Bucket}/{Key}"
+        if path not in self.objects or self._etag(path) != IfMatch:
+            raise OSError(22, "Precondition Failed")
+        self.objects[path] = Body
+        if self.lose["replace"]:
+            self.lose["replace"] -= 1
+            raise OSError(22, "Precondition Failed")  # the retry's 412
+
+    def cat_file(self, path: str) -> bytes:
+        if path not in self.objects:
+            raise FileNotFoundError(path)
+        return self.objects[path]
+
+    def info(self, path: str) -> dict[str, str]:
+        return {"ETag": self._etag(path)}
+
+    def rm_file(self, path: str) -> None:
+        self.objects.pop(path)
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        pass
+
+
+def test_a_lease_write_whose_answer_was_lost_is_recognised_as_ours(tmp_path):
+    """S3 carried out the lease's conditional PUT and lost the answer: the retry's 412 is our
+    own write, so the attempt holds the lease (it neither waits on itself nor gives up)."""
+    store = OutputStore("s3://bucket/out")
+    fs = _LostAnswersFs()
+    store._fs = fs  # type: ignore[assignment]
+    clock = Clock()
+    first = Lease(store, "run-a", duration_s=60, clock=clock, sleep=_no_sleep)
+    first.acquire()
+    first._stop.set()
+    assert first.held() and fs.lose["create"] == 0
+    clock.now += 61  # it died; the resume takes the expired lease over with an If-Match replace
+    resumed = Lease(store, "run-a", duration_s=60, clock=clock, sleep=_no_sleep)
+    resumed.acquire()
+    resumed._stop.set()
+    assert resumed.held() and resumed.generation == 2 and fs.lose["replace"] == 0
