@@ -313,15 +313,18 @@ def _lost_answers_attempt(output: str, endpoint: str, results) -> None:
     from raypipe.plan.planning import Plan
     from raypipe.plan.units import WorkUnit
     from tests.fakes import LABELS
-    from tests.unit.test_table import UNIT, rows
+    from tests.unit.test_table import rows
 
     protocol = CommitProtocol(OutputConfig(uri=output, lease_s=60, lease_wait_s=5), "backfill", "lost")
     try:
         protocol.setup_run(LABELS)
-        committed = protocol.commit_unit(UNIT, rows({"A": "result", "B": "result"}, version="m"))
         plan = Plan("backfill", "/in", [WorkUnit("/in/a.parquet", "parquet", 0, None, fingerprint="fp-a")], [])
+        unit = plan.units[0].key
+        answers = rows({"A": "result", "B": "result"}, version="m")
+        answers = answers.set_column(answers.schema.get_field_index("unit"), "unit", pa.array([unit, unit]))
+        committed = protocol.commit_unit(unit, answers)
         seen = protocol.record_files_seen(plan, {u.key for u in plan.units})
-        protocol.commit_run()
+        protocol.commit_run(plan)
         results.put(("completed", committed, seen, protocol.files_seen()))
     except Exception as e:
         results.put(("failed", f"{type(e).__name__}: {e}"))
