@@ -159,15 +159,17 @@ class Lease:
 
     def _create(self) -> bool:
         self.generation = 1
+        body = self._record()
         if self._store.is_local:
             with self._local_lock():
                 if os.path.exists(self._path):
                     return False
-                self._store.write_bytes(self._path, self._record())
+                with self._unless_landed(body):
+                    self._store.write_bytes(self._path, body)
             return True
-        body = self._record()
         try:
-            self._store.fs.pipe_file(self._path, body, mode="create")
+            with self._unless_landed(body):
+                self._store.fs.pipe_file(self._path, body, mode="create")
         except FileExistsError:
             return self._landed(body)
         except PermissionError as e:
@@ -177,15 +179,29 @@ class Lease:
             ) from e
         return True
 
+    @contextlib.contextmanager
+    def _unless_landed(self, body: bytes) -> Iterator[None]:
+        """A write that failed with its outcome unknown (the store carried it out and the answer was
+        lost, past the client's own retries) counts as done when the stored record is `body`."""
+        try:
+            yield
+        except (FileExistsError, PermissionError):
+            raise
+        except (OSError, SinkError):
+            if not self._landed(body):
+                raise
+
     def _replace(self, tag: str | None, generation: int, body: bytes | None = None) -> bool:
         """Overwrites the lease (with our record, or `body`) only if it is still the version we read."""
         self.generation = generation
         if self._store.is_local:
+            body = body or self._record()
             with self._local_lock():
                 _, now_tag = self._read()
                 if now_tag != tag:
                     return False
-                self._store.write_bytes(self._path, body or self._record())
+                with self._unless_landed(body):
+                    self._store.write_bytes(self._path, body)
             return True
         bucket, _, key = self._path.partition("/")
         body = body or self._record()
@@ -198,6 +214,8 @@ class Lease:
         except OSError as e:
             if e.errno == errno.EINVAL or isinstance(e, FileExistsError | FileNotFoundError):
                 return self._landed(body)  # 412 Precondition Failed: somebody else changed it first, or we did
+            if self._landed(body):  # carried out, its answer lost past the client's retries
+                return True
             raise SinkError(f"cannot write the output lease: {e}", path=self._store.full_uri(self._path)) from e
         self._store.fs.invalidate_cache(self._path)
         return True

@@ -185,6 +185,8 @@ def plan_parquet(
     check_types(schema, shard, columns)
     names = [meta.schema.column(i).path for i in range(meta.num_columns)]
     ts_index = names.index(columns.updated_at) if columns.updated_at in names else None
+    if window is not None and ts_index is None:
+        return []  # no row names a time: every row was read with its file, and `--since` adds none
     read = _read_columns(meta, columns)
     groups: list[_Group] = []
     offset = 0  # first row of the current row group

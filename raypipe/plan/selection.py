@@ -114,7 +114,7 @@ def plan_input(input: InputConfig, mode: str, output: OutputHistory, *, since: d
     units, bad = plan_listing(whole, sizes=listing.sizes, footer_sample=input.footer_sample, **common)
     window = None if since is None else DeltaWindow.since(since)
     if window is not None and since is not None and unchanged:
-        more, more_bad = plan_units(unchanged, need_updated_at=True, window=window, sizes=listing.sizes, **common)
+        more, more_bad = plan_units(unchanged, window=window, sizes=listing.sizes, **common)
         units += [dataclasses.replace(u, since=since.isoformat()) for u in more]
         bad += more_bad
     logger.info(

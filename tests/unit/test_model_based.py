@@ -54,14 +54,7 @@ from raypipe.run.modes import replay_run_id
 from tests.modelcheck.reference import Reference, Row, Version, order
 from tests.modelcheck.world import INVALID, KILL_POINTS, LOST_ANSWERS, Outcome, World
 
-PENDING: dict[str, str] = {
-    "one_row_per_id_across_files": "an id in two files read by one run is committed twice under that run id, and which "
-    "one `latest` shows is not documented",
-    "since_without_stamps": "`daily --since` records a file read before that has no `updated_at` column as a bad "
-    "shard, on every run: the daily never completes",
-    "lost_lease_answer": "a lease write carried out whose answer is lost stops the run, and the lease it wrote is "
-    "nobody's: every later run, its own run id too, waits it out (output.lease_s) or needs --force",
-}
+PENDING: dict[str, str] = {}
 """Clause or rule name -> why it is off: behaviour the code does not hold yet."""
 
 
@@ -311,18 +304,8 @@ class LossSearch(RuleBasedStateMachine):
         expected_failure = out.killed or (fault == "outage" and isinstance(out.error, CircuitOpenError))
         if lose is not None and isinstance(out.error, SinkError) and "answer was lost" in str(out.error):
             expected_failure = True
-            if lose == "lease" and not on("lost_lease_answer"):
-                self.dead_holder = run_id  # the lease it wrote is nobody's now: --force or expire
-        if (
-            not on("run_after_replay")
-            and "string_view" in str(out.error)
-            and any(r["mode"] == "replay" for r in self.runs.values())
-        ):
-            expected_failure = True
         if run["version"] != version and isinstance(out.error, ConfigError):
             expected_failure = True  # a resume under another model version is refused unless asked for
-        if since is not None and self.stampless & set(self.ref.files) and not on("since_without_stamps"):
-            expected_failure = True
         status = out.report.status if out.report is not None else repr(out.error)
         self.check("runs_complete", expected_failure, f"{mode} {run_id} without a fault did not complete: {status}")
         return out
@@ -512,18 +495,15 @@ class LossSearch(RuleBasedStateMachine):
             )
 
     @invariant()
-    def one_row_per_run_and_id(self) -> None:
-        if not on("one_row_per_run_and_id"):
-            return
+    def one_row_per_input_row(self) -> None:
+        """Each input row lands once per run: one row per (run, id, source file). An id in two
+        files has a row for each; `latest` decides between them by its documented rule."""
         rows = self.outcomes()
         if rows is None:
             return
-        keys = list(zip(rows.column("run_id").to_pylist(), rows.column("id").to_pylist(), strict=True))
+        keys = zip(*(rows.column(c).to_pylist() for c in ("run_id", "id", "source")), strict=True)
         twice = sorted(k for k, n in Counter(keys).items() if n > 1)
-        sources = Counter(zip(keys, rows.column("source").to_pylist(), strict=True))
-        same_source = sorted(k for (k, _), n in sources.items() if n > 1)
-        self.check("one_row_per_run_and_id", not same_source, f"rows of one source committed twice: {same_source[:5]}")
-        self.check("one_row_per_id_across_files", not twice, f"(run_id, id) committed more than once: {twice[:5]}")
+        self.check("one_row_per_input_row", not twice, f"rows of one source committed twice: {twice[:5]}")
 
 
 LossSearch.TestCase.settings = settings(

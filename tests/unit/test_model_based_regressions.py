@@ -62,16 +62,18 @@ def test_an_updated_at_of_timestamp_ns_with_sub_microsecond_digits_is_read(world
     assert answers(world) == {"r0": hash_of("t0")}
 
 
-@pending("one_row_per_id_across_files")
-def test_an_id_in_two_files_has_one_row_in_its_run(world):
+def test_an_id_in_two_files_has_a_row_per_input_row_and_one_documented_latest(world):
+    """Each input row lands once per run, so an id in two files has two rows in the run; `latest`
+    decides between them by the documented rule (same `updated_at`, one run: the greater text
+    hash), whichever unit committed first."""
     world.write_file("a.parquet", [Row("r0", "t0", T0)])
     world.write_file("b.parquet", [Row("r0", "t1", T0)])
     completed(world, "backfill", "b1")
     ids = read_outcomes(str(world.output), "b1").column("id").to_pylist()
-    assert ids == ["r0"]
+    assert ids == ["r0", "r0"]
+    assert answers(world) == {"r0": max(hash_of("t0"), hash_of("t1"))}
 
 
-@pending("since_without_stamps")
 def test_a_daily_since_over_a_file_without_updated_at_completes(world):
     world.write_file("a.parquet", [Row("r0", "t0", None)], stamps=False)
     completed(world, "backfill", "b1")
@@ -118,15 +120,14 @@ def test_a_run_over_a_non_ascii_shard_name_resumes(world):
     assert set(answers(world)) == {"r0", "r1", "r2"}
 
 
-@pending("lost_lease_answer")
 def test_a_lost_answer_to_the_lease_write_does_not_lock_the_output(world):
-    """The lease is written but its answer is lost: the run stops; run again under its run id,
-    without --force and without waiting (`output.lease_wait_s` is short here), it completes: the
-    attempt's own write is no live holder."""
+    """The lease is written but its answer is lost: the attempt reads the lease back, finds its
+    own record and goes on (before, the run stopped, and the lease it wrote was nobody's: every
+    later run waited it out or needed --force)."""
     world.write_file("a.parquet", [Row("r0", "t0", T0)])
     out = world.run("backfill", "b1", lose_answer="lease")
-    assert out.error is not None and "answer was lost" in str(out.error)
-    completed(world, "backfill", "b1")
+    assert out.error is None and out.report is not None and out.report.status == "completed", out.error
+    assert set(answers(world)) == {"r0"}
 
 
 @pending("invalid_rows_keep_their_reason")
@@ -140,7 +141,6 @@ def test_a_replay_keeps_an_invalid_rows_reason(world):
     assert (row["outcome"], row["error_kind"]) == ("dead_letter", "invalid_text")
 
 
-@pending("run_after_replay")
 def test_a_run_after_a_replay_completes(world):
     """Found by the state machine (shrunk, then cut by hand to its three runs): a backfill with
     a rejected row, a replay of it (still rejected: its MERGE rewrites the dead letter), then

@@ -37,6 +37,10 @@ def test_the_cli_sets_shards_aside_and_releases_them(tmp_path, capsys):
     from raypipe.commit.upkeep import quarantined
 
     out, shard = str(tmp_path / "out"), "s3://b/in/x.parquet"
+    assert main(["shards", "quarantine", "--output", out, shard]) == 2  # a mistyped output is not made
+    assert not (tmp_path / "out").exists()
+    capsys.readouterr()
+    (tmp_path / "out").mkdir()
     assert main(["shards", "quarantine", "--output", out, shard, "--reason", "vendor broke it"]) == 0
     assert json.loads(capsys.readouterr().out) == {"quarantined": [shard]}
     assert quarantined(out) == frozenset({shard})
