@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -43,7 +44,7 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
         self.answer_fewer = 0
         """Rows left out of each answer (a broken server)."""
 
-    async def Classify(self, request, context):
+    async def Classify(self, request: Any, context: Any) -> Any:
         self.metadata_seen.append(dict(context.invocation_metadata()))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
@@ -78,7 +79,7 @@ class FakeServicer(emotion_pb2_grpc.EmotionClassifierServicer):
             model_version="fake-1",
         )
 
-    async def ModelInfo(self, request, context):
+    async def ModelInfo(self, request: Any, context: Any) -> Any:
         self.calls["ModelInfo"] += 1
         await asyncio.sleep(0.05)  # long enough for concurrent first calls to overlap
         return emotion_pb2.ModelInfoResponse(

@@ -210,7 +210,7 @@ def test_replicas_only_on_pool_nodes_and_the_readme_job_submit_reaches_them_from
         "http://HEAD:8265": pool.jobs.dashboard_url,
         "s3://corpus/paragraphs/": corpus.uri,
         "s3://out/emotions/": out,
-        "raypipe-serve:9000": pool.address,
+        "SERVE_HOST:9000": pool.address,
         ".": str(ROOT),
     }
     cmd = [str(Path(sys.executable).parent / "ray")]
