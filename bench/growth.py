@@ -10,8 +10,9 @@ the figures are the bookkeeping's, not the model's.
 
     python -m bench.growth --files 50000 --dailies 1000
 
-writes `bench/results/growth-<UTC stamp>.json`: a row per sampled daily and the ratio of the
-last sample to the first for each figure (flat is ~1; growth with the history is >> 1).
+writes `bench/results/growth-<UTC stamp>.json` (after every sample, so a run stopped early keeps
+what it measured): a row per sampled daily and the ratio of the last sample to the first for each
+figure (flat is ~1; growth with the history is >> 1).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _tree(path: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
-def run_growth(files: int, dailies: int, *, samples: int = 20) -> dict[str, Any]:
+def run_growth(files: int, dailies: int, *, samples: int = 20, results: Path | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from raypipe.run.steps import PlanRun
     from tests.modelcheck.reference import Row
@@ -92,9 +93,15 @@ def run_growth(files: int, dailies: int, *, samples: int = 20) -> dict[str, Any]
                         }
                     )
                     print(json.dumps(rows[-1]), flush=True)
+                    if results is not None:  # a run stopped early keeps what it measured
+                        results.write_text(json.dumps(_result(files, dailies, backfill_s, rows), indent=1) + "\n")
         finally:
             world.close()
             PlanRun.plan = plan  # type: ignore[method-assign]
+    return _result(files, dailies, backfill_s, rows)
+
+
+def _result(files: int, dailies: int, backfill_s: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
     first, last = rows[0], rows[-1]
 
     def ratio(key: str) -> float | None:
@@ -104,6 +111,7 @@ def run_growth(files: int, dailies: int, *, samples: int = 20) -> dict[str, Any]
     return {
         "files": files,
         "dailies": dailies,
+        "dailies_done": last["daily"],
         "backfill_s": round(backfill_s, 1),
         "samples": rows,
         "last_over_first": {k: ratio(k) for k in ("wall_s", "planning_s", "log_bytes", "state_bytes", "state_files")},
@@ -117,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = run_growth(args.files, args.dailies, samples=args.samples)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or ROOT / "bench" / "results" / f"growth-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    result = run_growth(args.files, args.dailies, samples=args.samples, results=out)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["last_over_first"]))
     print(f"written to {out}")
