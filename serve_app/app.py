@@ -62,6 +62,7 @@ __all__ = [
     "concurrent_batches",
     "set_concurrent_batches",
     "thread_layout",
+    "usable_cores",
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,9 +129,19 @@ class ThreadLayout:
     inter_op: int
 
 
-def thread_layout(settings: ServerSettings, cpus: float) -> ThreadLayout:
-    """The thread counts for a replica with `cpus` CPUs, from the settings or their defaults."""
-    cores = max(1, math.ceil(cpus - 1e-9))
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity): a node may declare more logical CPUs
+    to Ray than it has (`ray start --num-cpus`), and threads beyond the cores only take turns."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity call on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def thread_layout(settings: ServerSettings, cpus: float, cores_here: int) -> ThreadLayout:
+    """The thread counts for a replica with `cpus` CPUs on a host whose process may use
+    `cores_here` cores, from the settings or their defaults (explicit settings are kept as given)."""
+    cores = max(1, min(math.ceil(cpus - 1e-9), cores_here))
     model = settings.model_threads or cores
     intra = settings.intra_op_threads or max(1, math.ceil(cores / model))
     return ThreadLayout(model=model, intra_op=intra, inter_op=settings.inter_op_threads or model)
@@ -301,7 +312,7 @@ class EmotionClassifier:
         from serve_app.runtimes import resolve, served_version
 
         self._settings = ServerSettings.from_dict(settings)
-        self._threads = thread_layout(self._settings, _replica_cpus())
+        self._threads = thread_layout(self._settings, _replica_cpus(), usable_cores())
         # The runtime x precision the settings, the measured record and this CPU allow (or a GateError).
         serving = resolve(model_dir, self._settings)
         if serving.runtime == "tensorflow":

@@ -74,7 +74,8 @@ class ServerSettings:
     model_threads: int | None = None
     """Forward passes computed at once, each on its own model thread: a batch's passes (its
     length-sorted chunks) spread over them, and a next batch's passes queue behind. Default:
-    the replica's CPUs, rounded up. Measured on 2 cores (MiniLM shape, length-sorted calls of 32): two
+    the replica's CPUs, rounded up, at most the cores the process may run on. Measured on 2
+    cores (MiniLM shape, length-sorted calls of 32): two
     single-threaded forward passes side by side ran 15% faster than one pass on two
     threads, and 22-30% faster while another process took 30% of a core (as Serve's proxy
     and the Ray Data actors do on a small node): a preempted thread stalls every barrier of

@@ -22,7 +22,20 @@ from serve_app.settings import ServerSettings
     ],
 )
 def test_thread_layout_defaults_to_one_single_threaded_pass_per_core(cpus, given, layout) -> None:
-    assert thread_layout(ServerSettings.from_dict(given), cpus) == layout
+    assert thread_layout(ServerSettings.from_dict(given), cpus, cores_here=64) == layout
+
+
+@pytest.mark.parametrize(
+    ("cpus", "cores_here", "given", "layout"),
+    [
+        (7.5, 2, {}, ThreadLayout(model=2, intra_op=1, inter_op=2)),  # a node declaring 8 CPUs on 2 cores
+        (7.5, 1, {}, ThreadLayout(model=1, intra_op=1, inter_op=1)),
+        (3.0, 4, {}, ThreadLayout(model=3, intra_op=1, inter_op=3)),  # fewer CPUs than cores: the CPUs decide
+        (7.5, 2, {"model_threads": 4}, ThreadLayout(model=4, intra_op=1, inter_op=4)),  # given: kept
+    ],
+)
+def test_default_threads_never_outnumber_the_cores_the_replica_may_use(cpus, cores_here, given, layout) -> None:
+    assert thread_layout(ServerSettings.from_dict(given), cpus, cores_here) == layout
 
 
 @pytest.mark.parametrize("name", ["model_threads", "intra_op_threads", "inter_op_threads"])
