@@ -11,6 +11,12 @@
   submitters as a third with no cloud role (they only send the entrypoint to their head); none
   runs as the namespace's default account. Where workload identity annotates the accounts, each
   has its own role, and the submitters' has none.
+- The model service's bearer token from one Secret: every Ray container of the model service
+  and of the job clusters sets `RAYPIPE_SERVICE_TOKEN` (`protos.credential.TOKEN_ENV`) from the
+  Secret `raypipe-service-token`, key `token`, never from a literal; the RayService's builder is
+  told to check it (`args.token_env`). The model service's replicas check every call against it,
+  the jobs' drivers (on their heads) and actors (on their workers) send it. Submitters and the
+  legacy scheduler call no model and hold no such token.
 - API tokens only where needed: every rendered ServiceAccount sets
   `automountServiceAccountToken: false`; a pod template turns it on only for a Ray head with
   the in-tree autoscaler (KubeRay binds the autoscaler's Role to the head's account) or for the
@@ -21,7 +27,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kuberay.validate import Resource, cluster_pod_templates, get, jobs, ref
+import yaml
+
+from kuberay.validate import Resource, cluster_pod_templates, get, jobs, pod_templates, ref
+from protos.credential import TOKEN_ENV
+
+SERVICE_TOKEN_SECRET = "raypipe-service-token"  # noqa: S105  a Secret's name, not a token
+SERVICE_TOKEN_KEY = "token"  # noqa: S105  the Secret's key name
+"""Where the model service's bearer token comes from (created out of band: docs/kuberay.md)."""
+BUILDER = "serve_app.builder:app_builder"
 
 TOKEN_KEY = "auth_token"  # noqa: S105  the Secret's key name, not a token
 """The key KubeRay reads from a token Secret (utils.RAY_AUTH_TOKEN_SECRET_KEY)."""
@@ -145,5 +159,70 @@ def token_mount_problems(resources: list[Resource]) -> list[str]:
     return problems
 
 
+def _service_token_source(container: dict[str, Any]) -> tuple[str, str] | str | None:
+    """Where a container's `TOKEN_ENV` comes from: (Secret, key), "literal", or None (unset)."""
+    for var in container.get("env") or []:
+        if var.get("name") != TOKEN_ENV:
+            continue
+        key_ref = get(var, "valueFrom", "secretKeyRef")
+        if key_ref is None:
+            return "literal" if "value" in var else "elsewhere"
+        return (str(key_ref.get("name")), str(key_ref.get("key")))
+    return None
+
+
+def service_token_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    wanted = (SERVICE_TOKEN_SECRET, SERVICE_TOKEN_KEY)
+    for owner, where, cluster, _ in _clusters(resources):
+        role = "checks" if owner.startswith("RayService/") else "sends"
+        for at, pod in cluster_pod_templates(where, cluster):
+            ray = get(pod, "spec", "containers", 0, default={})
+            source = _service_token_source(ray)
+            if source == wanted:
+                continue
+            name = f"{at}.containers[{ray.get('name')}]"
+            if source is None:
+                problems.append(
+                    f"{name}: {TOKEN_ENV} is not set: this Ray container {role} the model service's token; set it "
+                    f"from secretKeyRef {SERVICE_TOKEN_SECRET}[{SERVICE_TOKEN_KEY}]"
+                )
+            else:
+                problems.append(
+                    f"{name}: {TOKEN_ENV} must come from secretKeyRef {SERVICE_TOKEN_SECRET}[{SERVICE_TOKEN_KEY}], "
+                    f"not {source if isinstance(source, str) else '{}[{}]'.format(*source)}"
+                )
+    for r in resources:
+        if r.get("kind") != "RayService":
+            continue
+        try:
+            config = yaml.safe_load(get(r, "spec", "serveConfigV2", default="") or "") or {}
+        except yaml.YAMLError:
+            continue  # serve_check reports it
+        for app in get(config, "applications", default=[]) or []:
+            args = app.get("args") or {}
+            if app.get("import_path") == BUILDER and args.get("token_env") != TOKEN_ENV:
+                problems.append(
+                    f"{ref(r)}: application {app.get('name')}: args.token_env must be {TOKEN_ENV}, or its replicas "
+                    "answer calls without the token"
+                )
+    callers = {at for _, where, cluster, _ in _clusters(resources) for at, _ in cluster_pod_templates(where, cluster)}
+    for at, pod in pod_templates(resources):
+        if at in callers:
+            continue
+        for c in get(pod, "spec", "containers", default=[]) or []:
+            if _service_token_source(c) is not None:
+                problems.append(
+                    f"{at}.containers[{c.get('name')}]: holds {TOKEN_ENV} but calls no model (a submitter or a "
+                    "scheduler): leave it to the Ray containers"
+                )
+    return problems
+
+
 def identity_problems(resources: list[Resource]) -> list[str]:
-    return token_problems(resources) + account_problems(resources) + token_mount_problems(resources)
+    return (
+        token_problems(resources)
+        + account_problems(resources)
+        + token_mount_problems(resources)
+        + service_token_problems(resources)
+    )

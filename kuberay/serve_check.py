@@ -17,9 +17,11 @@
 from __future__ import annotations
 
 import importlib
+import os
 import typing
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import yaml
 
@@ -97,9 +99,14 @@ def _build_problems(where: str, app: Any, args: dict[str, Any], model_dir: Path)
     from ray.serve._private.build_app import build_app
     from ray.serve._private.deployment_info import DeploymentInfo
 
+    # The pods set the token variable from a Secret (`kuberay.identity` checks they do); here a
+    # stand-in lets the builder run as it would there.
+    token_env = args.get("token_env")
+    stand_in = {token_env: "stand-in"} if isinstance(token_env, str) and not os.environ.get(token_env) else {}
     try:
         builder = import_object(app.import_path)
-        application = call_user_app_builder_with_args_if_necessary(builder, {**args, "model_dir": str(model_dir)})
+        with mock.patch.dict(os.environ, stand_in):
+            application = call_user_app_builder_with_args_if_necessary(builder, {**args, "model_dir": str(model_dir)})
         built = build_app(application, name=app.name)
         infos = {
             d.name: DeploymentInfo(

@@ -13,14 +13,18 @@ those `args` and returns the same bound application that `raypipe serve` runs, b
         args:
           model_dir: /opt/raypipe/model   # a local directory on every node; never downloaded here
           settings: {max_batch_size: 256} # serve_app.settings.ServerSettings
-          token_file: /var/run/raypipe/service-token/token  # optional: calls must carry this token
+          token_env: RAYPIPE_SERVICE_TOKEN  # optional: calls must carry the token in this variable
         deployments:
           - name: EmotionClassifier
             num_replicas: auto            # the code pins 1 replica; "auto" lets autoscaling_config rule
             autoscaling_config: {min_replicas: 1, max_replicas: 8}
 
-With `token_file` (a Kubernetes Secret mounted on the head, say) every call must carry that
-token as `authorization: Bearer <token>` (`protos.credential`), as with `raypipe serve`.
+With `token_env` (the name of an environment variable of the pods, set from a Kubernetes Secret:
+the bundled RayService sets `RAYPIPE_SERVICE_TOKEN` from `raypipe-service-token`) or `token_file`
+(a file of mode 0600 on the node where the app is built) every call must carry that token as
+`authorization: Bearer <token>` (`protos.credential`), as with `raypipe serve`. A variable, not a
+Secret volume: Kubernetes adds group read bits to a Secret volume's files when the pod sets
+`fsGroup`, as every raypipe pod does, and a token file others may read is refused.
 
 Replica counts, CPUs and autoscaling belong in the config's `deployments` entry, where Serve
 applies them over the code's defaults; `args` carries only what the code cannot default.
@@ -28,6 +32,7 @@ applies them over the code's defaults; `args` carries only what the code cannot 
 
 from __future__ import annotations
 
+import os
 from typing import Any, cast
 
 from ray.serve import Application
@@ -38,7 +43,7 @@ from serve_app.settings import ServerSettings
 
 __all__ = ["ARGS", "app_builder"]
 
-ARGS = ("model_dir", "settings", "token_file")
+ARGS = ("model_dir", "settings", "token_env", "token_file")
 """The keys `app_builder` accepts in the application's `args`."""
 
 
@@ -58,12 +63,28 @@ def app_builder(args: dict[str, Any]) -> Application:
     settings = args.get("settings") or {}
     if not isinstance(settings, dict):
         raise ValueError(f"application args: settings must be a mapping, not {type(settings).__name__}")
-    digest = None
-    token_file = args.get("token_file")
+    token = _token(args)
+    digest = token_digest(token) if token is not None else None
+    return cast(Application, build_app(model_dir, ServerSettings.from_dict(settings), token_sha256=digest))
+
+
+def _token(args: dict[str, Any]) -> str | None:
+    """The token named by `token_env` or `token_file`, read where the app is built (the
+    controller's node); the replicas get its digest only. None when neither is given."""
+    token_env, token_file = args.get("token_env"), args.get("token_file")
+    if token_env is not None and token_file is not None:
+        raise ValueError("application args: token_env or token_file, not both")
+    if token_env is not None:
+        if not isinstance(token_env, str) or not token_env.strip():
+            raise ValueError("application args: token_env must name an environment variable")
+        value = os.environ.get(token_env, "").strip()
+        if not value:
+            # The name only: the variable may hold the token on another node.
+            raise ValueError(f"application args: environment variable {token_env} is not set (or empty) on this node")
+        return value
     if token_file is not None:
-        # Read where the app is built (the controller's node); the replicas get the digest only.
         token = read_token(str(token_file), environ={})
         if token is None:
             raise ValueError(f"application args: token_file {token_file} does not exist on this node")
-        digest = token_digest(token)
-    return cast(Application, build_app(model_dir, ServerSettings.from_dict(settings), token_sha256=digest))
+        return token
+    return None

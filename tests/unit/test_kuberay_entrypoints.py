@@ -267,8 +267,8 @@ TLS_BREAKS: dict[str, tuple[str, Callable[[list[Resource]], None], str]] = {
     ),
     "token-variable-unset": (
         "prod-tls",
-        _replace(_backfill, "--set actors", "--set service.token_env=RAYPIPE_SERVICE_TOKEN --set actors"),
-        "service.token_env RAYPIPE_SERVICE_TOKEN is not set in rayClusterSpec.workerGroupSpecs[0].template",
+        _replace(_backfill, "--set actors", "--set service.token_env=GATEWAY_TOKEN --set actors"),
+        "service.token_env GATEWAY_TOKEN is not set in rayClusterSpec.workerGroupSpecs[0].template",
     ),
 }
 

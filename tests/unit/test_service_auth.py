@@ -239,3 +239,20 @@ def test_the_rayservice_builder_deploys_with_the_digest_of_its_token_file(tmp_pa
     with pytest.raises(ValueError, match="does not exist"):
         app_builder({"model_dir": str(demo_model_dir), "token_file": str(tmp_path / "missing")})
     assert app_builder({"model_dir": str(demo_model_dir)})._bound_deployment.init_args[-1] is None
+
+
+def test_the_rayservice_builder_deploys_with_the_digest_of_its_token_variable(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled RayService sets RAYPIPE_SERVICE_TOKEN from a Secret and names it in args.token_env."""
+    from serve_app.builder import app_builder
+
+    args = {"model_dir": str(demo_model_dir), "token_env": "RAYPIPE_SERVICE_TOKEN"}
+    monkeypatch.setenv("RAYPIPE_SERVICE_TOKEN", "s3cr3t-from-a-secret\n")
+    init_args = app_builder(args)._bound_deployment.init_args
+    assert init_args[-1] == token_digest("s3cr3t-from-a-secret") and "s3cr3t" not in repr(init_args)
+    monkeypatch.delenv("RAYPIPE_SERVICE_TOKEN")
+    with pytest.raises(ValueError, match="RAYPIPE_SERVICE_TOKEN is not set"):
+        app_builder(args)
+    with pytest.raises(ValueError, match="not both"):
+        app_builder({**args, "token_file": "/nonexistent"})
