@@ -9,7 +9,9 @@
   `POOL_RESOURCE_PER_NODE` of it, and no other group (a head, a job cluster) advertises it.
 - The model-tls component, when present: the Service offers only the TLS port; a sidecar on
   every worker serves it with a certificate from a Secret and forwards to the Serve gRPC
-  proxy on 127.0.0.1, offering ALPN h2.
+  proxy on 127.0.0.1, offering ALPN h2, over HTTP/2 both ways; it refuses a call without an
+  `authorization: Bearer` header before forwarding it (an RBAC filter ahead of the router, every
+  allowing policy requiring the header), answering UNAUTHENTICATED (its 403 turned into 401).
 """
 
 from __future__ import annotations
@@ -223,4 +225,81 @@ def _proxy_problems(data: dict[str, Any], tls: int, grpc_port: int | None) -> li
         ]
         if [(u.get("address"), u.get("port_value")) for u in upstreams] != [("127.0.0.1", grpc_port)]:
             problems.append(f"{key}: forwards to {upstreams}, not to the Serve gRPC proxy at 127.0.0.1:{grpc_port}")
+        problems += [f"{key}: {why}" for why in _credential_problems(config)]
+    return problems
+
+
+HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+RBAC = "envoy.extensions.filters.http.rbac.v3.RBAC"
+ROUTER = "envoy.extensions.filters.http.router.v3.Router"
+UPSTREAM_HTTP = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def _type(node: Any) -> str:
+    return str(get(node, "typed_config", "@type", default="")).rpartition("/")[2]
+
+
+def _requires_bearer(principal: dict[str, Any]) -> bool:
+    """Whether an RBAC principal holds only for a request with `authorization: Bearer ...`
+    (a header principal, or an and_ids of principals one of which is that)."""
+    if "and_ids" in principal:
+        return any(_requires_bearer(p) for p in get(principal, "and_ids", "ids", default=[]) or [])
+    header = principal.get("header") or {}
+    match = header.get("string_match") or {}
+    return (
+        str(header.get("name", "")).lower() == "authorization"
+        and not header.get("invert_match")
+        and str(match.get("prefix", "")).lower() == "bearer "
+    )
+
+
+def _credential_problems(config: dict[str, Any]) -> list[str]:
+    """The proxy refuses a call without `authorization: Bearer` before the router forwards it."""
+    problems = []
+    for li in get(config, "static_resources", "listeners", default=[]) or []:
+        for chain in li.get("filter_chains") or []:
+            filters = chain.get("filters") or []
+            if [_type(f) for f in filters] != [HCM]:
+                problems.append(
+                    f"listener {li.get('name')}: its filter chain must be one HTTP connection manager, not "
+                    f"{[_type(f) or f.get('name') for f in filters]} (a TCP proxy cannot see a call's credential)"
+                )
+                continue
+            hcm = filters[0]["typed_config"]
+            http = hcm.get("http_filters") or []
+            kinds = [_type(f) for f in http]
+            rbac = [f["typed_config"] for f in http if _type(f) == RBAC]
+            if not kinds or kinds[-1] != ROUTER or not rbac or kinds.index(RBAC) > kinds.index(ROUTER):
+                problems.append(
+                    f"listener {li.get('name')}: needs an RBAC filter before the router (filters: {kinds}): "
+                    "calls without a credential would reach the model service"
+                )
+                continue
+            for r in rbac:
+                rules = r.get("rules") or {}
+                policies = rules.get("policies") or {}
+                open_policies = [
+                    name
+                    for name, pol in policies.items()
+                    if not (pol.get("principals") and all(_requires_bearer(p) for p in pol["principals"]))
+                ]
+                if rules.get("action", "ALLOW") != "ALLOW" or not policies or open_policies:
+                    problems.append(
+                        f"listener {li.get('name')}: the RBAC filter must ALLOW only requests with "
+                        f"`authorization: Bearer ...` (policies that do not require it: {open_policies or 'all'})"
+                    )
+            mappers = get(hcm, "local_reply_config", "mappers", default=[]) or []
+            if not any(
+                get(m, "filter", "status_code_filter", "comparison", "value", "default_value") == 403
+                and m.get("status_code") == 401
+                for m in mappers
+            ):
+                problems.append(
+                    f"listener {li.get('name')}: a refused call gets PERMISSION_DENIED; map the RBAC filter's 403 "
+                    "to 401 (local_reply_config) so it gets UNAUTHENTICATED, as from a replica"
+                )
+    for c in get(config, "static_resources", "clusters", default=[]) or []:
+        options = get(c, "typed_extension_protocol_options", UPSTREAM_HTTP, default={}) or {}
+        if get(options, "explicit_http_config", "http2_protocol_options") is None:
+            problems.append(f"cluster {c.get('name')}: gRPC needs HTTP/2 to the Serve proxy (explicit_http_config)")
     return problems

@@ -99,6 +99,118 @@ def test_the_proxy_forwards_to_the_serve_grpc_port() -> None:
     assert checked["alpn"] == ["h2"]
 
 
+# --- the credential at the proxy ------------------------------------------------------------
+
+GRPC_STATUS = {200: 0, 401: 16, 403: 7}  # Envoy's httpToGrpcStatus for the codes in play
+
+
+def _header_matches(matcher: dict[str, Any], headers: dict[str, str]) -> bool:
+    """Envoy's HeaderMatcher, for the forms the proxy's config uses; anything else fails the test."""
+    assert set(matcher) <= {"name", "string_match", "invert_match"}, matcher
+    value = headers.get(matcher["name"].lower())
+    match = matcher["string_match"]
+    assert set(match) <= {"prefix", "exact", "ignore_case"}, match
+    if value is None:
+        return False
+    fold = (lambda x: x.lower()) if match.get("ignore_case") else (lambda x: x)
+    hit = fold(value).startswith(fold(match["prefix"])) if "prefix" in match else fold(value) == fold(match["exact"])
+    return hit != bool(matcher.get("invert_match"))
+
+
+def _principal(principal: dict[str, Any], headers: dict[str, str]) -> bool:
+    if principal.get("any"):
+        return True
+    if "and_ids" in principal:
+        return all(_principal(p, headers) for p in principal["and_ids"]["ids"])
+    if "or_ids" in principal:
+        return any(_principal(p, headers) for p in principal["or_ids"]["ids"])
+    assert set(principal) == {"header"}, principal
+    return _header_matches(principal["header"], headers)
+
+
+def proxy_answer(config: dict[str, Any], headers: dict[str, str]) -> tuple[str, int]:
+    """What the TLS proxy does with a gRPC call carrying `headers`: ("forward", cluster) or
+    ("refuse", grpc-status), following its filter chain as Envoy does (RBAC filters, then the
+    router's route; a refused call's local reply through local_reply_config's mappers)."""
+    (chain,) = listener(config)["filter_chains"]
+    (network_filter,) = chain["filters"]
+    hcm = network_filter["typed_config"]
+    if not hcm["@type"].endswith("HttpConnectionManager"):
+        return ("forward", 0)  # an L4 proxy passes every call through unseen
+    for http_filter in hcm["http_filters"]:
+        kind = http_filter["typed_config"]["@type"].rpartition(".")[2]
+        if kind == "Router":
+            (host,) = hcm["route_config"]["virtual_hosts"]
+            route = next(r for r in host["routes"] if headers[":path"].startswith(r["match"]["prefix"]))
+            return ("forward", route["route"]["cluster"])
+        assert kind == "RBAC", http_filter
+        rules = http_filter["typed_config"]["rules"]
+        matched = any(
+            any(p.get("any") for p in policy_["permissions"])
+            and any(_principal(p, headers) for p in policy_["principals"])
+            for policy_ in rules["policies"].values()
+        )
+        if matched != (rules.get("action", "ALLOW") == "ALLOW"):
+            status = 403
+            for mapper in hcm.get("local_reply_config", {}).get("mappers", []):
+                comparison = mapper["filter"]["status_code_filter"]["comparison"]
+                if comparison["op"] == "EQ" and comparison["value"]["default_value"] == status:
+                    status = mapper["status_code"]
+                    break
+            return ("refuse", GRPC_STATUS[status])
+    raise AssertionError("no router: the call goes nowhere")
+
+
+def test_the_proxy_refuses_a_call_without_a_bearer_token_before_the_model_service() -> None:
+    config: dict[str, Any] = {}
+    envoy(rendered(), config.update)
+    call = {
+        ":path": "/raypipe.v1.EmotionClassifier/Predict",
+        "content-type": "application/grpc",
+        "application": "raypipe",
+    }
+    assert proxy_answer(config, call) == ("refuse", 16)  # UNAUTHENTICATED, as from a replica
+    assert proxy_answer(config, {**call, "authorization": "Basic dXNlcjpwdw=="}) == ("refuse", 16)
+    assert proxy_answer(config, {**call, "authorization": "Bearer 0123abcd"}) == ("forward", "serve-grpc")
+    assert proxy_answer(config, {**call, "authorization": "bearer 0123abcd"}) == ("forward", "serve-grpc")
+    # the replica, not the proxy, compares the token: its value is not in the proxy's config
+    assert "0123abcd" not in yaml.safe_dump(config)
+
+
+def test_the_proxy_speaks_http2_to_the_serve_proxy_without_a_route_timeout() -> None:
+    config: dict[str, Any] = {}
+    envoy(rendered(), config.update)
+    (cluster,) = config["static_resources"]["clusters"]
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in options["explicit_http_config"]
+    hcm = listener(config)["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["route"].get("timeout") for r in routes] == ["0s"]  # Envoy's default would cut a call at 15 s
+
+
+def _http(config: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = listener(config)["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def _tcp_only(config: dict[str, Any]) -> None:
+    listener(config)["filter_chains"][0]["filters"] = [
+        {
+            "name": "envoy.filters.network.tcp_proxy",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                "stat_prefix": "grpcs",
+                "cluster": "serve-grpc",
+            },
+        }
+    ]
+
+
+def _rbac_rules(config: dict[str, Any]) -> dict[str, Any]:
+    rules: dict[str, Any] = _http(config)["http_filters"][0]["typed_config"]["rules"]
+    return rules
+
+
 def _drop_sidecar(rs: list[Resource]) -> None:
     worker_spec(rs)["containers"] = [c for c in worker_spec(rs)["containers"] if c["name"] != "tls-proxy"]
 
@@ -141,6 +253,41 @@ BREAKS: dict[str, tuple[str, Callable[[list[Resource]], Any], str]] = {
         "prod-tls",
         lambda rs: envoy(rs, lambda c: upstream(c).update(port_value=8000)),
         "not to the Serve gRPC proxy at 127.0.0.1:9000",
+    ),
+    "proxy-tcp-only": (
+        "prod-tls",
+        lambda rs: envoy(rs, _tcp_only),
+        "must be one HTTP connection manager, not ['envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy']",
+    ),
+    "proxy-without-rbac": (
+        "prod-tls",
+        lambda rs: envoy(rs, lambda c: _http(c)["http_filters"].pop(0)),
+        "needs an RBAC filter before the router",
+    ),
+    "proxy-rbac-after-the-router": (
+        "prod-tls",
+        lambda rs: envoy(rs, lambda c: _http(c)["http_filters"].reverse()),
+        "needs an RBAC filter before the router",
+    ),
+    "proxy-allows-anyone": (
+        "prod-tls",
+        lambda rs: envoy(
+            rs,
+            lambda c: _rbac_rules(c)["policies"].update(
+                anyone={"permissions": [{"any": True}], "principals": [{"any": True}]}
+            ),
+        ),
+        "policies that do not require it: ['anyone']",
+    ),
+    "proxy-denies-with-permission-denied": (
+        "prod-tls",
+        lambda rs: envoy(rs, lambda c: _http(c).pop("local_reply_config")),
+        "a refused call gets PERMISSION_DENIED",
+    ),
+    "proxy-http1-upstream": (
+        "prod-tls",
+        lambda rs: envoy(rs, lambda c: c["static_resources"]["clusters"][0].pop("typed_extension_protocol_options")),
+        "cluster serve-grpc: gRPC needs HTTP/2",
     ),
     "clients-still-on-plaintext": (
         "prod-tls",
