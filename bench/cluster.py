@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from bench.tcp_proxy import free_port
-from raypipe.run.driver import LOCAL_CLUSTER_FLAGS, with_fast_start
+from raypipe.run.driver import LOCAL_CLUSTER_FLAGS, ensure_cluster_token, with_fast_start
 
 __all__ = [
     "Cluster",
@@ -36,6 +36,7 @@ __all__ = [
     "ReplicaWatch",
     "TreeUsage",
     "bench_env",
+    "ensure_ray_token",
     "watch_replicas",
 ]
 
@@ -47,11 +48,14 @@ TEMP_DIR = "/tmp/rpbench"
 
 
 def bench_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment every process of the benchmark runs with."""
+    """The environment every process of the benchmark runs with. Ray's token authentication is
+    on, as on the clusters `raypipe serve --detach` starts (`RAY_AUTH_MODE=token`; the token file
+    is the user's, `RAY_AUTH_TOKEN_PATH` where set, created 0600 when missing by
+    `ensure_ray_token`); `bench.auth` measures what it costs against `disabled`."""
     env = dict(os.environ)
     env.update(
         {
-            "RAY_AUTH_MODE": "disabled",
+            "RAY_AUTH_MODE": "token",
             "RAY_ADDRESS": f"127.0.0.1:{RAY_PORT}",
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -63,6 +67,13 @@ def bench_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     )
     env.update(extra or {})
     return env
+
+
+def ensure_ray_token(env: dict[str, str]) -> None:
+    """The cluster's token file exists (mode 0600) before ``ray start`` runs with `env`, as
+    `raypipe serve --detach` makes sure (``ray start`` alone would write it readable by all)."""
+    if env.get("RAY_AUTH_MODE", "").lower() == "token":
+        ensure_cluster_token(env)
 
 
 @dataclass
@@ -233,6 +244,7 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         self.logs.mkdir(parents=True, exist_ok=True)
+        ensure_ray_token(self.env)
         self._ray("stop", "--force", check=False)
         self._ray(
             "start",
@@ -426,6 +438,7 @@ class LocalNodes:
 
     def __enter__(self) -> LocalNodes:
         self.root.mkdir(parents=True, exist_ok=True)
+        ensure_ray_token(self.env)
         self._kill_marked(str(self.root))  # leftovers of an earlier run in the same root
         self._start("head", self.head_cpus, {}, head=True)
         return self

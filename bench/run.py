@@ -511,7 +511,7 @@ def _environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": dirty,
         "command": "python -m bench.run " + shlex.join(argv),
-        # How Ray's own RPCs were authenticated: users' clusters may differ (bench.docs says so).
+        # How Ray's own RPCs were authenticated (bench.docs says so where it is not a user's token).
         "ray_auth_mode": bench_env().get("RAY_AUTH_MODE", ""),
         "quick": bool(args.quick),
         "cpu": cpu_info(),
