@@ -17,6 +17,9 @@
   told to check it (`args.token_env`). The model service's replicas check every call against it,
   the jobs' drivers (on their heads) and actors (on their workers) send it. Submitters and the
   legacy scheduler call no model and hold no such token.
+- A RayJob creator held in check: an account whose Role may create RayJobs (the legacy daily
+  scheduler) may create pods of any shape through them, so a ValidatingAdmissionPolicy must
+  match that account's requests on RayJobs (create and delete) and be bound with `Deny`.
 - API tokens only where needed: every rendered ServiceAccount sets
   `automountServiceAccountToken: false`; a pod template turns it on only for a Ray head with
   the in-tree autoscaler (KubeRay binds the autoscaler's Role to the head's account) or for the
@@ -219,10 +222,64 @@ def service_token_problems(resources: list[Resource]) -> list[str]:
     return problems
 
 
+def _creators(resources: list[Resource]) -> set[str]:
+    """ServiceAccounts bound to a Role that may create RayJobs."""
+    roles = {
+        get(r, "metadata", "name")
+        for r in resources
+        if r.get("kind") == "Role"
+        and any(
+            "ray.io" in (rule.get("apiGroups") or [])
+            and {"rayjobs", "*"} & set(rule.get("resources") or [])
+            and {"create", "*"} & set(rule.get("verbs") or [])
+            for rule in r.get("rules") or []
+        )
+    }
+    return {
+        str(s.get("name"))
+        for r in resources
+        if r.get("kind") == "RoleBinding" and get(r, "roleRef", "name") in roles
+        for s in r.get("subjects") or []
+        if s.get("kind") == "ServiceAccount"
+    }
+
+
+def creator_problems(resources: list[Resource]) -> list[str]:
+    problems = []
+    policies = {get(r, "metadata", "name"): r for r in resources if r.get("kind") == "ValidatingAdmissionPolicy"}
+    denying = {
+        get(r, "spec", "policyName")
+        for r in resources
+        if r.get("kind") == "ValidatingAdmissionPolicyBinding" and "Deny" in (get(r, "spec", "validationActions") or [])
+    }
+    for account in sorted(_creators(resources)):
+        guarded = [
+            name
+            for name, r in policies.items()
+            if name in denying
+            and get(r, "spec", "failurePolicy", default="Fail") == "Fail"
+            and any(
+                f":{account}'" in str(c.get("expression", "")) for c in get(r, "spec", "matchConditions", default=[])
+            )
+            and any(
+                "rayjobs" in (rule.get("resources") or []) and {"CREATE", "DELETE"} <= set(rule.get("operations") or [])
+                for rule in get(r, "spec", "matchConstraints", "resourceRules", default=[])
+            )
+        ]
+        if not guarded:
+            problems.append(
+                f"ServiceAccount {account} may create RayJobs, i.e. pods of any shape: bind a "
+                "ValidatingAdmissionPolicy (failurePolicy Fail, validationActions Deny) on its RayJob creates and "
+                "deletes (components/daily-cronjob-legacy/admission-policy.yaml)"
+            )
+    return problems
+
+
 def identity_problems(resources: list[Resource]) -> list[str]:
     return (
         token_problems(resources)
         + account_problems(resources)
         + token_mount_problems(resources)
         + service_token_problems(resources)
+        + creator_problems(resources)
     )
