@@ -16,7 +16,8 @@
   Secret `raypipe-service-token`, key `token`, never from a literal; the RayService's builder is
   told to check it (`args.token_env`). The model service's replicas check every call against it,
   the jobs' drivers (on their heads) and actors (on their workers) send it. Submitters and the
-  legacy scheduler call no model and hold no such token.
+  pods of an account that creates RayJobs (the legacy scheduler) call no model and hold no such
+  token.
 - A RayJob creator held in check: an account whose Role may create RayJobs (the legacy daily
   scheduler) may create pods of any shape through them, so a ValidatingAdmissionPolicy must
   match that account's requests on RayJobs (create and delete) and be bound with `Deny`.
@@ -209,10 +210,13 @@ def service_token_problems(resources: list[Resource]) -> list[str]:
                     f"{ref(r)}: application {app.get('name')}: args.token_env must be {TOKEN_ENV}, or its replicas "
                     "answer calls without the token"
                 )
-    callers = {at for _, where, cluster, _ in _clusters(resources) for at, _ in cluster_pod_templates(where, cluster)}
-    for at, pod in pod_templates(resources):
-        if at in callers:
-            continue
+    # Pods that call no model: the submitters, and the pods of an account that creates RayJobs.
+    creators = _creators(resources)
+    bystanders = [(f"{owner}.submitterPodTemplate", sub) for owner, _, _, sub in _clusters(resources) if sub]
+    bystanders += [
+        (at, pod) for at, pod in pod_templates(resources) if get(pod, "spec", "serviceAccountName") in creators
+    ]
+    for at, pod in bystanders:
         for c in get(pod, "spec", "containers", default=[]) or []:
             if _service_token_source(c) is not None:
                 problems.append(

@@ -170,6 +170,13 @@ BREAKS: dict[str, tuple[str, Mutation, str]] = {
         ].append({"name": TOKEN_ENV, "valueFrom": FROM_SECRET}),
         "RayJob/raypipe-backfill.submitterPodTemplate.containers[ray-job-submitter]: holds RAYPIPE_SERVICE_TOKEN",
     ),
+    "scheduler-holds-it": (
+        "prod-kuberay-1.5",
+        lambda rs: _named(rs, "CronJob", "raypipe-daily-legacy")["spec"]["jobTemplate"]["spec"]["template"]["spec"][
+            "containers"
+        ][0]["env"].append({"name": TOKEN_ENV, "valueFrom": FROM_SECRET}),
+        "CronJob/raypipe-daily-legacy.spec.jobTemplate.spec.template.containers[create-rayjob]: holds",
+    ),
 }
 
 
