@@ -11,10 +11,12 @@
 - The network (`kuberay.netpol`): every raypipe pod closed by default, each Ray cluster open to
   itself, the gRPC port to the job pods, the heads' dashboards to the operator and submitters.
 - Identities (`kuberay.identity`): a token Secret per cluster, separate ServiceAccounts for the
-  model service and the jobs, API tokens only where the autoscaler needs them.
+  model service and the jobs, API tokens only where the autoscaler needs them, the model
+  service's bearer token from its Secret in every Ray container, and an admission policy on any
+  account that may create RayJobs.
 - The model service (`kuberay.model_service`): a head that runs no replicas with the ports it
   must declare, autoscaling, the NewCluster upgrade, placement on the pool by custom resource,
-  and the model-tls component's consistency.
+  and the model-tls component's consistency (its proxy refusing calls without a bearer header).
 - The jobs: their own clusters (no clusterSelector onto the serving cluster), pods labelled
   as model clients, a bounded life (activeDeadlineSeconds), retries, and clean-up (a TTL
   after shutdown, or deletionRules); exactly one daily schedule.

@@ -20,8 +20,8 @@ the problems it found, each naming the resource and the field; an empty list mea
   submitter's shell expands it, parses with raypipe's own CLI parser.
 - `project_problems` (in `kuberay.policy`): raypipe's deployment contract: the CPU pool,
   requests = limits, non-root, ClusterIP only, the ports, one image; the NetworkPolicies
-  (`kuberay.netpol`), the tokens and ServiceAccounts (`kuberay.identity`), and the model
-  service's placement and TLS (`kuberay.model_service`).
+  (`kuberay.netpol`), the tokens, the ServiceAccounts and the RayJob creators' admission policy
+  (`kuberay.identity`), and the model service's placement and TLS (`kuberay.model_service`).
 
 RayJob specs are found wherever they are: RayJob resources, RayCronJob job templates, and
 RayJob manifests kept in ConfigMaps (the legacy daily CronJob's template).
