@@ -14,10 +14,26 @@ What is compiled, and where it lives:
    step); `openvino.save_model` writes it as IR
    (``model.xml`` + ``model.bin``, fp32 weights). The IR does not depend on the CPU.
 2. The OpenVINO CPU plugin compiles the IR at load, for the precision asked (``fp32``; ``bf16``
-   as ``INFERENCE_PRECISION_HINT`` where the CPU has native bf16; an ``int8`` IR is one NNCF
-   quantized, written by ``raypipe model optimize``: `serve_app.optimize`). Compiled blobs are
+   as ``INFERENCE_PRECISION_HINT`` where the CPU has native bf16; the candidates between them,
+   `BF16_PRECISIONS`, below; an ``int8`` IR is one NNCF quantized, written by ``raypipe model
+   optimize``: `serve_app.optimize`). Compiled blobs are
    kept by OpenVINO itself (``CACHE_DIR``) in a directory named for this CPU's flags, since a
    blob compiled for one CPU's kernels is not valid on another.
+
+Precisions between fp32 and bf16 (each changes answers less than ``bf16`` and costs more; the
+agreement gate decides which, if any, a replica serves: `serve_app.runtimes`):
+
+- ``bf16-dense``: the weight matmuls of the encoder (attention projections, feed-forward) in
+  bf16; embeddings, layer norms, attention scores and softmax, and the classifier head in fp32.
+- ``bf16-ffn``: only the feed-forward blocks' matmuls in bf16.
+- ``bf16-recheck``: all of ``bf16``, then the rows whose two top probabilities are closer than
+  `RECHECK_MARGIN` run again in fp32 (a close call is where bf16's rounding flips the label).
+
+The first two are built as explicit bf16 matmuls in an fp32 model (`_bf16_matmuls`), compiled with
+an fp32 hint: the CPU plugin keeps an IR's own bf16 ops where the CPU has native bf16, whereas its
+per-node opt-out under a bf16 hint (the ``precise`` runtime attribute) is lost whenever a node is
+fused (layer norms into MVN, ``Tensordot`` matmuls into FullyConnected), so it cannot keep those
+parts in fp32. ``compiled_model.get_runtime_model()`` shows each node's runtime precision.
 
 An IR is found, in order, in ``DIR/openvino/`` (when `export_ir` wrote it for the current
 ``saved_model/`` files and OpenVINO version), else in a per-machine cache,
@@ -37,7 +53,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +62,10 @@ import numpy as np
 from serve_app.model import ModelDirError, has_native_bf16
 
 __all__ = [
+    "BF16_PRECISIONS",
     "OPENVINO_DIR",
+    "OPENVINO_PRECISIONS",
+    "RECHECK_MARGIN",
     "OpenVinoError",
     "cpu_cache_tag",
     "default_cache_dir",
@@ -70,7 +89,16 @@ _RECIPE = {"recipe": 1, "convert": "tf frontend (saved_model)", "weights": "fp32
 _CACHE_ENV = "RAYPIPE_CACHE"
 _INPUTS = ("input_ids", "attention_mask")
 _OUTPUT = "probabilities"
+_Run = Callable[[np.ndarray, np.ndarray], np.ndarray]
 # CPU flags that change which kernels OpenVINO compiles (the rest do not name the blob).
+#: Precisions that need native bf16 (emulated bf16 is slower than fp32); module docstring.
+BF16_PRECISIONS = ("bf16", "bf16-dense", "bf16-ffn", "bf16-recheck")
+#: Every precision `load_openvino_runner` compiles.
+OPENVINO_PRECISIONS = ("fp32", *BF16_PRECISIONS, "int8")
+#: ``bf16-recheck`` runs a row again in fp32 when its top two probabilities are closer than this.
+#: bf16 moved a probability by at most 0.018-0.021 from fp32's on the real-weights MiniLM (in and
+#: out of domain); a label flips only where the margin is under twice that. The gate still measures.
+RECHECK_MARGIN = 0.05
 _KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 
 
@@ -132,17 +160,17 @@ def load_openvino_runner(
     streams: int = 1,
     flags: frozenset[str],
     cache_dir: Path | None = None,
-) -> OpenVinoRunner:
+) -> OpenVinoRunner | RecheckRunner:
     """The OpenVINO model of ``model_dir`` for ``precision`` (see the module docstring).
 
     ``threads``: threads of one forward pass; ``streams``: forward passes that may run at once
     (the replica's model threads), each on its own infer request. ``int8`` needs the IR
     ``raypipe model optimize`` quantized on a sample of the user's text (``DIR/openvino/int8.xml``).
     """
-    if precision not in ("fp32", "bf16", "int8"):
-        raise ValueError(f"OpenVINO precision must be fp32, bf16 or int8, not {precision!r}")
-    if precision == "bf16" and not has_native_bf16(flags):
-        raise ValueError("precision 'bf16' needs a CPU with AVX512_BF16 or AMX; this one has neither")
+    if precision not in OPENVINO_PRECISIONS:
+        raise ValueError(f"OpenVINO precision must be one of {', '.join(OPENVINO_PRECISIONS)}, not {precision!r}")
+    if precision in BF16_PRECISIONS and not has_native_bf16(flags):
+        raise ValueError(f"precision {precision!r} needs a CPU with AVX512_BF16 or AMX; this one has neither")
     model_dir = Path(model_dir)
     cache_root = cache_dir or default_cache_dir()
     if precision == "int8":
@@ -151,14 +179,14 @@ def load_openvino_runner(
         xml = int8_ir(model_dir)
     else:
         xml = ensure_ir(model_dir, cache_dir=cache_root) / _FP32
-    return _compile(
-        xml,
-        n_labels=n_labels,
-        precision=precision,
-        threads=threads,
-        streams=streams,
-        blobs=cache_root / "compiled" / cpu_cache_tag(flags),
-    )
+    blobs = cache_root / "compiled" / cpu_cache_tag(flags)
+    if precision == "bf16-recheck":
+        fast, exact = (
+            _compile(xml, n_labels=n_labels, precision=p, threads=threads, streams=streams, blobs=blobs)
+            for p in ("bf16", "fp32")
+        )
+        return RecheckRunner(fast, exact, margin=RECHECK_MARGIN)
+    return _compile(xml, n_labels=n_labels, precision=precision, threads=threads, streams=streams, blobs=blobs)
 
 
 def ensure_ir(model_dir: Path, *, cache_dir: Path | None = None) -> Path:
@@ -249,6 +277,62 @@ class OpenVinoRunner:
         return np.array(out, dtype=np.float32)  # a copy: the request reuses its output buffer
 
 
+class RecheckRunner:
+    """``bf16-recheck``: ``fast``'s probabilities, except the rows whose two top probabilities are
+    closer than ``margin``, which ``exact`` answers (one more pass over those rows only)."""
+
+    def __init__(self, fast: _Run, exact: _Run, *, margin: float) -> None:
+        self.fast = fast
+        self.exact = exact
+        self.margin = margin
+        self.path = getattr(fast, "path", Path())
+        self.precision = "bf16-recheck"
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        out = np.array(self.fast(input_ids, attention_mask), dtype=np.float32)
+        if out.shape[1] < 2:
+            return out
+        top2 = np.partition(out, -2, axis=1)[:, -2:]
+        close = np.flatnonzero(top2[:, 1] - top2[:, 0] < self.margin)
+        if close.size:
+            out[close] = self.exact(input_ids[close], attention_mask[close])
+        return out
+
+
+def _bf16_matmuls(model: Any, *, ffn_only: bool) -> int:
+    """Turn the encoder's weight matmuls of ``model`` into bf16 ones (inputs converted to bf16,
+    the product converted back to fp32); everything else stays fp32. Returns how many.
+
+    A weight matmul is a MatMul whose second input is a constant. The encoder's are those before
+    the last ReduceMean (the last layer norm's): the pooler and classifier after it stay fp32.
+    ``ffn_only``: only those whose weight is not square (a feed-forward block's up and down
+    projections; the attention projections are hidden x hidden).
+    """
+    import openvino.opset13 as ops
+
+    ordered = list(model.get_ordered_ops())
+    last_norm = max((i for i, op in enumerate(ordered) if op.get_type_name() == "ReduceMean"), default=-1)
+    changed = 0
+    for op in ordered[:last_norm]:
+        if op.get_type_name() != "MatMul" or op.input_value(1).get_node().get_type_name() != "Constant":
+            continue
+        weight = op.input_value(1).get_partial_shape()
+        if ffn_only and (weight.rank.get_length() != 2 or weight[0] == weight[1]):
+            continue
+        attributes = op.get_attributes()
+        product = ops.matmul(
+            ops.convert(op.input_value(0), "bf16"),
+            ops.convert(op.input_value(1), "bf16"),
+            attributes["transpose_a"],
+            attributes["transpose_b"],
+        )
+        back = ops.convert(product, "f32")
+        for target in list(op.output(0).get_target_inputs()):
+            target.replace_source_output(back.output(0))
+        changed += 1
+    return changed
+
+
 def _compile(xml: Path, *, n_labels: int, precision: str, threads: int, streams: int, blobs: Path) -> OpenVinoRunner:
     import openvino as ov
     import openvino.properties as props
@@ -258,6 +342,7 @@ def _compile(xml: Path, *, n_labels: int, precision: str, threads: int, streams:
     config: dict[str, Any] = {
         props.inference_num_threads: max(1, threads) * max(1, streams),
         props.num_streams: max(1, streams),
+        # bf16-dense and bf16-ffn carry their bf16 ops in the model: the hint stays fp32 for the rest.
         hints.inference_precision: ov.Type.bf16 if precision == "bf16" else ov.Type.f32,
         # Replicas share a node's cores with the proxy, the tokenizer thread and other
         # replicas; threads pinned to cores would wait for a core another process holds.
@@ -271,6 +356,8 @@ def _compile(xml: Path, *, n_labels: int, precision: str, threads: int, streams:
     try:
         model = core.read_model(str(xml))
         _check_io(model, xml, n_labels)
+        if precision in ("bf16-dense", "bf16-ffn") and not _bf16_matmuls(model, ffn_only=precision == "bf16-ffn"):
+            raise OpenVinoError(xml, f"{precision}: the model has no encoder weight matmuls to run in bf16")
         compiled = core.compile_model(model, "CPU", config)
     except RuntimeError as e:
         raise OpenVinoError(xml, f"OpenVINO cannot load or compile the model: {e}") from e

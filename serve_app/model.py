@@ -236,9 +236,10 @@ def cut_sorted(padded: np.ndarray, budget: int, pass_cost: int = PASS_COST_TOKEN
     return ranges[::-1]
 
 
-Precision = Literal["fp32", "bf16", "int8", "auto"]
-#: The precisions `EmotionModel.load` runs (`serve_app.runtimes.choose` resolves ``auto``).
-PRECISIONS = ("fp32", "bf16", "int8")
+Precision = Literal["fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "int8", "auto"]
+#: The precisions `EmotionModel.load` runs (`serve_app.runtimes.choose` resolves ``auto``); the
+#: ``bf16-*`` ones, between fp32 and bf16, and int8 run on OpenVINO only (`serve_app.compiled`).
+PRECISIONS = ("fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "int8")
 #: The runtimes `EmotionModel.load` runs a model on.
 RUNTIMES = ("tensorflow", "openvino")
 
@@ -382,8 +383,8 @@ class EmotionModel:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
-        if runtime == "tensorflow" and precision == "int8":
-            raise ValueError("precision 'int8' runs on OpenVINO only (runtime='openvino')")
+        if runtime == "tensorflow" and precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision {precision!r} runs on OpenVINO only (runtime='openvino')")
         model_dir = Path(model_dir)
         card = read_model_card(model_dir)
         if max_sequence_length is not None:

@@ -3,7 +3,9 @@
 A *setting* is a runtime x precision: TensorFlow fp32 (the reference: export, ``raypipe model
 check`` and every agreement are measured against it), TensorFlow bf16 (oneDNN auto mixed
 precision), OpenVINO fp32 / bf16 / int8 (`serve_app.compiled`; int8 is the NNCF-quantized IR of
-`serve_app.optimize`). Measuring a setting (`serve_app.optimize.measure`, run by ``raypipe model
+`serve_app.optimize`), and OpenVINO's candidates between fp32 and bf16 where the CPU has native
+bf16 (``bf16-dense``, ``bf16-ffn``, ``bf16-recheck``: `serve_app.compiled.BF16_PRECISIONS`).
+Measuring a setting (`serve_app.optimize.measure`, run by ``raypipe model
 export`` on its check texts and by ``raypipe model optimize DIR --sample URI`` on the user's)
 gives its speed on this CPU, its top-label agreement with TensorFlow fp32 on two sets of texts,
 *in domain* (the user's sample, or the check texts) and *out of domain* (`serve_app.gate_texts`,
@@ -33,7 +35,8 @@ unmeasured.
 **The model version** says what produced the answers (`Serving.version_suffix`): equal-answer
 settings (fp32 on either runtime) add nothing, so a changed default between them neither
 re-infers nor stops reusing a committed answer; settings that change answers add ``+bf16``
-(TensorFlow bf16), ``+ov-bf16`` or ``+ov-int8-<build>`` (the int8 IR's digest: two int8 builds
+(TensorFlow bf16), ``+ov-<precision>`` (``+ov-bf16``, ``+ov-bf16-dense``, ...: each candidate
+answers differently, so each is its own version) or ``+ov-int8-<build>`` (the int8 IR's digest: two int8 builds
 calibrated on other texts answer differently, so they never share a reuse key). The setting
 itself (``openvino:fp32``) travels beside the version in every answer (`Serving.setting`), so
 the run report and the metrics say which setting answered how many rows.
@@ -50,7 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from serve_app.model import ModelDirError, cpu_flags, has_native_bf16
+from serve_app.model import PRECISIONS, ModelDirError, cpu_flags, has_native_bf16
 from serve_app.settings import RUNTIME_SETTINGS, ServerSettings
 
 __all__ = [
@@ -253,15 +256,18 @@ def supported_settings(flags: frozenset[str], *, openvino: bool) -> list[tuple[s
     """The runtime x precision settings this CPU can serve well (emulated bf16 is slower than fp32).
 
     int8 runs on OpenVINO on any x86 CPU (its int8 kernels use VNNI/AMX where present, AVX2
-    otherwise); whether it is worth serving is the measured record's call, not the flags'.
+    otherwise); whether it is worth serving is the measured record's call, not the flags'. The
+    candidates between fp32 and bf16 (`serve_app.compiled.BF16_PRECISIONS`) need native bf16.
     """
+    from serve_app.compiled import BF16_PRECISIONS
+
     out = [REFERENCE]
     if has_native_bf16(flags):
         out.append(("tensorflow", "bf16"))
     if openvino:
         out.append(("openvino", "fp32"))
         if has_native_bf16(flags):
-            out.append(("openvino", "bf16"))
+            out += [("openvino", p) for p in BF16_PRECISIONS]
         out.append(("openvino", "int8"))
     return out
 
@@ -355,8 +361,8 @@ def choose(
     runtimes = ("tensorflow", "openvino") if runtime == "auto" else (runtime,)
     if precision == "auto":
         return _auto(runtimes, supported, record, min_agreement)
-    if precision not in ("fp32", "bf16", "int8"):
-        raise ValueError(f"precision must be fp32, bf16, int8 or auto, not {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} or auto, not {precision!r}")
     candidates = [s for s in supported if s[0] in runtimes and s[1] == precision]
     if not candidates:
         raise GateError(
@@ -441,10 +447,10 @@ def _figures(m: Measurement) -> str:
 
 
 def _unsupported(precision: str, runtimes: tuple[str, ...], flags: frozenset[str], openvino: bool) -> str:
-    if precision == "bf16" and not has_native_bf16(flags):
+    if precision.startswith("bf16") and not has_native_bf16(flags):
         return "needs a CPU with AVX512_BF16 or AMX; this one has neither (emulated bf16 is slower than fp32)"
     if "openvino" in runtimes and not openvino:
         return "OpenVINO is not installed"
-    if precision == "int8":
-        return "int8 runs on OpenVINO only (runtime: openvino or auto)"
+    if precision not in ("fp32", "bf16"):
+        return f"{precision} runs on OpenVINO only (runtime: openvino or auto)"
     return f"not supported on runtime {', '.join(runtimes)}"

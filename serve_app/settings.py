@@ -17,7 +17,7 @@ from serve_app.metrics import ServerMetricsSettings
 __all__ = ["PRECISION_SETTINGS", "RUNTIME_SETTINGS", "FaultInjection", "ServerSettings"]
 
 #: Values of `ServerSettings.precision` (and `raypipe serve --precision`).
-PRECISION_SETTINGS = ("fp32", "bf16", "int8", "auto")
+PRECISION_SETTINGS = ("fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "int8", "auto")
 #: Values of `ServerSettings.runtime` (and `raypipe serve --runtime`).
 RUNTIME_SETTINGS = ("tensorflow", "openvino", "auto")
 
@@ -89,8 +89,9 @@ class ServerSettings:
     precision: str = "auto"
     """`auto` (default): the fastest setting this CPU's measured record passes through the
     agreement gate, or with no record for this CPU the fastest with the reference's answers
-    (OpenVINO fp32); or one precision: `fp32`, `bf16` (needs AVX512_BF16 or AMX), `int8`
-    (OpenVINO only: the NNCF build of `raypipe model optimize DIR`). See `serve_app.runtimes`."""
+    (OpenVINO fp32); or one precision: `fp32`, `bf16` (needs AVX512_BF16 or AMX), the OpenVINO
+    candidates between the two (`bf16-dense`, `bf16-ffn`, `bf16-recheck`: `serve_app.compiled`),
+    `int8` (OpenVINO only: the NNCF build of `raypipe model optimize DIR`). See `serve_app.runtimes`."""
     runtime: str = "auto"
     """`auto` (default: whichever runtime the choice of `precision` lands on), `tensorflow` (the
     SavedModel as exported: the reference), or `openvino` (the SavedModel compiled by OpenVINO
@@ -122,7 +123,7 @@ class ServerSettings:
         if self.batch_wait_timeout_s < 0:
             raise ValueError("batch_wait_timeout_s must be >= 0")
         if self.precision not in PRECISION_SETTINGS:
-            raise ValueError(f"precision must be fp32, bf16, int8 or auto, not {self.precision!r}")
+            raise ValueError(f"precision must be one of {', '.join(PRECISION_SETTINGS)}, not {self.precision!r}")
         if self.runtime not in RUNTIME_SETTINGS:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIME_SETTINGS)}, not {self.runtime!r}")
         if not 0.0 <= self.min_agreement <= 1.0:

@@ -365,3 +365,64 @@ def test_two_int8_builds_never_share_a_version(tmp_path: Path) -> None:
     assert first.startswith("bert-abc+ov-int8-") and first == version()
     (ir / "int8.bin").write_bytes(b"calibrated on the user's texts")
     assert version() not in (first, "bert-abc+ov-int8")
+
+
+# -- the precision candidates between fp32 and bf16 (serve_app.compiled.BF16_PRECISIONS) --------
+
+CANDIDATES = ("bf16-dense", "bf16-ffn", "bf16-recheck")
+
+
+@pytest.mark.parametrize("flags", [AVX2, VNNI, BF16, AMX])
+def test_a_candidate_is_offered_only_where_the_cpu_has_native_bf16(flags: frozenset[str]) -> None:
+    native = "avx512_bf16" in flags
+    offered = {p for r, p in supported_settings(flags, openvino=True) if r == "openvino" and p in CANDIDATES}
+    assert offered == (set(CANDIDATES) if native else set())
+    assert not {p for _, p in supported_settings(flags, openvino=False)} & set(CANDIDATES)
+    for precision in CANDIDATES:
+        if native:
+            assert _choose(precision, flags, record=None, runtime="openvino").precision == precision
+        else:
+            with pytest.raises(GateError, match="AVX512_BF16"):
+                _choose(precision, flags, record=None)
+        with pytest.raises(GateError, match="OpenVINO only"):
+            _choose(precision, BF16, record=None, runtime="tensorflow")
+
+
+def test_auto_serves_the_fastest_candidate_through_the_gate_and_refuses_one_under_it() -> None:
+    # bf16 and bf16-dense are faster, but under the gate (99.0% out of domain on 1,000 texts is
+    # a lower bound of 98.3%); bf16-recheck agrees on every text and is faster than bf16-ffn.
+    record = _record(
+        _m("openvino", "fp32", 13, 1.0),
+        _m("openvino", "bf16", 31, 0.998, outside=0.990, n=1000),
+        _m("openvino", "bf16-dense", 29, 0.995, outside=0.990, n=1000),
+        _m("openvino", "bf16-ffn", 24, 0.999, n=1000),
+        _m("openvino", "bf16-recheck", 27, 1.0, n=1000),
+        flags=AMX,
+    )
+    chosen = _choose("auto", AMX, record)
+    assert chosen.setting == "openvino:bf16-recheck"
+    assert chosen.version_suffix == "+ov-bf16-recheck"
+    with pytest.raises(GateError, match=r"99\.50% in domain, 99\.00% out of domain") as caught:
+        _choose("bf16-dense", AMX, record)
+    assert (caught.value.runtime, caught.value.precision) == ("openvino", "bf16-dense")
+    # Where no candidate passes, fp32's answers.
+    passing = ("bf16-ffn", "bf16-recheck")
+    refused = _record(*(m for m in record.measurements[1:] if m.precision not in passing), flags=AMX)
+    assert _choose("auto", AMX, refused).setting == "openvino:fp32"
+
+
+def test_each_candidate_answers_under_a_version_of_its_own() -> None:
+    suffixes = [Serving("openvino", p, reason="").version_suffix for p in ("fp32", "bf16", *CANDIDATES)]
+    assert suffixes[0] == ""
+    assert len(set(suffixes)) == len(suffixes)
+    assert all(s.startswith("+ov-bf16") for s in suffixes[1:])
+    assert served_version("m", Serving("openvino", "bf16-ffn", reason=""), max_sequence_length=8, model_max=8) == (
+        "m+ov-bf16-ffn"
+    )
+
+
+def test_settings_take_the_candidates_by_name() -> None:
+    for precision in CANDIDATES:
+        assert ServerSettings(precision=precision).precision == precision
+    with pytest.raises(ValueError, match="bf16-recheck"):
+        ServerSettings(precision="bf16-half")
