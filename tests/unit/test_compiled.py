@@ -210,3 +210,92 @@ def test_int8_is_built_measured_and_gated(model_dir: Path) -> None:
         resolve(model_dir, above, flags=frozenset({"avx2"}))
     forced = ServerSettings(runtime="openvino", precision="int8", min_agreement=1.0, force_precision=True)
     assert resolve(model_dir, forced, flags=frozenset({"avx2"})).version_suffix.startswith("+ov-int8-")
+
+
+# -- the candidates between fp32 and bf16 ---------------------------------------------------------
+
+
+def _tiny_encoder() -> Any:
+    """An OpenVINO model in the shape `_bf16_matmuls` reads: an attention-like square projection,
+    a layer norm (ReduceMean), a feed-forward block (8 -> 16 -> 8), a last layer norm, a head."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    rng = np.random.default_rng(0)
+
+    def weight(k: int, n: int) -> Any:
+        return ops.constant((rng.normal(size=(k, n)) / np.sqrt(k)).astype(np.float32))
+
+    def norm(x: Any) -> Any:
+        return ops.subtract(x, ops.reduce_mean(x, ops.constant(np.array([-1])), True))
+
+    x = ops.parameter([-1, 8], np.float32, name="x")
+    h = norm(ops.add(x, ops.matmul(x, weight(8, 8), False, False)))
+    h = norm(ops.add(h, ops.matmul(ops.relu(ops.matmul(h, weight(8, 16), False, False)), weight(16, 8), False, False)))
+    out = ops.softmax(ops.matmul(h, weight(8, 3), False, False), -1)
+    return ov.Model([out], [x], "tiny")
+
+
+def _bf16_matmul_count(model: Any) -> int:
+    return sum(
+        1
+        for op in model.get_ops()
+        if op.get_type_name() == "MatMul" and op.get_output_element_type(0).to_string() == "bf16"
+    )
+
+
+@pytest.mark.parametrize(("ffn_only", "changed"), [(False, 3), (True, 2)])
+def test_bf16_matmuls_leave_the_head_and_everything_but_the_chosen_matmuls_in_fp32(
+    ffn_only: bool, changed: int
+) -> None:
+    model = _tiny_encoder()
+    assert compiled._bf16_matmuls(model, ffn_only=ffn_only) == changed
+    assert _bf16_matmul_count(model) == changed
+    fp32_ops = [op for op in model.get_ops() if op.get_type_name() in ("ReduceMean", "Softmax", "Subtract")]
+    assert {op.get_output_element_type(0).to_string() for op in fp32_ops} == {"f32"}
+    assert model.output(0).get_element_type().to_string() == "f32"
+
+
+@pytest.mark.skipif(not compiled.has_native_bf16(cpu_flags()), reason="needs a CPU with native bf16")
+def test_the_cpu_plugin_runs_the_bf16_matmuls_in_bf16_and_the_rest_in_fp32() -> None:
+    import openvino as ov
+
+    model = _tiny_encoder()
+    x = np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32)
+    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1}
+    exact = ov.Core().compile_model(_tiny_encoder(), "CPU", config)(x)[0]
+    compiled._bf16_matmuls(model, ffn_only=False)
+    mixed = ov.Core().compile_model(model, "CPU", config)
+    runtime = {}
+    for op in mixed.get_runtime_model().get_ops():
+        info = op.get_rt_info()
+        runtime.setdefault(info["layerType"].astype(str), set()).add(info["runtimePrecision"].astype(str))
+    matmuls = runtime.get("FullyConnected", set()) | runtime.get("MatMul", set())
+    assert "bf16" in matmuls
+    assert runtime["Softmax"] == {"f32"}
+    np.testing.assert_allclose(mixed(x)[0], exact, atol=0.05)
+
+
+def test_recheck_answers_close_calls_with_the_exact_runner() -> None:
+    fast_out = np.array([[0.50, 0.48, 0.02], [0.90, 0.05, 0.05], [0.40, 0.20, 0.40]], dtype=np.float32)
+    exact_out = np.array([[0.47, 0.51, 0.02], [0.91, 0.05, 0.04], [0.41, 0.20, 0.39]], dtype=np.float32)
+    seen: list[np.ndarray] = []
+
+    def fast(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return fast_out[ids[:, 0]]
+
+    def exact(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        seen.append(ids[:, 0].copy())
+        return exact_out[ids[:, 0]]
+
+    ids = np.array([[0, 7], [1, 7], [2, 7]], dtype=np.int32)
+    got = compiled.RecheckRunner(fast, exact, margin=compiled.RECHECK_MARGIN)(ids, np.ones_like(ids))
+    # Rows 0 (0.02 apart) and 2 (a tie) are close calls; row 1 keeps bf16's answer.
+    assert [r.tolist() for r in seen] == [[0, 2]]
+    np.testing.assert_array_equal(got, np.stack([exact_out[0], fast_out[1], exact_out[2]]))
+
+
+@pytest.mark.parametrize("precision", ["bf16-dense", "bf16-ffn", "bf16-recheck"])
+def test_a_candidate_is_refused_on_a_cpu_without_native_bf16(precision: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        compiled.load_openvino_runner(tmp_path, n_labels=3, precision=precision, flags=frozenset({"avx2"}))
