@@ -1,0 +1,286 @@
+"""The precisions between OpenVINO fp32 and bf16, on every model the bench knows, through the gate.
+
+    python -m bench.precision [--models real-weights-minilm,bert-base] [--rounds 5] [--lock FILE] [--int8]
+
+For each model, every OpenVINO precision this CPU supports (`serve_app.runtimes.supported_settings`:
+``bf16`` and the candidates between it and fp32, `serve_app.compiled.BF16_PRECISIONS`, need native
+bf16) and int8 where its build exists (``--int8`` builds it: `serve_app.optimize.build_int8`):
+
+1. **Agreement** of the top label with TensorFlow fp32, in domain (the held-out part of
+   `serve_app.optimize.default_sample`, what ``raypipe model export`` measures) and out of domain
+   (the gate's shipped texts, `serve_app.gate_texts.out_of_domain`), each with its one-sided 95%
+   lower bound, and the gate's verdict: the same `serve_app.runtimes.Measurement.passes` a
+   replica's choice calls (the worse lower bound at least 99%).
+2. **Speed in process against OpenVINO fp32**, on the same texts and threads: each round runs
+   fp32, a candidate, fp32, the next candidate, ..., fp32; a candidate's ratio in a round is the
+   mean of the fp32 runs either side of it over its own time, so load from other processes moves
+   both sides of the ratio alike. The median over rounds is the figure, the lowest and highest
+   its spread.
+3. **What the gate serves**: the fastest candidate that passes it.
+
+The real-weights MiniLM (`bench.models.ensure_real_weights_model`: pretrained MiniLM-L6 with a
+trained emotion head) is the model whose agreement means something; bert-base is the bench's
+random-weights model of bert-base's shape (`bench.models.SHAPES`): its speed is bert-base's, its
+agreement that of a model which predicts nothing in particular. Results go to
+``bench/results/precision-<UTC stamp>.json`` (and ``.md``); `render` turns the newest into the
+block of docs/performance.md that ``python -m bench.docs`` writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BEGIN", "END", "measure_model", "newest", "render", "rewrite_docs"]
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+BEGIN = (
+    "<!-- precision candidates: `python -m bench.precision` measures, `python -m bench.docs` writes them"
+    " from bench/results; edits are overwritten -->"
+)
+END = "<!-- end of precision candidates -->"
+#: Held-out texts each round times (the speed is per paragraph; agreement uses every text).
+SPEED_TEXTS = {"real-weights-minilm": 400, "bert-base": 120}
+MIN_AGREEMENT = 0.99
+
+
+def measure_model(
+    label: str, model_dir: Path, *, threads: int, rounds: int, int8: bool, lock: str | None
+) -> dict[str, Any]:
+    """Steps 1-3 of the module docstring for one model directory."""
+    import numpy as np
+
+    from bench.cluster import heavy_lock
+    from serve_app.compiled import load_openvino_runner
+    from serve_app.gate_texts import out_of_domain
+    from serve_app.model import EmotionModel, Tokenized, cpu_flags
+    from serve_app.optimize import build_int8, default_sample, int8_ir, split_sample
+    from serve_app.runtimes import Measurement, agreement_lower_bound, supported_settings
+
+    flags = cpu_flags()
+    model = EmotionModel.load(model_dir)
+    n_labels = len(model.card.labels)
+    sample = split_sample(default_sample(), source="default sample")
+    held = model.tokenize(sample.held_out)
+    outside = model.tokenize(out_of_domain())
+    precisions = [p for r, p in supported_settings(flags, openvino=True) if r == "openvino" and p != "int8"]
+    int8_note = ""
+    if int8:
+        info = build_int8(model_dir, model, model.tokenize(sample.calibration), max_drop=0.01, max_reverts=3)
+        int8_note = str(info.get("accuracy_control") or info.get("error", ""))
+    try:
+        int8_ir(model_dir)
+        precisions.append("int8")
+    except Exception as e:  # no (current) int8 build: the table says why
+        int8_note = int8_note or f"not measured: {e}"
+    runners = {
+        p: load_openvino_runner(model_dir, n_labels=n_labels, precision=p, threads=threads, flags=flags)
+        for p in precisions
+    }
+    with heavy_lock(lock):
+        # 1. Agreement with TensorFlow fp32 (the model as loaded).
+        reference_in = model.infer(held).probabilities
+        reference_out = model.infer(outside).probabilities
+        tensorflow = model._run
+        figures: dict[str, dict[str, Any]] = {}
+        for precision, run in runners.items():
+            model._run = run
+            inside = model.infer(held).probabilities
+            beyond = model.infer(outside).probabilities
+            a_in = float((inside.argmax(1) == reference_in.argmax(1)).mean())
+            a_out = float((beyond.argmax(1) == reference_out.argmax(1)).mean())
+            m = Measurement(
+                "openvino",
+                precision,
+                para_per_s=0.0,
+                agreement=min(a_in, a_out),
+                max_abs_dp=0.0,
+                agreement_in=a_in,
+                agreement_out=a_out,
+                n_in=len(held),
+                n_out=len(outside),
+            )
+            figures[precision] = {
+                "agreement_in": a_in,
+                "agreement_out": a_out,
+                "lower_bound_in": agreement_lower_bound(a_in, len(held)),
+                "lower_bound_out": agreement_lower_bound(a_out, len(outside)),
+                "max_abs_dp": max(
+                    float(np.abs(inside - reference_in).max()), float(np.abs(beyond - reference_out).max())
+                ),
+                "gate": m.passes(MIN_AGREEMENT),
+            }
+        # 2. Speed against OpenVINO fp32, interleaved.
+        n = min(SPEED_TEXTS.get(label, 200), len(held))
+        timed = Tokenized(ids=held.ids[:n], truncated=held.truncated[:n])
+
+        def seconds(precision: str) -> float:
+            model._run = runners[precision]
+            started = time.perf_counter()
+            model.infer(timed)
+            return time.perf_counter() - started
+
+        for run in runners.values():
+            model._run = run
+            model.warmup()
+        others = [p for p in runners if p != "fp32"]
+        ratios: dict[str, list[float]] = {p: [] for p in others}
+        fp32_rates: list[float] = []
+        for _ in range(rounds):
+            before = seconds("fp32")
+            fp32_rates.append(n / before)
+            for precision in others:
+                own = seconds(precision)
+                after = seconds("fp32")
+                ratios[precision].append((before + after) / 2 / own)
+                before = after
+        model._run = tensorflow
+    fp32_rate = statistics.median(fp32_rates)
+    figures["fp32"].update(speedup=1.0, spread=[1.0, 1.0], para_per_s=fp32_rate)
+    for precision, values in ratios.items():
+        median = statistics.median(values)
+        figures[precision].update(speedup=median, spread=[min(values), max(values)], para_per_s=fp32_rate * median)
+    passing = [p for p in figures if figures[p]["gate"]]
+    served = max(passing, key=lambda p: figures[p]["speedup"])
+    return {
+        "model_dir": str(model_dir),
+        "model": model.card.version,
+        "max_sequence_length": model.card.max_sequence_length,
+        "shape": _shape(model_dir),
+        "texts": {"in_domain": len(held), "out_of_domain": len(outside), "timed": n, "rounds": rounds},
+        "precisions": figures,
+        "int8": int8_note,
+        "served": served,
+    }
+
+
+def _shape(model_dir: Path) -> str:
+    config = json.loads((model_dir / "model.json").read_text(encoding="utf-8"))
+    parameters = config.get("parameters")
+    size = f", {parameters / 1e6:.1f}M parameters" if parameters else ""
+    return f"{config.get('version', '?')}{size}"
+
+
+def newest(results_dir: Path = RESULTS) -> tuple[Path, dict[str, Any]] | None:
+    """The newest ``precision-*.json`` and its content, or None."""
+    files = sorted(results_dir.glob("precision-*.json"))
+    if not files:
+        return None
+    return files[-1], json.loads(files[-1].read_text(encoding="utf-8"))
+
+
+def render(results: dict[str, Any], *, file: str) -> list[str]:
+    """The results as markdown lines: CPU, then one table per model."""
+    lines = [
+        f"Measured {results['started_at']} on an {results['cpu']} ({results['cores']} cores, {results['threads']}"
+        f" threads), CPU flags {' '.join(results['cpu_flags'])}; OpenVINO {results['versions'].get('openvino', '?')}."
+        f" Results file: `{file}`. Speed-up: in process, against OpenVINO fp32 in the same rounds (median,"
+        " lowest-highest); agreement: top label against TensorFlow fp32, with its 95% lower bound; the gate"
+        f" passes a setting whose worse lower bound is at least {MIN_AGREEMENT:.0%}.",
+        "",
+    ]
+    for label, entry in results["models"].items():
+        texts = entry["texts"]
+        lines += [
+            f"**{label}** ({entry['shape']}, max {entry['max_sequence_length']} tokens; {texts['in_domain']} texts in"
+            f" domain, {texts['out_of_domain']} out of domain, {texts['timed']} timed x {texts['rounds']} rounds):"
+            f" the gate serves **{entry['served']}**.",
+            "",
+            "| precision | speed-up vs OpenVINO fp32 | para/s | in domain (at least) | out of domain (at least)"
+            " | max abs dp | gate |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for precision, f in entry["precisions"].items():
+            low, high = f["spread"]
+            lines.append(
+                f"| {precision} | {f['speedup']:.2f}x ({low:.2f}-{high:.2f}) | {f['para_per_s']:.1f} |"
+                f" {f['agreement_in']:.2%} ({f['lower_bound_in']:.2%}) | {f['agreement_out']:.2%}"
+                f" ({f['lower_bound_out']:.2%}) | {f['max_abs_dp']:.4f} | {'pass' if f['gate'] else 'refused'} |"
+            )
+        if entry.get("int8"):
+            lines.append(f"\nint8: {entry['int8']}")
+        if entry.get("note"):
+            lines.append(f"\n{entry['note']}")
+        lines.append("")
+    return lines
+
+
+def rewrite_docs(text: str, results_dir: Path = RESULTS) -> str:
+    """``text`` (docs/performance.md) with its precision block rendered from the newest results."""
+    found = newest(results_dir)
+    if found is None or BEGIN not in text:
+        return text
+    path, results = found
+    lines = text.split("\n")
+    begin, end = lines.index(BEGIN), lines.index(END)
+    block = render(results, file=str(path.with_suffix(".md").relative_to(results_dir.parent.parent)))
+    return "\n".join([*lines[: begin + 1], *block, *lines[end:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="real-weights-minilm,bert-base")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lock", default=None, help="flock this file while measuring (shared machines)")
+    p.add_argument("--int8", action="store_true", help="build int8 with accuracy control first (minutes)")
+    p.add_argument("--models-cache", default=".cache/bench-models")
+    p.add_argument("--out", type=Path, default=None, help="results file (default: a new one in bench/results)")
+    args = p.parse_args(argv)
+
+    import openvino
+
+    from bench.models import SHAPES, ensure_model, ensure_real_weights_model
+    from serve_app.demo_model import build_demo_model, default_demo_model_dir
+    from serve_app.model import configure_tf_threads, cpu_flags, cpu_model_name
+
+    configure_tf_threads(args.threads, 1)
+    cache = Path(args.models_cache)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = args.out or RESULTS / f"precision-{stamp}.json"
+    results: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"models": {}}
+    results.update(
+        started_at=results.get("started_at") or datetime.now(UTC).isoformat(timespec="seconds"),
+        cpu=cpu_model_name(),
+        cpu_flags=sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
+        cores=len(os.sched_getaffinity(0)),
+        threads=args.threads,
+        versions={"openvino": openvino.__version__},
+    )
+    for label in args.models.split(","):
+        if label == "real-weights-minilm":
+            model_dir = ensure_real_weights_model(cache=cache)
+            if model_dir is None:
+                print("bench: no real-weights MiniLM (its weights package is not installed)", file=sys.stderr)
+                continue
+        else:
+            model_dir = ensure_model(
+                SHAPES[label], demo_model_dir=build_demo_model(default_demo_model_dir()), cache=cache
+            )
+        print(f"bench: precision {label}", flush=True)
+        entry = measure_model(
+            label, model_dir, threads=args.threads, rounds=args.rounds, int8=args.int8, lock=args.lock
+        )
+        if label == "bert-base":
+            entry["note"] = (
+                "Random weights of bert-base's shape: the speed is bert-base's, the agreement is not a trained model's."
+            )
+        results["models"][label] = entry
+        out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        out.with_suffix(".md").write_text(
+            "\n".join(render(results, file=str(out.with_suffix(".md").relative_to(ROOT)))) + "\n", encoding="utf-8"
+        )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
