@@ -18,7 +18,8 @@ What is compiled, and where it lives:
    `BF16_PRECISIONS`, below; an ``int8`` IR is one NNCF quantized, written by ``raypipe model
    optimize``: `serve_app.optimize`). Compiled blobs are
    kept by OpenVINO itself (``CACHE_DIR``) in a directory named for this CPU's flags, since a
-   blob compiled for one CPU's kernels is not valid on another.
+   blob compiled for one CPU's kernels is not valid on another, and within it one per precision
+   (OpenVINO took a blob compiled for one precision hint as valid for another).
 
 Precisions between fp32 and bf16 (each changes answers less than ``bf16`` and costs more; the
 agreement gate decides which, if any, a replica serves: `serve_app.runtimes`):
@@ -348,6 +349,10 @@ def _compile(xml: Path, *, n_labels: int, precision: str, threads: int, streams:
         # replicas; threads pinned to cores would wait for a core another process holds.
         "ENABLE_CPU_PINNING": False,
     }
+    # One blob directory per precision: OpenVINO 2026.4's CPU plugin found an fp32 blob of the
+    # same model when compiling it under a bf16 hint (and the reverse), and imported it: the
+    # answers were garbage or NaN, or the heap was corrupted (measured on an AMX CPU).
+    blobs = blobs / precision
     try:
         blobs.mkdir(parents=True, exist_ok=True)
         config[props.cache_dir] = str(blobs)

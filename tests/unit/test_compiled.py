@@ -299,3 +299,19 @@ def test_recheck_answers_close_calls_with_the_exact_runner() -> None:
 def test_a_candidate_is_refused_on_a_cpu_without_native_bf16(precision: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="AVX512_BF16"):
         compiled.load_openvino_runner(tmp_path, n_labels=3, precision=precision, flags=frozenset({"avx2"}))
+
+
+@pytest.mark.skipif(not compiled.has_native_bf16(cpu_flags()), reason="needs a CPU with native bf16")
+def test_fp32_and_bf16_compiled_with_one_blob_cache_each_answer_as_themselves(model_dir: Path) -> None:
+    # Both precisions of one model, compiled in one process with one cache (what `measure` and a
+    # replica after an export do): bf16 must not import fp32's blob (its answers were garbage).
+    model = EmotionModel.load(model_dir)
+    tokenized = model.tokenize(TEXTS[:40])
+    reference = model.infer(tokenized).probabilities
+    for precision in ("fp32", "bf16", "fp32"):
+        model._run = compiled.load_openvino_runner(
+            model_dir, n_labels=len(model.card.labels), precision=precision, flags=cpu_flags()
+        )
+        got = model.infer(tokenized).probabilities
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, reference, atol=1e-4 if precision == "fp32" else 0.05)
