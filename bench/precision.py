@@ -184,7 +184,7 @@ def newest(results_dir: Path = RESULTS) -> tuple[Path, dict[str, Any]] | None:
 def render(results: dict[str, Any], *, file: str) -> list[str]:
     """The results as markdown lines: CPU, then one table per model."""
     lines = [
-        f"Measured {results['started_at']} on an {results['cpu']} ({results['cores']} cores, {results['threads']}"
+        f"Run started {results['started_at']} on an {results['cpu']} ({results['cores']} cores, {results['threads']}"
         f" threads), CPU flags {' '.join(results['cpu_flags'])}; OpenVINO {results['versions'].get('openvino', '?')}."
         f" Results file: `{file}`. Speed-up: in process, against OpenVINO fp32 in the same rounds (median,"
         " lowest-highest); agreement: top label against TensorFlow fp32, with its 95% lower bound; the gate"
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     # One hold of the lock for every model: a shared machine's queue would otherwise split the run.
     with heavy_lock(args.lock):
+        if not results["models"]:  # when the lock is held, not when the run began waiting for it
+            results["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
         _run(args, results, out, cache)
     print(out)
     return 0
