@@ -12,7 +12,8 @@
    ``int8_max_reverts`` groups. Written as
    ``DIR/openvino/int8.xml`` (+ ``int8.json``: the IR key it was built from, what was reverted).
 4. `measure`: every setting this CPU supports (`serve_app.runtimes.supported_settings`) is run
-   against TensorFlow fp32 on the held-out texts (speed, top-label agreement in domain) and on
+   against TensorFlow fp32 on the held-out texts (speed in interleaved rounds, median and spread:
+   `serve_app.timing`; top-label agreement in domain) and on
    the out-of-domain texts the project ships (`serve_app.gate_texts`; agreement out of domain),
    with the largest probability difference of either. This CPU's entry of ``DIR/runtimes.json``
    (`serve_app.runtimes.RuntimeRecord`) is replaced; ``precision: auto`` and the gate read it,
@@ -50,6 +51,7 @@ from serve_app.runtimes import (
     supported_settings,
     write_record,
 )
+from serve_app.timing import Timing, interleave
 
 __all__ = [
     "OptimizeResult",
@@ -74,8 +76,10 @@ DEFAULT_ROWS = 1200
 _CALIBRATION_SHARE = 0.3
 _MAX_CALIBRATION = 300
 _SEED = 19
-#: Held-out texts each setting's speed is timed on (`measure`; its agreement uses all of them).
-SPEED_TEXTS = 400
+#: Held-out texts each setting's speed is timed on in each round (`measure`; its agreement uses
+#: all of them): five rounds of 200 time as many texts as two of 400 did, and give a median and
+#: a spread.
+SPEED_TEXTS = 200
 _Runner = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
@@ -199,7 +203,7 @@ def measure(
     int8: bool = False,
     flags: frozenset[str] | None = None,
     out_of_domain: Sequence[str] | None = None,
-    rounds: int = 3,
+    rounds: int = 5,
     model: EmotionModel | None = None,
     note: str = "",
 ) -> RuntimeRecord:
@@ -231,8 +235,9 @@ def measure(
         runners[runtime, precision] = load_openvino_runner(
             model_dir, n_labels=n_labels, precision=precision, threads=threads, flags=flags
         )
-    # Speed, `rounds` times, on the first `SPEED_TEXTS` held-out texts (shuffled); agreement on
-    # all of them, once: more texts tighten the gate's bound, and need not all be timed again.
+    # Speed in `rounds` interleaved rounds on the first `SPEED_TEXTS` held-out texts (shuffled);
+    # agreement on all of them, once: more texts tighten the gate's bound, and need not all be
+    # timed again.
     if len(held) <= SPEED_TEXTS:
         results = _measure_all(model, runners, held, rounds=rounds)
         timed = results
@@ -240,14 +245,14 @@ def measure(
         results = _measure_all(model, runners, held, rounds=1)
         first = Tokenized(ids=held.ids[:SPEED_TEXTS], truncated=held.truncated[:SPEED_TEXTS])
         timed = _measure_all(model, runners, first, rounds=rounds)
-    rates = {setting: rate for setting, (_, rate) in timed.items()}
+    timings = {setting: timing for setting, (_, timing) in timed.items()}
     beyond = _measure_all(model, runners, outside, rounds=1)
     reference = results[REFERENCE][0]
-    reference_rate = rates[REFERENCE]
+    reference_rate = timings[REFERENCE].median
     reference_out = beyond[REFERENCE][0]
     measurements = []
     for (runtime, precision), (probabilities, _) in results.items():
-        rate = rates[runtime, precision]
+        timing = timings[runtime, precision]
         inside = float((probabilities.argmax(axis=1) == reference.argmax(axis=1)).mean())
         probabilities_out = beyond[runtime, precision][0]
         outside_agreement = float((probabilities_out.argmax(axis=1) == reference_out.argmax(axis=1)).mean())
@@ -256,15 +261,17 @@ def measure(
             Measurement(
                 runtime,
                 precision,
-                para_per_s=rate,
+                para_per_s=timing.median,
                 agreement=min(inside, outside_agreement),
                 max_abs_dp=dp,
-                speedup=rate / reference_rate,
+                speedup=timing.median / reference_rate,
                 note=note if precision == "int8" else "",
                 agreement_in=inside,
                 agreement_out=outside_agreement,
                 n_in=len(held),
                 n_out=len(outside),
+                spread=timing.spread,
+                rounds=timing.rounds,
             )
         )
     return RuntimeRecord(
@@ -369,17 +376,22 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
         f"measured {record.measured_at or '?'} on {record.cpu or 'a CPU with ' + ' '.join(record.cpu_flags)}: "
         f"{record.sample.get('held_out', '?')} held-out texts in domain ({record.sample.get('source', '?')}), "
         f"{record.sample.get('out_of_domain', 'no')} out of domain; gate {threshold:.0%} on the worse of the two",
-        "runtime     precision  para/s   speed-up  in domain  out of domain  max |dp|  at least  gate",
+        "runtime     precision  para/s   ± spread  speed-up  in domain  out of domain  max |dp|  at least  gate",
     ]
     for m in record.measurements:
         inside = "-" if m.agreement_in is None else f"{m.agreement_in:.2%}"
         outside = "-" if m.agreement_out is None else f"{m.agreement_out:.2%}"
         bound = "-" if m.setting in EQUAL_ANSWER_SETTINGS else f"{m.gate_figure:.2%}"
+        spread = f"{m.spread / m.para_per_s:.1%}" if m.rounds and m.para_per_s else "-"
         lines.append(
-            f"{m.runtime:<11} {m.precision:<10} {m.para_per_s:>6.1f}  {m.speedup:>7.2f}x  {inside:>9}  {outside:>13}  "
-            f"{m.max_abs_dp:>8.4f}  {bound:>8}  {'pass' if m.passes(threshold) else 'FAIL'}"
+            f"{m.runtime:<11} {m.precision:<10} {m.para_per_s:>6.1f}  {spread:>8}  {m.speedup:>7.2f}x  "
+            f"{inside:>9}  {outside:>13}  {m.max_abs_dp:>8.4f}  {bound:>8}  {'pass' if m.passes(threshold) else 'FAIL'}"
             f"{'  ' + m.note if m.note else ''}"
         )
+    lines.append(
+        "para/s: the median of interleaved rounds; ± spread: every round lay within it (a setting is"
+        " faster than another only beyond both spreads)"
+    )
     lines.append(
         "at least: the worse of the two agreements' lower bounds at 95% confidence, what the gate compares"
         " for a setting that changes answers (fp32 settings give the reference's answers)"
@@ -391,29 +403,34 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
 
 
 def _measure_all(
-    model: EmotionModel, runners: dict[tuple[str, str], _Runner], tokenized: Tokenized, *, rounds: int = 3
-) -> dict[tuple[str, str], tuple[np.ndarray, float]]:
-    """Probabilities of the tokenized texts through each runner, and its paragraphs/s.
-
-    The runners take turns, round after round, and each keeps its best round: a neighbour's
-    burst of CPU then slows every runner's worst round, not one runner's whole measurement.
-    """
+    model: EmotionModel,
+    runners: dict[tuple[str, str], _Runner],
+    tokenized: Tokenized,
+    *,
+    rounds: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[tuple[str, str], tuple[np.ndarray, Timing]]:
+    """Probabilities of the tokenized texts through each runner, and its speed over ``rounds``
+    interleaved rounds (`serve_app.timing.interleave`: A B, B A, ...; median and spread), so load
+    from elsewhere slows the settings alike instead of deciding between them."""
     original = model._run
-    best = dict.fromkeys(runners, float("inf"))
     probabilities: dict[tuple[str, str], np.ndarray] = {}
+
+    def through(setting: tuple[str, str], run: _Runner) -> Callable[[], None]:
+        def call() -> None:
+            model._run = run
+            probabilities[setting] = model.infer(tokenized).probabilities
+
+        return call
+
     try:
         for run in runners.values():
             model._run = run
             model.warmup()
-        for _ in range(rounds):
-            for setting, run in runners.items():
-                model._run = run
-                started = time.perf_counter()
-                probabilities[setting] = model.infer(tokenized).probabilities
-                best[setting] = min(best[setting], time.perf_counter() - started)
+        seconds = interleave({s: through(s, run) for s, run in runners.items()}, rounds=rounds, clock=clock)
     finally:
         model._run = original
-    return {setting: (probabilities[setting], len(tokenized) / best[setting]) for setting in runners}
+    return {s: (probabilities[s], Timing.of(len(tokenized), seconds[s])) for s in runners}
 
 
 def _recorded_chunks(model: EmotionModel, tokenized: Tokenized) -> list[dict[str, np.ndarray]]:

@@ -18,7 +18,13 @@ keeps one entry for each, and every replica reads its own CPU's.
 The defaults are ``runtime: auto``, ``precision: auto``: fast by default, never different
 unmeasured.
 
-- ``precision: auto`` serves the fastest setting of this CPU's record that passes the gate. **The
+- ``precision: auto`` serves the fastest setting of this CPU's record that passes the gate.
+  *Fastest* is beyond the noise: each setting's speed is the median of interleaved rounds with
+  its spread (`serve_app.timing`), and a setting is faster than another only when their ranges
+  do not overlap. Among settings that tie that way the replica keeps the default: an
+  equal-answer setting (in `EQUAL_ANSWER_SETTINGS` order), else the one whose gate figure is
+  highest (`_fastest`). A measurement a busy machine made noisy therefore keeps the reference's
+  answers rather than whichever setting was lucky. **The
   gate**: a setting that changes answers (bf16, int8) must have both agreements measured, and
   passes when the worse of their *lower confidence bounds* (`agreement_lower_bound`: one sided,
   95%, from the figure and how many texts it was measured on) is at least ``min_agreement``. A
@@ -55,6 +61,7 @@ from typing import Any
 
 from serve_app.model import PRECISIONS, ModelDirError, cpu_flags, has_native_bf16
 from serve_app.settings import RUNTIME_SETTINGS, ServerSettings
+from serve_app.timing import unbeaten
 
 __all__ = [
     "EQUAL_ANSWER_SETTINGS",
@@ -126,7 +133,9 @@ class Measurement:
     runtime: str
     precision: str
     para_per_s: float
-    """In-process paragraphs per second (the model's own batching, this CPU's threads)."""
+    """In-process paragraphs per second (the model's own batching, this CPU's threads): the median
+    of the interleaved rounds (`serve_app.timing`); in records written before rounds were kept,
+    the best round."""
     agreement: float
     """The gate's figure: the worse of `agreement_in` and `agreement_out` (1.0 for the reference)."""
     max_abs_dp: float
@@ -143,6 +152,12 @@ class Measurement:
     """How many in-domain texts `agreement_in` was measured on (from the record's sample when older)."""
     n_out: int | None = None
     """How many out-of-domain texts `agreement_out` was measured on."""
+    spread: float = 0.0
+    """How noisy the speed was, in paragraphs per second: every round lay within ``para_per_s ±
+    spread``. A setting is faster than another only beyond both spreads (`serve_app.timing.beats`);
+    0 in records written before rounds were kept (they compare by ``para_per_s`` alone)."""
+    rounds: int = 0
+    """How many interleaved rounds timed it (0: not recorded)."""
 
     @property
     def setting(self) -> tuple[str, str]:
@@ -375,7 +390,7 @@ def choose(
         # equal-answer order (OpenVINO first) for fp32.
         measured = [m for m in (record.get(*s) for s in candidates) if m is not None] if record else []
         if measured:
-            candidates = [max(measured, key=lambda m: m.para_per_s).setting]
+            candidates = [_fastest(measured).setting]
         elif precision == "fp32":
             candidates = [s for s in EQUAL_ANSWER_SETTINGS if s in candidates]
     chosen = candidates[0]
@@ -432,9 +447,40 @@ def _auto(
     eligible = [m for m in (record.get(*s) for s in allowed) if m is not None and m.passes(min_agreement)]
     if not eligible:
         return Serving(*fallback, reason="auto: no measured setting passes the agreement gate; the reference's answers")
-    best = max(eligible, key=lambda m: m.para_per_s)
-    reason = f"auto: fastest measured that passes the gate ({best.speedup:.2f}x TF fp32, {_figures(best)})"
+    best = _fastest(eligible)
+    reason = (
+        f"auto: fastest measured that passes the gate ({best.speedup:.2f}x TF fp32{_noise(best)}, {_figures(best)})"
+    )
+    top = max(eligible, key=lambda m: m.para_per_s)
+    if top is not best:
+        reason += (
+            f"; {top.runtime} {top.precision} ran {top.para_per_s:.1f}{_noise(top, speedup=False)}: within the spread"
+        )
     return Serving(best.runtime, best.precision, reason=reason, agreement=best.agreement)
+
+
+def _fastest(measurements: Iterable[Measurement]) -> Measurement:
+    """The setting served among measured ones: of those no other is faster than beyond the spread
+    (`serve_app.timing.beats`), the one whose answers are the reference's, or closest to them
+    (`_preference`). A tie that noise makes keeps the default; only a clear win changes it."""
+    by_setting = {m.setting: m for m in measurements}
+    return min((by_setting[s] for s in unbeaten(by_setting)), key=_preference)
+
+
+def _preference(m: Measurement) -> tuple[int, float, float]:
+    """Among settings whose speeds tie: the reference's answers first, in `EQUAL_ANSWER_SETTINGS`
+    order (the no-record default first), then the higher gate figure, then the higher median."""
+    if m.setting in EQUAL_ANSWER_SETTINGS:
+        return (0, EQUAL_ANSWER_SETTINGS.index(m.setting), 0.0)
+    return (1, -m.gate_figure, -m.para_per_s)
+
+
+def _noise(m: Measurement, *, speedup: bool = True) -> str:
+    if not m.rounds:
+        return ""
+    if speedup:
+        return f" ± {m.spread / max(m.para_per_s, 1e-12):.0%} over {m.rounds} rounds"
+    return f" ± {m.spread:.1f} para/s"
 
 
 def _figures(m: Measurement) -> str:

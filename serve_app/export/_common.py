@@ -225,16 +225,24 @@ def measure_runtimes(model_dir: Path) -> None:
     ``raypipe model optimize DIR --sample URI`` refines the figures on the user's own text."""
     import os
 
+    from serve_app.model import cpu_flags
     from serve_app.optimize import Sample, default_sample, measure
-    from serve_app.runtimes import write_record
+    from serve_app.runtimes import choose, write_record
     from serve_app.settings import ServerSettings
 
     sample = Sample("check texts (export)", calibration=(), held_out=tuple(default_sample(MEASURE_TEXTS)))
-    record = measure(model_dir, sample, threads=os.cpu_count() or 1, rounds=2)
+    record = measure(model_dir, sample, threads=os.cpu_count() or 1)
     write_record(model_dir, record)
-    gate = ServerSettings().min_agreement  # what a replica with default settings will apply
-    best = max((m for m in record.measurements if m.passes(gate)), key=lambda m: m.para_per_s)
-    logger.info("measured the runtimes on this CPU: %s %s is the fastest that passes", best.runtime, best.precision)
+    defaults = ServerSettings()  # what a replica with default settings will serve
+    best = choose(
+        runtime=defaults.runtime,
+        precision=defaults.precision,
+        flags=cpu_flags(),
+        record=record,
+        saved_model=None,
+        min_agreement=defaults.min_agreement,
+    )
+    logger.info("measured the runtimes on this CPU: a replica serves %s (%s)", best.setting, best.reason)
 
 
 def softmax_rows(logits: np.ndarray) -> np.ndarray:

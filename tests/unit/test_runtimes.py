@@ -317,6 +317,19 @@ def test_a_record_written_before_the_counts_takes_them_from_its_sample(tmp_path:
     assert not m.passes(0.99)  # 418 of 420 in domain: at least 98.6% at 95% confidence
 
 
+def test_a_record_written_before_rounds_were_kept_compares_by_its_figure(tmp_path: Path) -> None:
+    import json
+
+    write_record(tmp_path, _record(*_FIGURES, flags=BF16))
+    raw = json.loads((tmp_path / "runtimes.json").read_text())
+    for m in raw["records"][0]["measurements"]:
+        del m["spread"], m["rounds"]
+    (tmp_path / "runtimes.json").write_text(json.dumps(raw))
+    record = read_record(tmp_path, flags=BF16)
+    assert record is not None and all((m.spread, m.rounds) == (0.0, 0) for m in record.measurements)
+    assert _choose("auto", BF16, record).setting == "openvino:bf16"  # the fastest that passes, as before
+
+
 def test_resolve_reads_the_record_beside_the_model(tmp_path: Path) -> None:
     saved = tmp_path / "saved_model"
     saved.mkdir()
