@@ -39,7 +39,8 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -50,8 +51,13 @@ from protos.credential import token_matches
 from protos.raypipe.v1 import emotion_pb2
 from protos.wire import TIMING_KEYS
 from serve_app.metrics import ServerMetrics
-from serve_app.model import Chunk, Tokenized
+from serve_app.model import Chunk, Tokenized, cpu_flags
+from serve_app.self_measure import SelfMeasure
 from serve_app.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from serve_app.model import EmotionModel
+    from serve_app.runtimes import Serving
 
 __all__ = [
     "TIMING_KEYS",
@@ -308,33 +314,16 @@ class EmotionClassifier:
     def __init__(self, model_dir: str, settings: dict[str, Any] | None = None, token_sha256: str | None = None) -> None:
         """`token_sha256`: the digest of the token every call must carry (None: no credential checked)."""
         self._token_sha256 = token_sha256
-        from serve_app.model import EmotionModel, configure_precision, configure_tf_threads, read_model_card
+        from serve_app.model import read_model_card
         from serve_app.runtimes import resolve, served_version
 
         self._settings = ServerSettings.from_dict(settings)
         self._threads = thread_layout(self._settings, _replica_cpus(), usable_cores())
         # The runtime x precision the settings, the measured record and this CPU allow (or a GateError).
         serving = resolve(model_dir, self._settings)
-        if serving.runtime == "tensorflow":
-            # Before TensorFlow first runs a graph (warmup): its thread pools are fixed then, and
-            # Grappler rewrites the graph then. Other runtimes never import TensorFlow (seconds
-            # of every replica's start).
-            configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
-            configure_precision(serving.precision)
         self._precision = serving.precision
-        threads_before = _ThreadCpu.thread_ids()
-        self._model = EmotionModel.load(
-            model_dir,
-            max_sequence_length=self._settings.max_sequence_length,
-            token_budget=self._settings.token_budget,
-            precision=serving.precision,
-            runtime=serving.runtime,
-            threads=self._threads.intra_op,
-            streams=self._threads.model,  # OpenVINO: one stream per model thread, as TensorFlow's passes
-        )
-        self._model.warmup()
-        # The runtime's own compute threads are the ones loading and warming it up started.
-        self._model_cpu = _ThreadCpu(_ThreadCpu.thread_ids() - threads_before)
+        self._model_dir = model_dir
+        self._model, self._model_cpu = self._load(serving)
         self._labels = list(self._model.card.labels)
         # The version names what changes answers (`serve_app.runtimes.served_version`); the
         # setting says what computed them.
@@ -373,6 +362,56 @@ class EmotionClassifier:
             model_version=self._version,
             setting=self._setting,
         )
+        # No record for this CPU: serve the default now, measure in the background, and switch only
+        # among settings with the reference's answers (`serve_app.self_measure`).
+        self._self_measure: threading.Thread | None = None
+        flags = cpu_flags()
+        if SelfMeasure.wanted(serving, self._settings, flags=flags, openvino=find_spec("openvino") is not None):
+            self._self_measure = SelfMeasure(
+                model_dir,
+                serving,
+                self._settings,
+                switch=self._switch,
+                flags=flags,
+                threads=self._threads.model * self._threads.intra_op,
+            ).start()
+
+    def _load(self, serving: Serving) -> tuple[EmotionModel, _ThreadCpu]:
+        """The model of ``serving`` loaded and warmed up, and its runtime's compute threads."""
+        from serve_app.model import EmotionModel, configure_precision, configure_tf_threads
+
+        if serving.runtime == "tensorflow":
+            # Before TensorFlow first runs a graph (warmup): its thread pools are fixed then, and
+            # Grappler rewrites the graph then. Other runtimes never import TensorFlow (seconds
+            # of every replica's start).
+            configure_tf_threads(self._threads.intra_op, self._threads.inter_op)
+            configure_precision(serving.precision)
+        threads_before = _ThreadCpu.thread_ids()
+        model = EmotionModel.load(
+            self._model_dir,
+            max_sequence_length=self._settings.max_sequence_length,
+            token_budget=self._settings.token_budget,
+            precision=serving.precision,
+            runtime=serving.runtime,
+            threads=self._threads.intra_op,
+            streams=self._threads.model,  # OpenVINO: one stream per model thread, as TensorFlow's passes
+        )
+        model.warmup()
+        # The runtime's own compute threads are the ones loading and warming it up started.
+        return model, _ThreadCpu(_ThreadCpu.thread_ids() - threads_before)
+
+    def _switch(self, serving: Serving) -> None:
+        """Answer with ``serving`` from the next forward pass on (`serve_app.self_measure`: an
+        equal-answer setting, so the model version stays). Passes already running finish on the
+        model they started on; both models cut texts alike (same card, same token budget)."""
+        model, model_cpu = self._load(serving)
+        self._model, self._model_cpu, self._setting, self._precision = (
+            model,
+            model_cpu,
+            serving.setting,
+            serving.precision,
+        )
+        logger.info("EmotionClassifier %s now serves %s (%s)", self._version, serving.setting, serving.reason)
 
     async def Classify(
         self, request: emotion_pb2.ClassifyRequest, grpc_context: RayServegRPCContext

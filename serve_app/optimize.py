@@ -33,7 +33,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -206,12 +206,14 @@ def measure(
     rounds: int = 5,
     model: EmotionModel | None = None,
     note: str = "",
+    only: Collection[tuple[str, str]] | None = None,
 ) -> RuntimeRecord:
     """Every setting this CPU supports against TensorFlow fp32: speed on the held-out texts,
     top-label agreement on them (in domain) and on `serve_app.gate_texts` (out of domain).
 
     Writes the fp32 IR (``DIR/openvino/``) if it is missing; measures int8 only when asked (its
-    build is `build_int8`'s). Returns this CPU's record; the caller writes it (`write_record`).
+    build is `build_int8`'s), and only the settings in ``only`` when given (TensorFlow fp32, the
+    reference, always). Returns this CPU's record; the caller writes it (`write_record`).
     """
     import tensorflow as tf  # already imported by the model; for its version
 
@@ -231,6 +233,8 @@ def measure(
     runners: dict[tuple[str, str], _Runner] = {REFERENCE: model._run}
     for runtime, precision in supported_settings(flags, openvino=True):
         if runtime != "openvino" or (precision == "int8" and not int8):
+            continue
+        if only is not None and (runtime, precision) not in only:
             continue
         runners[runtime, precision] = load_openvino_runner(
             model_dir, n_labels=n_labels, precision=precision, threads=threads, flags=flags

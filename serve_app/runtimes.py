@@ -300,6 +300,9 @@ class Serving:
     """int8: a digest of the quantized IR that answers (`int8_build`). Its weights depend on the
     calibration texts ``raypipe model optimize`` was given, so two int8 builds of one model give
     different answers."""
+    unmeasured: bool = False
+    """``precision: auto`` found no record for this CPU (and these SavedModel files): the default
+    is served, and the replica may measure itself (`serve_app.self_measure`)."""
 
     @property
     def setting(self) -> str:
@@ -442,7 +445,9 @@ def _auto(
     fallback = equal[0] if equal else allowed[0]
     if record is None:
         return Serving(
-            *fallback, reason="auto: no measured record for this CPU, the fastest setting with the reference's answers"
+            *fallback,
+            reason="auto: no measured record for this CPU, the fastest setting with the reference's answers",
+            unmeasured=True,
         )
     eligible = [m for m in (record.get(*s) for s in allowed) if m is not None and m.passes(min_agreement)]
     if not eligible:

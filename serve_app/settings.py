@@ -103,6 +103,11 @@ class ServerSettings:
     served, unless `force_precision`."""
     force_precision: bool = False
     """Serve the asked precision even when its recorded agreement is under `min_agreement`."""
+    measure_unrecorded: bool = True
+    """With `precision: auto` and no record for this CPU, measure the settings with the
+    reference's answers (fp32 on TensorFlow and OpenVINO) in the background after starting, write
+    the record for the next start, and switch to a clearly faster one (the model version stays).
+    See `serve_app.self_measure`."""
     fault: FaultInjection = field(default_factory=FaultInjection)
     metrics: ServerMetricsSettings = field(default_factory=ServerMetricsSettings)
     """Where the replica's metrics go (DogStatsD when a host is set or `DD_AGENT_HOST` is, Ray metrics)."""
