@@ -13,6 +13,10 @@ many calls it merged; a second batch may form meanwhile and its passes queue beh
 the next calls overlaps the current passes, so a busy replica's model threads run passes back
 to back.
 
+A replica with ``precision: auto`` and no record for its CPU serves the default at once and
+measures itself in the background (`serve_app.self_measure`); it may switch to another setting
+with the reference's answers, never to one that changes its model version.
+
 A service deployed with a credential (`raypipe serve` always does: `protos.credential`) checks
 each call's bearer token against the digest it was given before anything else: a call without
 it gets UNAUTHENTICATED and never reaches the tokenizer or the model.
