@@ -160,6 +160,8 @@ def test_with_no_record_a_replica_serves_the_fastest_setting_with_the_references
         assert (chosen.runtime, chosen.precision) == ("openvino", "fp32")
         assert chosen.version_suffix == ""  # the reference's answers: the version of TensorFlow fp32
         assert "no measured record" in chosen.reason
+        assert chosen.unmeasured  # the replica may measure itself (serve_app.self_measure)
+        assert not _choose("auto", flags).unmeasured
     # Without OpenVINO the equal-answer setting is the reference itself.
     chosen = _choose("auto", BF16, record=None, openvino=False)
     assert (chosen.runtime, chosen.precision) == ("tensorflow", "fp32")
