@@ -243,7 +243,7 @@ class IndexStats:
 
 
 def build_index(
-    output_uri: str,
+    output: str | OutcomeTable,
     model_version: str,
     labels: tuple[str, ...],
     *,
@@ -259,7 +259,7 @@ def build_index(
     choice) and reuse goes on for those; the log and the stats (`IndexStats.capped`) say so.
     None when there are no answers."""
     stats = IndexStats(cap=max_rows)
-    table = OutcomeTable(output_uri)
+    table = output if isinstance(output, OutcomeTable) else OutcomeTable(output)  # a run passes its own
     if not table.exists():
         return None, stats
     dt = table.load()

@@ -222,6 +222,9 @@ def fenced_commit(
         dt = table.load()
         check_fence(dt, fence)
         app, version = mark(dt)
+        # `dt` is the table's one snapshot: a `load` inside `mark` moves it on. The commit is
+        # built on it as it is now, so the fence is checked on it as it is now.
+        check_fence(dt, fence)
         since, token = dt.version(), commit_token()
         props = CommitProperties(
             app_transactions=[*fence_transactions(fence), Transaction(app, version)],

@@ -68,14 +68,21 @@ input's current rows. Rows without `text_hash` (written by releases before it) a
 per `updated_at`. `EXCLUDE` is DuckDB's; other engines list the columns."""
 
 
-def _dataset(output: str) -> Any:
-    return OutcomeTable(output).load().to_pyarrow_dataset()
+def _dataset(output: str | OutcomeTable, run_id: str | None = None) -> Any:
+    """The committed files as a pyarrow dataset; of one run's partition only with `run_id`
+    (pruned by the log, so a run's reads do not walk every file the table's history holds)."""
+    table = output if isinstance(output, OutcomeTable) else OutcomeTable(output)
+    partitions = None if run_id is None else [("run_id", "=", run_id)]
+    return table.load().to_pyarrow_dataset(partitions=partitions)
 
 
-def read_outcomes(output: str, run_id: str | None = None, *, columns: list[str] | None = None) -> pa.Table:
+def read_outcomes(
+    output: str | OutcomeTable, run_id: str | None = None, *, columns: list[str] | None = None
+) -> pa.Table:
     """Every committed row of the output (of one run if `run_id` is given): results and dead
-    letters, told apart by `outcome`. Rows of unfinished or fenced-off commits are never here."""
-    ds = _dataset(output)
+    letters, told apart by `outcome`. Rows of unfinished or fenced-off commits are never here.
+    A run passes its own table (`OutcomeTable`), a user the output's URI."""
+    ds = _dataset(output, run_id)
     flt = None if run_id is None else pc.field("run_id") == run_id
     return ds.to_table(filter=flt, columns=columns)
 
@@ -103,10 +110,10 @@ def latest_of(outcomes: Any) -> pa.Table:
         con.close()
 
 
-def answered_versions(output: str, run_id: str) -> dict[str, int]:
+def answered_versions(output: str | OutcomeTable, run_id: str) -> dict[str, int]:
     """The run's committed results by the model version that answered them, over every attempt
     (more than one only when a resume was allowed to change model)."""
-    if not OutcomeTable(output).exists():
+    if not (output if isinstance(output, OutcomeTable) else OutcomeTable(output)).exists():
         return {}
     rows = read_outcomes(output, run_id, columns=["model_version"])
     counts = rows.group_by("model_version").aggregate([([], "count_all")]).to_pylist()
@@ -139,11 +146,7 @@ def ledger(table: OutcomeTable, run_id: str) -> Ledger:
     """Run `run_id`'s committed rows by outcome (none if the table does not exist yet)."""
     if not table.exists():
         return Ledger()
-    rows = (
-        table.load()
-        .to_pyarrow_dataset()
-        .to_table(filter=pc.field("run_id") == run_id, columns=["outcome", "status", "error_kind"])
-    )
+    rows = read_outcomes(table, run_id, columns=["outcome", "status", "error_kind"])
     return ledger_of(rows)
 
 

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import re
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -221,28 +222,56 @@ def as_sink_error(e: Exception, uri: str) -> Exception:
 
 
 class OutcomeTable:
-    """The Delta table under `OUTPUT/outcomes/`: creation and readers of its rows and log."""
+    """The Delta table under `OUTPUT/outcomes/`: creation and readers of its rows and log.
+
+    One object holds one snapshot (`load`), opened once and then brought up to date from the
+    log's new entries only, so a run that asks the table a dozen questions reads its log from
+    the last checkpoint once, not a dozen times. A run builds one (`raypipe.commit.output.Output`)
+    and passes it down; a process of its own (an actor's committer) builds its own."""
 
     def __init__(self, output_uri: str) -> None:
         self.output_uri = output_uri.rstrip("/")
         self.uri = f"{self.output_uri}/{TABLE_DIR}"
         self._options = storage_options(self.uri)
+        self._dt: Any = None
+        self._lock = threading.Lock()
+
+    # The snapshot holds delta-rs state and the lock a thread: a copy sent elsewhere opens its own.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"output_uri": self.output_uri}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["output_uri"])  # type: ignore[misc]
 
     def exists(self) -> bool:
         from deltalake import DeltaTable
 
+        if self._dt is not None:  # a table once there stays there
+            return True
         return bool(DeltaTable.is_deltatable(self.uri, storage_options=self._options))
 
     def load(self) -> Any:
-        """The table at its latest version (`deltalake.DeltaTable`)."""
+        """The table at its latest version (`deltalake.DeltaTable`): this object's one snapshot,
+        brought up to date (`update_incremental` reads only the log entries after it).
+
+        Every caller gets the same object, so a caller that holds it across another `load`
+        sees it move to the latest version; the fence's commits check the generation on the
+        snapshot they commit from, right before the commit (`raypipe.commit.fence`)."""
         from deltalake import DeltaTable
 
-        try:
-            return DeltaTable(self.uri, storage_options=self._options)
-        except Exception as e:  # TableNotFoundError and the store's errors, all from delta-rs
-            if not self.exists():
-                raise SinkError(f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri) from e
-            raise as_sink_error(e, self.uri) from e
+        with self._lock:
+            try:
+                if self._dt is None:
+                    self._dt = DeltaTable(self.uri, storage_options=self._options)
+                else:
+                    self._dt.update_incremental()
+            except Exception as e:  # TableNotFoundError and the store's errors, all from delta-rs
+                if self._dt is None and not self.exists():
+                    raise SinkError(
+                        f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri
+                    ) from e
+                raise as_sink_error(e, self.uri) from e
+            return self._dt
 
     def load_version(self, version: int) -> Any:
         """The table as it was at `version` (time travel; the log keeps it for its retention)."""

@@ -269,7 +269,7 @@ class ExecuteRun:
         # Built by Ray tasks into the object store (shards by hash range; `execute` has joined
         # Ray), so the driver holds references, not 33 bytes per committed text.
         index, index_stats = build_index(
-            self.protocol.output.uri, model.version, model.labels, max_rows=self.settings.dedup.max_index_rows
+            self.protocol.table, model.version, model.labels, max_rows=self.settings.dedup.max_index_rows
         )
         # Under planning until the report has a field of its own: a capped index is never silent.
         report.planning = {**(report.planning or {}), "reuse_index": index_stats.to_dict()}
@@ -405,7 +405,7 @@ def fold_report(
         report.apply_ledger(dict(replayed))
     else:
         report.apply_ledger(protocol.ledger())
-        report.model_versions = answered_versions(protocol.output.uri, protocol.run_id)
+        report.model_versions = answered_versions(protocol.table, protocol.run_id)
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
     return attempt
 

@@ -1,0 +1,67 @@
+"""A daily's cost does not grow with the output's history: what one run reads of the table's
+log, the transactions it leaves there, and the state it leaves beside it.
+
+Counts, never times: snapshots of the table opened per run, app transactions and state files
+after N dailies. The runs go through the real run path with the model-based test's seams
+(`tests.modelcheck.world`: no Ray, a fake model client, a real local Delta table)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import deltalake
+import pytest
+
+from tests.modelcheck.reference import Row
+from tests.modelcheck.world import World
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    w = World(tmp_path, unit_rows=1000)
+    try:
+        for k in range(4):
+            w.write_file(f"f{k}.parquet", [Row(f"r{k}", f"text {k}", T0)])
+        assert w.run("backfill", "backfill-0").error is None
+        yield w
+    finally:
+        w.close()
+
+
+def _daily(world: World, day: int) -> None:
+    stamp = T0 + timedelta(days=day)
+    world.write_file(f"new{day}.parquet", [Row(f"n{day}", f"new text {day}", stamp)])
+    world.write_file(f"f{day % 4}.parquet", [Row(f"r{day % 4}", f"text {day % 4} day {day}", stamp)])
+    out = world.run("daily", f"daily-{day}")
+    assert out.error is None and out.report is not None and out.report.status == "completed", out.error
+
+
+@contextlib.contextmanager
+def _snapshots_opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
+    """Every `DeltaTable` built meanwhile: each one reads the log from its last checkpoint."""
+    opened: list[object] = []
+    init = deltalake.DeltaTable.__init__
+
+    def counting(self: deltalake.DeltaTable, *args: object, **kwargs: object) -> None:
+        opened.append(kwargs.get("version"))
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as m:
+        m.setattr(deltalake.DeltaTable, "__init__", counting)
+        yield opened
+
+
+def test_a_daily_opens_the_table_once_for_the_driver_and_once_per_committer(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _daily(world, 1)
+    with _snapshots_opened(monkeypatch) as opened:
+        _daily(world, 2)
+    # The driver's one `OutcomeTable` is brought up to date from the log's new entries; the
+    # in-process actor's committer has its own (as an actor in a process of its own would).
+    assert len(opened) == 2, opened
