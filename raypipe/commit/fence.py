@@ -21,9 +21,11 @@ was stalled, and there is no window between a check and a write.
   slot, so a holder's actors commit side by side (two unit commits conflict only when their
   units share a slot; the later one retries on a fresh snapshot), and the unit's own
   transaction, so a unit committed twice in one generation (a Ray task retried after its
-  actor died past the commit) is written once. Unit transactions carry `lastUpdated`, so
-  the table's `delta.setTransactionRetentionDuration` (90 days) prunes them; the slots and
-  the run commits carry none and are kept.
+  actor died past the commit) is written once. A run's own transactions (units, plan
+  pointer, run commit) carry `lastUpdated`, so the table's
+  `delta.setTransactionRetentionDuration` (90 days) prunes them; the output's (the slots,
+  files seen, quarantine, watermark) carry none and are kept (the rule:
+  `raypipe.commit.table.expires`).
 - `set_pointer` (plan, files seen, quarantine, watermark), `mark_committed` (a run's commit)
   and a maintenance commit (`fence_transactions`) carry every slot.
 - `retire`: a holder fences off its own writers (`CommitProtocol.abort`).
@@ -50,6 +52,7 @@ from raypipe.commit.table import (
     OutcomeTable,
     as_sink_error,
     done_app,
+    expires,
     generation_of,
     slot_app,
     unit_app,
@@ -209,13 +212,14 @@ def fenced_commit(
     metadata: dict[str, str],
     *,
     failure: str,
+    clock: Callable[[], float] = time.time,
 ) -> int:
     """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
     output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
 
     A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
     newer holder took over, `LeaseLostError`. Returns the version the app was set to."""
-    from deltalake import CommitProperties, Transaction
+    from deltalake import CommitProperties
 
     failed = _commit_failed()
     for _ in range(50):
@@ -227,7 +231,7 @@ def fenced_commit(
         check_fence(dt, fence)
         since, token = dt.version(), commit_token()
         props = CommitProperties(
-            app_transactions=[*fence_transactions(fence), Transaction(app, version)],
+            app_transactions=[*fence_transactions(fence), _transaction(app, version, clock)],
             custom_metadata={**metadata, **token},
         )
         try:
@@ -240,8 +244,21 @@ def fenced_commit(
     raise SinkError(failure, path=table.uri)
 
 
+def _transaction(app: str, version: int, clock: Callable[[], float]) -> Any:
+    """`app` at `version`, stamped with the time if it expires (`raypipe.commit.table.expires`)."""
+    from deltalake import Transaction
+
+    return Transaction(app, version, last_updated=int(clock() * 1000) if expires(app) else None)
+
+
 def set_pointer(
-    table: OutcomeTable, fence: TableFence, app: str, write: Callable[[int | None], int], *, operation: str
+    table: OutcomeTable,
+    fence: TableFence,
+    app: str,
+    write: Callable[[int | None], int],
+    *,
+    operation: str,
+    clock: Callable[[], float] = time.time,
 ) -> int:
     """Points `app` at a new state file (or value), fenced like a unit commit.
 
@@ -261,10 +278,18 @@ def set_pointer(
         mark,
         {"raypipe.operation": operation, "raypipe.run_id": fence.run_id},
         failure=f"could not record {operation} for run {fence.run_id}",
+        clock=clock,
     )
 
 
-def mark_committed(table: OutcomeTable, fence: TableFence, run_id: str, metadata: dict[str, str]) -> None:
+def mark_committed(
+    table: OutcomeTable,
+    fence: TableFence,
+    run_id: str,
+    metadata: dict[str, str],
+    *,
+    clock: Callable[[], float] = time.time,
+) -> None:
     """The run commit of `run_id`, fenced (a rerun does nothing new): what makes a run
     committed. `CommitProtocol.commit_run` checks every unit first; `raypipe migrate` records
     the runs an earlier release finished."""
@@ -274,6 +299,7 @@ def mark_committed(table: OutcomeTable, fence: TableFence, run_id: str, metadata
         lambda dt: (done_app(run_id), fence.generation),
         {"raypipe.operation": "run-committed", "raypipe.run_id": run_id, **metadata},
         failure=f"could not record run {run_id} as committed",
+        clock=clock,
     )
 
 
@@ -372,7 +398,7 @@ class UnitCommitter:
                             Transaction(slot_app(slot), generation),
                             # Stamped, so the table's transaction retention prunes it: ~47k
                             # units per backfill would otherwise sit in every snapshot forever.
-                            Transaction(unit_app(run_id, unit), generation, last_updated=int(self._clock() * 1000)),
+                            _transaction(unit_app(run_id, unit), generation, self._clock),
                         ],
                         custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation), **token},
                     )

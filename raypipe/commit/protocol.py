@@ -36,7 +36,9 @@ writers the same way (a take-over by nobody), unless a newer holder already took
 the report a driver writes after a failure is then final, and files an actor writes
 afterwards stay invisible (`raypipe vacuum` removes them). "Committed" is the run's commit in
 the table (`OutcomeTable.is_committed`), written only by `commit_run` after it found every
-planned unit committed in the table. The lease (`raypipe.commit.lease`) is liveness only: it
+planned unit committed in the table (a run's own transactions expire after the table's
+transaction retention; past it, its completed report stands for its commit: `committed_runs`).
+The lease (`raypipe.commit.lease`) is liveness only: it
 keeps a second run id from starting on the same output while the first is alive and lets a
 retried attempt wait for a live one to expire; it fences nothing.
 
@@ -83,7 +85,7 @@ from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.store import QUARANTINE, OutputStore
 
-__all__ = ["CommitProtocol", "FilesSeen", "holding", "read_files_seen", "read_quarantine"]
+__all__ = ["CommitProtocol", "FilesSeen", "committed_runs", "holding", "read_files_seen", "read_quarantine"]
 
 logger = logging.getLogger("raypipe")
 
@@ -134,6 +136,11 @@ class CommitProtocol:
         self._fence: TableFence | None = None
 
     # -- a run committed already ---------------------------------------------------------------
+    def is_committed(self) -> bool:
+        """Is this run id committed? Its run commit in the table, or past the table's transaction
+        retention (when that commit has expired) its completed report: `committed_runs`."""
+        return self.run_id in committed_runs(self.place, {self.run_id})
+
     def stored_report(self) -> RunReport | None:
         """The report stored for this run id, if any (whatever its status)."""
         stored = self.store.read_json_or_none(self.store.report_file(self.run_id))
@@ -232,7 +239,7 @@ class CommitProtocol:
             self.store.write_json(self.store.run_state(self.run_id, "plan", f"{number}.json"), plan.to_dict())
             return number
 
-        set_pointer(self.table, self.fence, plan_app(self.run_id), write, operation="plan")
+        set_pointer(self.table, self.fence, plan_app(self.run_id), write, operation="plan", clock=self._clock)
 
     # -- units ---------------------------------------------------------------------------------
     def committed_units(self, plan: Plan) -> set[str]:
@@ -368,7 +375,8 @@ class CommitProtocol:
                 f"{', ...' if len(missing) > 3 else ''})",
                 path=self.table.uri,
             )
-        mark_committed(self.table, self.fence, self.run_id, {"raypipe.attempt": self.attempt, **(metadata or {})})
+        metadata = {"raypipe.attempt": self.attempt, **(metadata or {})}
+        mark_committed(self.table, self.fence, self.run_id, metadata, clock=self._clock)
 
     def abort(self) -> bool:
         """Fences off this attempt's own writers, unless a newer holder took the output already.
@@ -464,6 +472,20 @@ def holding(
         yield protocol
     finally:
         protocol.release()
+
+
+def committed_runs(place: Output, candidates: set[str]) -> set[str]:
+    """The run ids among `candidates` that are committed: the table's run commit says so while
+    it is kept; a run's own transactions expire after `raypipe.commit.table.TRANSACTION_RETENTION`
+    (so the log does not grow with the history), and past it the run's report, which a run
+    writes as completed only after its run commit landed, stands for it. A run the table holds
+    no commit of and no completed report of is not committed."""
+    done = place.table.committed_runs(candidates)
+    for run_id in sorted(candidates - done):
+        report = place.store.read_json_or_none(place.store.report_file(run_id))
+        if report is not None and report.get("status") == "completed":
+            done.add(run_id)
+    return done
 
 
 def read_quarantine(store: OutputStore, number: int | None) -> dict[str, dict[str, str]]:

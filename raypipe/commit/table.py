@@ -19,7 +19,7 @@ leave in the log and how to read it back:
   writes one data file whose `unit` column holds the unit key, the committed units of a run
   read from the log's file statistics alone (`committed_units`), without reading data;
 - a run's commit (`raypipe/<run>/committed`, `done_app`): `is_committed`, the one truth of
-  "committed";
+  "committed" while it is kept (a run's own transactions expire: `expires`);
 - pointers to immutable state files beside the table (`plan_app`, `FILES_SEEN_APP`,
   `QUARANTINE_APP`) and the daily watermark (`WATERMARK_APP`, its version the instant in
   microseconds): `OutcomeTable.pointer`.
@@ -49,10 +49,12 @@ __all__ = [
     "RESULT_STATUS_OK",
     "SLOTS",
     "TABLE_DIR",
+    "TRANSACTION_RETENTION",
     "WATERMARK_APP",
     "OutcomeTable",
     "as_sink_error",
     "done_app",
+    "expires",
     "generation_of",
     "label_column",
     "outcome_schema",
@@ -201,6 +203,18 @@ QUARANTINE_APP = "raypipe/quarantine"
 """The app transaction naming the output's current quarantine file (`raypipe.commit.upkeep`)."""
 WATERMARK_APP = "raypipe/watermark"
 """The app transaction holding the daily watermark, in microseconds since the epoch (UTC)."""
+TRANSACTION_RETENTION = "interval 90 days"
+"""The table's `delta.setTransactionRetentionDuration`: how long an expiring transaction is kept."""
+
+
+def expires(app: str) -> bool:
+    """Does `app`'s transaction expire? The rule that keeps the log's transactions from growing
+    with the history: a run's own transactions (its units, its plan pointer, its run commit)
+    carry `lastUpdated` and are pruned once older than `TRANSACTION_RETENTION`; the output's
+    (the fence's `SLOTS`, files seen, quarantine, watermark) are a fixed few, set again by
+    every run that moves them, and carry none. Past the retention, a run's commit is
+    remembered by its completed report (`raypipe.commit.protocol.committed_runs`)."""
+    return app.startswith("raypipe/") and app not in (FILES_SEEN_APP, QUARANTINE_APP, WATERMARK_APP)
 
 
 def unit_slot(unit: str) -> int:
@@ -293,7 +307,7 @@ class OutcomeTable:
                         partition_by=["run_id"],
                         mode="ignore",  # a concurrent creator wins: same schema
                         storage_options=self._options,
-                        configuration={"delta.setTransactionRetentionDuration": "interval 90 days"},
+                        configuration={"delta.setTransactionRetentionDuration": TRANSACTION_RETENTION},
                     )
                 except Exception:
                     # A create whose answer was lost (`raypipe.commit.fence.landed`) fails its

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from raypipe.commit.fence import UnitCommitter, fence_transactions, mark_committed
 from raypipe.commit.output import Output
-from raypipe.commit.protocol import CommitProtocol, holding, read_quarantine
+from raypipe.commit.protocol import CommitProtocol, committed_runs, holding, read_quarantine
 from raypipe.commit.table import QUARANTINE_APP
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError
@@ -258,8 +258,9 @@ def _migrate(old: LegacyLayout, runs: list[str], protocol: CommitProtocol) -> di
 
 
 def finished_runs(output: str | Output) -> list[str]:
-    """Run ids the table records as committed (their fenced run commit), among the runs with
-    rows in the table or state under `_raypipe/runs/`."""
+    """Run ids committed (their fenced run commit, or past its retention their completed
+    report: `committed_runs`), among the runs with rows in the table or state under
+    `_raypipe/runs/`."""
     place = output if isinstance(output, Output) else Output.at(output)
     store, table = place.store, place.table
     runs = store.path(STATE_DIR, "runs")
@@ -268,7 +269,7 @@ def finished_runs(output: str | Output) -> list[str]:
         names = {p.rsplit("/", 1)[-1] for p in store.fs.ls(runs, detail=False)}
     except FileNotFoundError:
         names = set()
-    return sorted(table.committed_runs(names | table.run_ids()))
+    return sorted(committed_runs(place, names | table.run_ids()))
 
 
 def _finished_at(store: OutputStore, run_id: str) -> datetime | None:

@@ -40,7 +40,7 @@ from datetime import UTC, datetime
 
 from raypipe.call.metrics import RunMetrics
 from raypipe.commit.output import Output
-from raypipe.commit.protocol import CommitProtocol
+from raypipe.commit.protocol import CommitProtocol, committed_runs
 from raypipe.config import InputConfig, PipelineConfig, check_run_id
 from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan, plan_input, plan_replay
@@ -142,14 +142,15 @@ def replay_run_id(place: Output, of_run: str) -> str:
     """The replay to run for `of_run`: `<of_run>.replay-<n>`, one past the last the table
     records as committed, so the latest unfinished one is resumed, else a new one starts.
 
-    From the table, never from state folders: `vacuum` drops a finished replay's state, and a
+    From the table (past its transaction retention, the runs' completed reports:
+    `committed_runs`), never from state folders: `vacuum` drops a finished replay's state, and a
     number taken from the folders left would name a committed replay again (which then does
     nothing). Replays of a run are numbered one after another, a new one only once the last
     is committed, so the committed ones are looked up in batches until one comes up short."""
     prefix, last, batch = f"{of_run}.replay-", 0, 64
     while True:
         names = {f"{prefix}{n}": n for n in range(last + 1, last + batch + 1)}
-        done = [names[r] for r in place.table.committed_runs(set(names))]
+        done = [names[r] for r in committed_runs(place, set(names))]
         last = max(done, default=last)
         if last < max(names.values()):
             return f"{prefix}{last + 1}"

@@ -417,7 +417,7 @@ def committed_report(protocol: CommitProtocol) -> RunReport | None:
     attempt's (failed, incomplete): the report is then rebuilt from the table (rows by
     outcome, the plan's units, every attempt's calls), written, and returned, never a bare
     "completed" with zero counts."""
-    if not protocol.table.is_committed(protocol.run_id):
+    if not protocol.is_committed():
         return None
     report = protocol.stored_report()
     path = protocol.store.report_file(protocol.run_id)

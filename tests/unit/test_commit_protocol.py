@@ -22,6 +22,7 @@ from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, LeaseLostError, OutputLockedError, SinkError
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
+from raypipe.report import RunReport
 from tests.fakes import LABELS
 from tests.unit.test_table import UNIT, rows, visible
 
@@ -126,6 +127,31 @@ def test_protocol_unit_transactions_use_the_injected_clock(tmp_path, attempts):
     assert p.commit_unit(UNIT, rows({"A": "result"}, version="m"))
     assert p.table.load().transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # past the retention
     assert p.committed_units(plan("a.parquet")) == {UNIT}  # still found committed by its file
+
+
+def test_a_runs_own_transactions_expire_and_its_report_then_stands_for_its_commit(tmp_path, attempts):
+    """The log's transactions do not grow with the history: a run's plan pointer, units and run
+    commit are pruned after the table's retention (90 days); the output's fence and pointers
+    stay. Past the retention the run is still committed: its completed report says so."""
+    long_ago = (datetime.now(UTC) - timedelta(days=100)).timestamp()
+    p = protocol(tmp_path, attempts, "a1", clock=lambda: long_ago)
+    p.setup_run(LABELS)
+    done, _ = p.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="m")
+    p.commit_unit(
+        done.units[0].key, rows({"A": "result"}, version="m").set_column(2, "unit", pa.array([done.units[0].key]))
+    )
+    p.commit_run(done)
+    assert p.record_files_seen(done, {done.units[0].key}) == 1
+    dt = deltalake.DeltaTable(p.table.uri)
+    for app in ("raypipe/r1/plan", "raypipe/r1/committed", f"raypipe/r1/unit/{done.units[0].key}"):
+        assert dt.transaction_version(app) is None, app  # expired: pruned from the log
+    assert dt.transaction_version("raypipe/files-seen") is not None  # the output's: kept
+    assert dt.transaction_version("raypipe-output/slot-0") == p.fence.generation
+    assert not p.table.is_committed("r1")
+    assert not p.is_committed()  # no report: nothing says it was committed
+    p.write_report(RunReport(run_id="r1", mode="backfill", output=p.output.uri, status="completed"))
+    again = protocol(tmp_path, attempts, "a2")
+    assert again.is_committed() and "r1" in finished_runs(again.place)
 
 
 def test_a_fenced_off_attempt_cannot_replace_the_plan(tmp_path, attempts):

@@ -135,7 +135,8 @@ def test_vacuum_drops_old_finished_runs_state_and_keeps_reports(tmp_path):
     ):
         store.write_json(store.run_state(run_id, "plan.json"), {"units": []})
         store.write_json(store.run_state(run_id, "attempts", "a1.json"), {"calls": 1})
-        report = {"run_id": run_id, "mode": "backfill", "status": "completed"}
+        # A run writes "completed" only after its run commit landed (an open run: "incomplete").
+        report = {"run_id": run_id, "mode": "backfill", "status": "completed" if committed_at else "incomplete"}
         if committed_at is not None:
             mark_committed(table, take_over(table, run_id), run_id, {})
             if run_id == "legacy":
