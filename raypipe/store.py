@@ -9,6 +9,7 @@
       _raypipe/runs/<run_id>/plan/<n>.json        the run's units; the table names the current n
       _raypipe/runs/<run_id>/attempts/<a>.json    each attempt's call statistics
       _raypipe/runs/<run_id>/attempts/<a>/actors/*.json   its actors' call tallies (raypipe.tally)
+                                                  (a run's folder goes once its completed report is written)
 
 Whether a run or a unit is committed is the table's to say, never a file's (`raypipe.commit.protocol`).
 The daily watermark (what the input was read as of; informational) is an app transaction of

@@ -22,6 +22,7 @@ of the protocol's calls is told here::
     protocol.abort()                 # instead of the three above, when a step failed
     protocol.save_attempt(...)       # this attempt's calls, and then its report, unless a
     protocol.write_report(...)       #   newer holder fenced this one off (that one reports)
+    protocol.drop_state()            # a completed run's plans and attempts, once it reported
     protocol.release()               # the lease, last, however the run ended
 
 Maintenance (`raypipe.commit.upkeep`) holds the output the same way (`holding`: the lease,
@@ -85,7 +86,15 @@ from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
 from raypipe.store import QUARANTINE, OutputStore
 
-__all__ = ["CommitProtocol", "FilesSeen", "committed_runs", "holding", "read_files_seen", "read_quarantine"]
+__all__ = [
+    "CommitProtocol",
+    "FilesSeen",
+    "committed_runs",
+    "drop_run_state",
+    "holding",
+    "read_files_seen",
+    "read_quarantine",
+]
 
 logger = logging.getLogger("raypipe")
 
@@ -452,6 +461,16 @@ class CommitProtocol:
     def write_report(self, report: RunReport) -> None:
         self.store.write_json(self.store.report_file(self.run_id), report.to_dict())
 
+    def drop_state(self) -> None:
+        """Removes this run's state beside the table (its plans, its attempts' statistics and
+        their actors' tallies) once its completed report is written: nothing reads them after
+        (a rerun of the id finds the report), so the state an output keeps grows with no run.
+        The report stays. A state that cannot be removed is left to `raypipe vacuum`."""
+        try:
+            drop_run_state(self.store, self.run_id)
+        except OSError as e:
+            logger.warning("run %s: its state stays until `raypipe vacuum` removes it: %s", self.run_id, e)
+
     def release(self) -> None:
         """Releases the output lease (the run's last step, however it ended)."""
         if self._lease is not None:
@@ -472,6 +491,14 @@ def holding(
         yield protocol
     finally:
         protocol.release()
+
+
+def drop_run_state(store: OutputStore, run_id: str) -> None:
+    """Removes `_raypipe/runs/<run_id>/`: a finished run's plans and attempts (`raypipe vacuum`
+    does it for runs finished before its retention, a completed run for itself)."""
+    folder = store.run_state(run_id)
+    with contextlib.suppress(FileNotFoundError):
+        store.fs.rm(folder, recursive=True)
 
 
 def committed_runs(place: Output, candidates: set[str]) -> set[str]:

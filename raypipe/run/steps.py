@@ -371,6 +371,8 @@ class ReportRun:
             if write and not protocol.lease_lost:
                 protocol.save_attempt(attempt)
                 protocol.write_report(report)
+                if report.status == "completed":
+                    protocol.drop_state()
         finally:
             protocol.release()
 

@@ -65,3 +65,17 @@ def test_a_daily_opens_the_table_once_for_the_driver_and_once_per_committer(
     # The driver's one `OutcomeTable` is brought up to date from the log's new entries; the
     # in-process actor's committer has its own (as an actor in a process of its own would).
     assert len(opened) == 2, opened
+
+
+def test_the_state_beside_the_table_does_not_grow_with_the_dailies(world: World) -> None:
+    """A completed run's plans and attempt statistics go once its report is written (the report
+    stays); files seen are a chain of deltas that a full copy replaces every `FILES_SEEN_CHAIN`."""
+    from raypipe.commit.protocol import FILES_SEEN_CHAIN
+
+    for day in range(1, 6):
+        _daily(world, day)
+    state = world.output / "_raypipe"
+    left = sorted(str(p.relative_to(state)) for p in state.rglob("*") if p.is_file())
+    assert not [p for p in left if p.startswith("runs/")], left
+    assert len(left) <= FILES_SEEN_CHAIN + 2, left  # files seen, the lease (and its lock file)
+    assert len(list((world.output / "runs").glob("*.json"))) == 6  # every run's report stays
