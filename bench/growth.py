@@ -3,7 +3,8 @@
 A corpus of `--files` small Parquet files is backfilled once; then `--dailies` dailies run, each
 after a producer added one file and rewrote one in place (a changed file is read whole). After
 each daily it records the size of the table's log (`outcomes/_delta_log`), of raypipe's state
-beside it (`_raypipe/`), the number of files in each, and the daily's planning and wall time.
+beside it (`_raypipe/`), the number of files in each, what opening a snapshot reads (the log
+entries after the last checkpoint, the checkpoint's bytes), and the daily's planning and wall time.
 The runs go through the real run path (modes, protocol, Delta table on a local disk) with the
 model-based test's seams: units inferred in this process by a fake model client, no Ray, so
 the figures are the bookkeeping's, not the model's.
@@ -35,6 +36,17 @@ def _tree(path: Path) -> tuple[int, int]:
     """(bytes, files) under `path`."""
     files = [p for p in path.rglob("*") if p.is_file()] if path.exists() else []
     return sum(p.stat().st_size for p in files), len(files)
+
+
+def _log_tail(log: Path) -> tuple[int, int]:
+    """(log entries after the last checkpoint, the checkpoint's bytes): what opening a snapshot
+    reads. The log's files on disk are bounded by its retention in time (30 days), which a bench
+    that runs a thousand dailies in an hour does not reach, so this is the figure that stays flat."""
+    marker = log / "_last_checkpoint"
+    version = json.loads(marker.read_text())["version"] if marker.exists() else -1
+    tail = sum(1 for p in log.glob("*.json") if int(p.stem) > version)
+    checkpoint = sum(p.stat().st_size for p in log.glob(f"{version:020d}.checkpoint*.parquet"))
+    return tail, checkpoint
 
 
 def run_growth(files: int, dailies: int, *, samples: int = 20, results: Path | None = None) -> dict[str, Any]:
@@ -79,6 +91,7 @@ def run_growth(files: int, dailies: int, *, samples: int = 20, results: Path | N
                     raise RuntimeError(f"daily {day} did not complete: {out.error!r}")
                 if day == 1 or day % every == 0 or day == dailies:
                     log_bytes, log_files = _tree(world.output / "outcomes" / "_delta_log")
+                    log_tail, checkpoint_bytes = _log_tail(world.output / "outcomes" / "_delta_log")
                     state_bytes, state_files = _tree(world.output / "_raypipe")
                     rows.append(
                         {
@@ -88,6 +101,8 @@ def run_growth(files: int, dailies: int, *, samples: int = 20, results: Path | N
                             "calls": len(out.calls),
                             "log_bytes": log_bytes,
                             "log_files": log_files,
+                            "log_tail": log_tail,
+                            "checkpoint_bytes": checkpoint_bytes,
                             "state_bytes": state_bytes,
                             "state_files": state_files,
                         }
@@ -114,7 +129,9 @@ def _result(files: int, dailies: int, backfill_s: float, rows: list[dict[str, An
         "dailies_done": last["daily"],
         "backfill_s": round(backfill_s, 1),
         "samples": rows,
-        "last_over_first": {k: ratio(k) for k in ("wall_s", "planning_s", "log_bytes", "state_bytes", "state_files")},
+        "last_over_first": {
+            k: ratio(k) for k in ("wall_s", "planning_s", "log_bytes", "checkpoint_bytes", "state_bytes", "state_files")
+        },
     }
 
 
