@@ -264,11 +264,10 @@ class CommitProtocol:
     def dead_letters_of(self, run_id: str) -> tuple[int, Counter[str]] | None:
         """Run `run_id`'s committed dead letters by unit, and the table version they were read
         at (what a replay of it plans and counts against); None if the table holds no row of it."""
-        version = self.table.load().version()
-        rows = (
-            self.table.load_version(version)
-            .to_pyarrow_dataset()
-            .to_table(filter=pc.field("run_id") == run_id, columns=["unit", "outcome"])
+        dt = self.table.load()
+        version = dt.version()
+        rows = dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id)]).to_table(
+            filter=pc.field("run_id") == run_id, columns=["unit", "outcome"]
         )
         if rows.num_rows == 0:
             return None
@@ -445,7 +444,11 @@ class CommitProtocol:
             {**in_units, "outcome": OUTCOME_DEAD_LETTER},
             key,
         )
-        now = scan_where(self.table.load().to_pyarrow_dataset(), in_units, [*key, "outcome", "status", "error_kind"])
+        now = scan_where(
+            self.table.load().to_pyarrow_dataset(partitions=[("run_id", "=", plan.replay_of)]),
+            in_units,
+            [*key, "outcome", "status", "error_kind"],
+        )
         return ledger_of(before.join(now, key, join_type="inner"))
 
     def earlier_attempts(self) -> list[AttemptStats]:
