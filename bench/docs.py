@@ -143,7 +143,10 @@ def rewrite(text: str, block: list[str], *, name: str) -> str:
 
 def _targets(root: Path) -> dict[Path, list[str]]:
     lines = newest_lines(root / "bench" / "results")
-    return {root / "README.md": readme_block(lines), root / "docs" / "performance.md": docs_block(lines)}
+    from bench.peers import peers_docs_block
+
+    performance = docs_block(lines) + peers_docs_block(root / "bench" / "results")
+    return {root / "README.md": readme_block(lines), root / "docs" / "performance.md": performance}
 
 
 def _f(x: float | None, digits: int = 2) -> str:

@@ -115,6 +115,10 @@ def render_markdown(results: dict[str, Any]) -> str:
         from bench.speed import speed_tables
 
         out += [*speed_tables(speed), ""]
+    if results.get("peers"):
+        from bench.peers import peers_tables
+
+        out += [*peers_tables(results["peers"]), ""]
     for name, model in results.get("models", {}).items():
         out += _model_table(name, model)
         out.append("")

@@ -7,6 +7,7 @@
     python -m bench.run --sections daily     # the 1M-row daily-delta line (slow to set up)
     python -m bench.run --models minilm-l6 --sections pool   # 1 vs 2 pool nodes, autoscaling, a node lost
     python -m bench.run --sections planning  # planning 50k shards on moto S3, time to the first commit
+    python -m bench.run --sections peers     # in process, Ray Data, raypipe, PySpark client, interleaved
 
 Writes ``bench/results/bench-<UTC time>.json`` and ``.md`` (and ``latest.*``). Counts per
 line follow the measured ceiling so each line runs about ``--line-seconds``. Every step that
@@ -533,8 +534,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sections",
         default="speed,lines,memory,precision,driver,commits",
-        help="comma-separated of speed, lines, memory, precision, driver, commits, daily, planning, pool "
-        "(default: all but daily, planning and pool)",
+        help="comma-separated of speed, lines, memory, precision, driver, commits, daily, planning, pool, peers "
+        "(default: all but daily, planning, pool and peers)",
     )
     p.add_argument("--line-seconds", type=float, help="target duration of lines (b)-(d) (default: 60, bert-base 180)")
     p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
@@ -558,6 +559,8 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="also run a backfill over them to its first unit commit (Ray cluster)",
     )
+    p.add_argument("--peer-rounds", type=int, default=3, help="rounds of the peers section's four lines")
+    p.add_argument("--peer-rows", type=int, help="paragraphs per peers line (default: 6000, bert-base 600)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--workdir", default=".cache/bench-work")
     p.add_argument("--models-cache", default=".cache/bench-models")
@@ -605,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             demo = build_demo_model(default_demo_model_dir())
         corpus = bench.write_corpus(_CORPUS_ROWS)
         model_dirs = {}
-        for name in names if sections & {"lines", "precision", "pool", "speed"} else []:
+        for name in names if sections & {"lines", "precision", "pool", "speed", "peers"} else []:
             with heavy_lock(args.lock):
                 model_dirs[name] = ensure_model(
                     SHAPES[name], demo_model_dir=demo, cache=Path(args.models_cache), env=bench.env
@@ -628,6 +631,11 @@ def main(argv: list[str] | None = None) -> int:
             if real is not None:
                 speed_models["real-weights MiniLM"] = real
             results["speed"] = run_speed(bench, speed_models, corpus)
+            save()
+        if "peers" in sections:
+            from bench.peers import run_peers
+
+            run_peers(bench, {n: model_dirs[n] for n in names}, corpus, SHAPES, results, save)
             save()
         if "memory" in sections:
             print("bench: memory", flush=True)
