@@ -4,7 +4,6 @@ medians and ratios against the targets, and the tables the results file and the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
