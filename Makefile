@@ -131,7 +131,8 @@ test: lint checkov  ## lint, then types, unit and integration tests (real Ray, S
 	echo "make test: integration tests exit $$main (main lane), $$sided (side lane) and $$seconds (second lane), unit tests exit $$units and $$modelled, mypy exit $$typed"; \
 	exit $$(( main || sided || seconds || units || modelled || typed ))
 
-bench: $(STAMP)  ## speed, throughput, memory and precision against the ceilings (hours on 2 cores) -> bench/results/
+bench: $(STAMP)  ## speed, throughput, memory, precision and the peers against the ceilings (hours on 2 cores) -> bench/results/
+	$(UV) pip install --quiet --python $(PY) -c constraints.txt -e '.[dev,bench]'  # pyspark, for the peers' line (d)
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.docs
 

@@ -1,6 +1,6 @@
 """`make bench` / `python -m bench.run`: throughput and memory against the ceilings, in one run.
 
-    python -m bench.run                      # both models, lines (a)-(e), memory, precision
+    python -m bench.run                      # both models, lines (a)-(e), memory, precision, peers
     python -m bench.run --quick              # MiniLM only, small counts: a smoke run
     python -m bench.run --sections speed     # e2e at default settings / the CPU's fastest gated setting
     python -m bench.run --models minilm-l6 --sections lines
@@ -533,9 +533,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma-separated, of {', '.join(SHAPES)} (default: all; --quick: minilm-l6)")
     p.add_argument(
         "--sections",
-        default="speed,lines,memory,precision,driver,commits",
+        default="speed,lines,memory,precision,driver,commits,peers",
         help="comma-separated of speed, lines, memory, precision, driver, commits, daily, planning, pool, peers "
-        "(default: all but daily, planning, pool and peers)",
+        "(default: all but daily, planning and pool)",
     )
     p.add_argument("--line-seconds", type=float, help="target duration of lines (b)-(d) (default: 60, bert-base 180)")
     p.add_argument("--ceiling-rows", type=int, help="paragraphs for line (a) (default per model)")
