@@ -33,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import LocalNodes, TreeUsage, bench_env, heavy_lock, measured_backfill, run_measured
+from bench.cluster import LocalNodes, TreeUsage, bench_env, heavy_lock, run_measured
 from bench.lines import RESULT_PREFIX, parse_result
 from bench.tcp_proxy import free_port
 
@@ -296,8 +298,8 @@ def _run_group(
         address = _serve(cluster, model_dir, bench.logs / f"{name}-serve.log")
         for line in group:
             if line == "c":
-                wall, usage, report = measured_backfill(
-                    cluster, address, shards, bench.work / f"out-{name}-c", f"{name}-c", bench.logs / f"{name}-c.log"
+                wall, usage, report = _backfill(
+                    cluster, address, shards, bench.work / f"out-{name}-c", f"{name}-c", bench.logs
                 )
                 out["c"] = {
                     "paragraphs": report["rows_in"],
@@ -324,6 +326,22 @@ def _run_group(
     return out
 
 
+def _backfill(
+    cluster: _PeerCluster, address: str, shards: Path, output: Path, name: str, logs: Path
+) -> tuple[float, TreeUsage, dict[str, Any]]:
+    """`raypipe backfill` with defaults, as the speed section runs it (`bench.cluster.measured_backfill`)."""
+    shutil.rmtree(output, ignore_errors=True)
+    cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", str(shards), "--output", str(output)]
+    cmd += ["--service", address, "--run-id", name]
+    wall, usage, code = run_measured(
+        cmd, env=cluster.env, marker=cluster.marker, timeout_s=1800, log=logs / f"{name}.log"
+    )
+    report = output / "runs" / f"{name}.json"
+    if code != 0 or not report.exists():
+        raise RuntimeError(f"raypipe backfill {name} failed (exit {code}); see {log}")
+    return wall, usage, json.loads(report.read_text())
+
+
 def _sample(result: dict[str, Any], wall_s: float, cpu_s: float) -> dict[str, Any]:
     return {"paragraphs": result["paragraphs"], "ok": result["ok"], "wall_s": wall_s, "cpu_s": cpu_s}
 
@@ -347,6 +365,10 @@ class _PeerCluster(LocalNodes):
     @property
     def marker(self) -> str:
         return str(self.root)
+
+    def __enter__(self) -> _PeerCluster:
+        super().__enter__()
+        return self
 
 
 @contextlib.contextmanager
@@ -405,7 +427,7 @@ def _ray_data(args: dict[str, Any]) -> dict[str, Any]:
             p = self.model.predict(list(batch["text"])).probabilities
             return {"id": batch["id"], "label": self.labels[p.argmax(axis=1)], "score": p.max(axis=1)}
 
-    ray.init(address=args["address"], logging_level="ERROR", log_to_driver=False)
+    ray.init(address=args["address"], logging_level=logging.ERROR, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     ray.data.read_parquet(args["input"]).map_batches(Classify).write_parquet(args["output"])
     ok = sum(pq.ParquetFile(p).metadata.num_rows for p in Path(args["output"]).glob("*.parquet"))
