@@ -338,7 +338,7 @@ def _backfill(
     )
     report = output / "runs" / f"{name}.json"
     if code != 0 or not report.exists():
-        raise RuntimeError(f"raypipe backfill {name} failed (exit {code}); see {log}")
+        raise RuntimeError(f"raypipe backfill {name} failed (exit {code}); see {logs / name}.log")
     return wall, usage, json.loads(report.read_text())
 
 
