@@ -74,7 +74,7 @@ def _peers_results(samples: dict[str, list[dict[str, object]]]) -> dict[str, obj
                 "paragraphs": 6000,
                 "rounds": 3,
                 "summary": peers.summarize(samples, cores=2),
-                "errors": {"d": "RuntimeError: bench.peers spark failed (exit 1)"},
+                "errors": {"c,d, round 2": "RuntimeError: bench.peers spark failed (exit 1)"},
             }
         },
     }
@@ -94,7 +94,7 @@ def test_the_table_names_cpu_shape_setting_and_shows_each_line_and_the_ratios_ag
     assert "| (d) PySpark local[2] pandas UDF, 1 paragraph per call, 50 in flight | 40.0 |" in text  # one round
     assert "(c)/(b) **0.964 (0.950–0.978)** (target ≥ 0.97: not met)" in text
     assert "(c)/(d) **2.375** (target ≥ 2: met)" in text
-    assert "Line (d) failed in a round: RuntimeError" in text
+    assert "Failed: (c,d, round 2): RuntimeError" in text
 
 
 def test_the_performance_page_takes_the_newest_full_run_with_peers_and_names_its_file(tmp_path):
