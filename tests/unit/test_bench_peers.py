@@ -3,11 +3,17 @@ medians and ratios against the targets, and the tables the results file and the 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
+import grpc
+import numpy as np
 import pytest
 
 from bench import docs, peers
+from protos.raypipe.v1 import emotion_pb2_grpc
+from tests.fakes import LABELS, FakeServicer, fake_probs
 
 
 def _sample(para_per_s: float, *, n: int = 600, busy: float = 1.9) -> dict[str, object]:
@@ -122,3 +128,46 @@ def test_the_performance_page_takes_the_newest_full_run_with_peers_and_names_its
 def test_the_child_refuses_an_unknown_line():
     with pytest.raises(SystemExit, match="unknown peer line"):
         peers.main(["nope", "{}"])
+
+
+class _CountingServicer(FakeServicer):
+    """The fake server, counting the calls in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = self.most_in_flight = 0
+
+    async def Classify(self, request: Any, context: Any) -> Any:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.01)  # long enough for the client's calls to overlap
+            return await super().Classify(request, context)
+        finally:
+            self.in_flight -= 1
+
+
+def test_the_reference_client_sends_one_paragraph_per_call_with_the_token_at_most_n_at_once() -> None:
+    servicer = _CountingServicer()
+    texts = [f"paragraph {i}" for i in range(40)]
+
+    async def scenario() -> list[str | None]:
+        server = grpc.aio.server()
+        emotion_pb2_grpc.add_EmotionClassifierServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        try:
+            metadata = (("application", "raypipe"), ("authorization", "Bearer secret"))
+            servicer.fail_next = [grpc.StatusCode.INVALID_ARGUMENT]  # the first call fails: no label, no retry
+            labels = await peers._classify_batch(address, metadata, texts, 5)
+        finally:
+            await server.stop(None)
+        return labels
+
+    labels = asyncio.run(scenario())
+    assert servicer.forms["rows"] == 39 and servicer.calls["OK"] == 39  # one paragraph per call
+    assert 1 < servicer.most_in_flight <= 5
+    assert all(seen["authorization"] == "Bearer secret" for seen in servicer.metadata_seen)
+    assert labels.count(None) == 1
+    expected = [LABELS[int(np.argmax(fake_probs(t)))] for t in texts]
+    assert [got == want for got, want in zip(labels, expected, strict=True)].count(False) == 1
