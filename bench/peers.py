@@ -447,6 +447,7 @@ def _spark(args: dict[str, Any]) -> dict[str, Any]:
         SparkSession.builder.master(f"local[{args['cores']}]")
         .appName("reference-client")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", str(args["cores"]))
         .getOrCreate()
     )
@@ -475,12 +476,14 @@ def _classify_udf(address: str, app: str, token: str | None, concurrency: int) -
 
     metadata = (("application", app), *((("authorization", f"Bearer {token}"),) if token else ()))
 
-    @pandas_udf("string")  # type: ignore[call-overload,untyped-decorator,unused-ignore]
     def classify(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
         for texts in batches:
             yield pd.Series(asyncio.run(_classify_batch(address, metadata, list(texts), concurrency)))
 
-    return classify
+    # Spark reads the hints to tell an iterator UDF; this module's postponed annotations are strings
+    # it would resolve in the module's globals, where pandas is not imported.
+    classify.__annotations__ = {"batches": Iterator[pd.Series], "return": Iterator[pd.Series]}
+    return pandas_udf(classify, "string")  # type: ignore[call-overload,unused-ignore]
 
 
 async def _classify_batch(
