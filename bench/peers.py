@@ -258,7 +258,10 @@ def _model(
                 k += len(group)
                 try:
                     for name, sample in _run_group(bench, group, model_dir, corpus, shards, rows, f"r{r}").items():
+                        detail = sample.pop("detail", None)
                         samples[name].append(line_figures(cores=cores, **sample))
+                        if detail:
+                            samples[name][-1]["detail"] = detail
                 except Exception as e:  # a failed line is reported with the others' figures
                     entry["errors"][f"{','.join(group)}, round {r + 1}"] = f"{type(e).__name__}: {e}"[:500]
         entry["summary"] = summarize(samples, cores=cores)
@@ -308,6 +311,12 @@ def _run_group(
                     "ok": report["rows_ok"],
                     "wall_s": wall,
                     "cpu_s": usage.cpu_s,
+                    # Where raypipe's CPU went, by process group (`raypipe.run.cost`), and its start-up.
+                    "detail": {
+                        "cost": report.get("cost"),
+                        "startup": report.get("startup"),
+                        "run_wall_s": report["wall_s"],
+                    },
                 }
             else:
                 payload = {
