@@ -150,10 +150,11 @@ def peers_tables(peers: dict[str, Any], *, source: str | None = None) -> list[st
     ]
     for label, m in (peers.get("models") or {}).items():
         shape = m.get("shape") or {}
+        where = m.get("source") or source
         dims = f"{shape.get('layers')}×{shape.get('hidden')}, max {shape.get('max_length')} tokens" if shape else ""
         out += [
             f"**{label}** ({dims}; setting {m.get('setting')}; {m.get('paragraphs'):,} paragraphs per line, "
-            f"{m.get('rounds')} rounds{'; ' + source if source else ''})",
+            f"{m.get('rounds')} rounds{'; ' + where if where else ''})",
             "",
             "| line | para/s (median, lowest–highest) | CPU ms per paragraph | cores busy | wall s |",
             "|---|---:|---:|---:|---:|",
@@ -189,18 +190,27 @@ def _range(s: dict[str, Any], digits: int) -> str:
 
 
 def peers_docs_block(results_dir: Path) -> list[str]:
-    """docs/performance.md's peers tables: from the newest results file with a peers section
-    (smoke runs left out), naming it; nothing where no run has one."""
-    for path in sorted(results_dir.glob("bench-*.json"), reverse=True):
+    """docs/performance.md's peers tables: per CPU (newest run first), each model's newest peers
+    figures (smoke runs left out), each naming its results file; nothing where no run has any."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(results_dir.glob("bench-*.json"), reverse=True):  # names sort by start time
         results = json.loads(path.read_text(encoding="utf-8"))
         env = results.get("env") or {}
-        peers = results.get("peers")
-        if not peers or not peers.get("models") or env.get("quick"):
+        peers = results.get("peers") or {}
+        if env.get("quick"):
             continue
         file = path.with_suffix(".md").relative_to(results_dir.parent.parent)
         source = f"`{file}` ({str(env.get('git_commit') or '')[:7]})"
-        return ["", *peers_tables(peers, source=source)]
-    return []
+        cpu = peers.get("cpu") or {}
+        key = f"{cpu.get('model')} {cpu.get('flags')}"
+        for label, m in (peers.get("models") or {}).items():
+            if (m.get("summary") or {}).get("lines"):
+                entry = found.setdefault(key, {"cpu": cpu, "models": {}})
+                entry["models"].setdefault(label, {**m, "source": source})
+    out: list[str] = []
+    for entry in found.values():
+        out += ["", *peers_tables(entry)]
+    return out
 
 
 # -- the measurement (Ray, Serve, Spark) ---------------------------------------------------------

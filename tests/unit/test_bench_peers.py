@@ -112,8 +112,14 @@ def test_the_performance_page_takes_the_newest_full_run_with_peers_and_names_its
     (results / "bench-20260101T000000Z.json").write_text(json.dumps(full))
     (results / "bench-20260102T000000Z.json").write_text(json.dumps(quick))  # a smoke run: left out
     (results / "bench-20260103T000000Z.json").write_text(json.dumps({"env": {}, "speed": {}}))  # no peers
-    block = peers.peers_docs_block(results)
-    assert "`bench/results/bench-20260101T000000Z.md` (abcdef1)" in "\n".join(block)
+    bert = _peers_results(samples)
+    bert["models"] = {"bert-base": {**bert["models"]["minilm-l6"], "shape": {"layers": 12, "hidden": 768}}}
+    later = {"env": {"git_commit": "123456789"}, "peers": bert}  # a later run of another model
+    (results / "bench-20260104T000000Z.json").write_text(json.dumps(later))
+    block = "\n".join(peers.peers_docs_block(results))
+    assert block.count("### Peers: Some Xeon") == 1  # one CPU, one heading; each model names its file
+    assert "**bert-base** (12×768" in block and "`bench/results/bench-20260104T000000Z.md` (1234567)" in block
+    assert "**minilm-l6** (6×384" in block and "`bench/results/bench-20260101T000000Z.md` (abcdef1)" in block
     assert peers.peers_docs_block(tmp_path) == []
 
     (tmp_path / "docs").mkdir()
