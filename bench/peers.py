@@ -69,10 +69,10 @@ LINE_NAMES = {
 }
 #: What the issue asks of the ratios and of raypipe's cores busy (of the machine's cores).
 TARGETS = {"c/b": 0.97, "c/d": 2.0, "cores_busy": 1.9}
-#: Paragraphs per line (the speed section's sizes would make a round of four lines too long to
-#: repeat within a locked step on 2 cores).
-ROWS = {"bert-base": 600}
-DEFAULT_ROWS = 6000
+#: Paragraphs per line: a round of the four lines stays within a few minutes on 2 cores, so it fits
+#: one hold of a shared machine's lock (the speed section's sizes would take most of an hour).
+ROWS = {"bert-base": 300}
+DEFAULT_ROWS = 3000
 #: Semaphore of the reference build's client (calls in flight per UDF).
 SPARK_CONCURRENCY = 50
 
@@ -233,29 +233,34 @@ def run_peers(
     for label, model_dir in models.items():
         print(f"bench: peers {label}", flush=True)
         rows = bench.args.peer_rows or ROWS.get(label, DEFAULT_ROWS)
-        out["models"][label] = _model(bench, model_dir, corpus, rows, shapes.get(label), save)
+        out["models"][label] = {}
+        _model(bench, model_dir, corpus, rows, shapes.get(label), out["models"][label], save)
     return out
 
 
 def _model(
-    bench: Any, model_dir: Path, corpus: Path, rows: int, shape: Any, save: Callable[[], None]
-) -> dict[str, Any]:
+    bench: Any, model_dir: Path, corpus: Path, rows: int, shape: Any, entry: dict[str, Any], save: Callable[[], None]
+) -> None:
+    """Fills `entry` with the model's rounds, saving after each line (a run stopped part-way, as a
+    hold of a shared lock running out, keeps what it measured)."""
     from serve_app.runtimes import resolve
     from serve_app.settings import ServerSettings
 
     serving = resolve(model_dir, ServerSettings())
     cores = bench.args.threads
     shards = bench.write_shards(corpus, rows, bench.work / f"input-peers-{model_dir.name}")
-    entry: dict[str, Any] = {
-        "model_dir": str(model_dir),
-        "shape": shape.to_dict() if shape is not None else None,
-        "setting": f"{serving.runtime}:{serving.precision}",
-        "paragraphs": rows,
-        "rounds": bench.args.peer_rounds,
-        "orders": round_orders(bench.args.peer_rounds),
-        "samples": {name: [] for name in LINES},
-        "errors": {},
-    }
+    entry.update(
+        {
+            "model_dir": str(model_dir),
+            "shape": shape.to_dict() if shape is not None else None,
+            "setting": f"{serving.runtime}:{serving.precision}",
+            "paragraphs": rows,
+            "rounds": bench.args.peer_rounds,
+            "orders": round_orders(bench.args.peer_rounds),
+            "samples": {name: [] for name in LINES},
+            "errors": {},
+        }
+    )
     samples: dict[str, list[dict[str, Any]]] = entry["samples"]
     for r, order in enumerate(entry["orders"]):
         k = 0
@@ -274,9 +279,8 @@ def _model(
                             samples[name][-1]["detail"] = detail
                 except Exception as e:  # a failed line is reported with the others' figures
                     entry["errors"][f"{','.join(group)}, round {r + 1}"] = f"{type(e).__name__}: {e}"[:500]
-        entry["summary"] = summarize(samples, cores=cores)
-        save()
-    return entry
+                entry["summary"] = summarize(samples, cores=cores)
+                save()
 
 
 def _run_group(

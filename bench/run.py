@@ -560,7 +560,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also run a backfill over them to its first unit commit (Ray cluster)",
     )
     p.add_argument("--peer-rounds", type=int, default=3, help="rounds of the peers section's four lines")
-    p.add_argument("--peer-rows", type=int, help="paragraphs per peers line (default: 6000, bert-base 600)")
+    p.add_argument("--peer-rows", type=int, help="paragraphs per peers line (default: 3000, bert-base 300)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--workdir", default=".cache/bench-work")
     p.add_argument("--models-cache", default=".cache/bench-models")
