@@ -129,7 +129,12 @@ def summarize(samples: dict[str, list[dict[str, Any]]], *, cores: int) -> dict[s
     }
     ratios: dict[str, Any] = {}
     for other in ("a", "b", "d"):
-        pairs = list(zip(samples.get("c", []), samples.get(other, []), strict=False))
+        # Paired by round (samples without one, by position): a line that failed in a round leaves
+        # that round out of its ratios rather than pairing the others' rounds wrongly.
+        theirs = {s.get("round", k): s for k, s in enumerate(samples.get(other, []))}
+        pairs = [
+            (c, theirs[c.get("round", k)]) for k, c in enumerate(samples.get("c", [])) if c.get("round", k) in theirs
+        ]
         if pairs:
             ratios[f"c/{other}"] = _spread([c["para_per_s"] / o["para_per_s"] for c, o in pairs])
     met: dict[str, bool | None] = {
@@ -274,7 +279,7 @@ def _model(
                 try:
                     for name, sample in _run_group(bench, group, model_dir, corpus, shards, rows, f"r{r}").items():
                         detail = sample.pop("detail", None)
-                        samples[name].append(line_figures(cores=cores, **sample))
+                        samples[name].append({"round": r + 1, **line_figures(cores=cores, **sample)})
                         if detail:
                             samples[name][-1]["detail"] = detail
                 except Exception as e:  # a failed line is reported with the others' figures

@@ -64,6 +64,14 @@ def test_the_summary_is_the_median_with_its_spread_and_ratios_are_medians_of_per
     assert summary["met"] == {"c/b": False, "c/d": True, "cores_busy": False}
 
 
+def test_ratios_pair_the_lines_of_one_round_when_a_line_failed_in_another():
+    b = [{"round": 1, **_sample(100)}, {"round": 3, **_sample(50)}]  # failed in round 2
+    c = [{"round": 1, **_sample(98)}, {"round": 2, **_sample(10)}, {"round": 3, **_sample(49)}]
+    summary = peers.summarize({"b": b, "c": c}, cores=2)
+    assert summary["ratios"]["c/b"]["median"] == pytest.approx(0.98)
+    assert summary["ratios"]["c/b"]["n"] == 2
+
+
 def test_a_line_that_failed_in_every_round_has_no_figures_and_no_verdict():
     summary = peers.summarize({"a": [_sample(100)], "b": [_sample(100)], "c": [_sample(99)], "d": []}, cores=2)
     assert "d" not in summary["lines"] and "c/d" not in summary["ratios"]
