@@ -312,6 +312,8 @@ def _run_group(
         if group == ["b"]:
             payload = {"address": cluster.address, "model_dir": str(model_dir), "input": str(shards)}
             payload["output"] = str(bench.work / f"out-{name}-b")
+            # write_parquet adds files beside any there: an earlier run's would count as answers.
+            shutil.rmtree(payload["output"], ignore_errors=True)
             result, wall, usage = _child(
                 ["bench.peers", "raydata", json.dumps(payload)],
                 cluster.env,
