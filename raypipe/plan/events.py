@@ -163,7 +163,7 @@ def _arrival(record: Any) -> Arrival | None:
     name = record["eventName"].removeprefix("s3:")
     if not name.startswith("ObjectCreated:"):
         return None
-    s3 = record.get("s3")
+    s3: Any = record.get("s3")
     try:
         bucket = s3["bucket"]["name"]
         key = s3["object"]["key"]

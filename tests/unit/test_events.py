@@ -271,7 +271,7 @@ def test_arrivals_not_acked_come_back_to_a_successor(sqs: Any, queue: tuple[str,
     assert successor.poll() == got
     assert in_queue(sqs, url) == 1
 
-    successor.ack(got)  # with the newest receipt: an older one no longer deletes the message
+    successor.ack(got)
     assert in_queue(sqs, url) == 0
     assert SqsArrivals(url).poll() == []
 
