@@ -371,3 +371,29 @@ def test_an_object_announced_twice_in_a_poll_arrives_once_and_a_later_version_is
     assert in_queue(sqs, url) == 1
     arrivals.ack(again)
     assert in_queue(sqs, url) == 0
+
+
+def test_an_ack_deletes_with_the_newest_receipt_of_a_message_received_twice() -> None:
+    # SQS deletes a message received twice only by its newest receipt handle (an older one
+    # "succeeds" and deletes nothing); moto accepts any, so SQS's answers are stubbed here.
+    from botocore.stub import Stubber
+
+    url = "https://sqs.us-east-1.amazonaws.com/123456789012/arrivals"
+    arrivals = SqsArrivals(url, storage_options={"key": "k", "secret": "s"})
+    body = json.dumps({"Records": [record("inbox", "in/a.parquet")]})
+    with Stubber(arrivals._sqs) as stub:
+        for receipt in ("first", "second"):
+            stub.add_response(
+                "receive_message",
+                {"Messages": [{"MessageId": "m1", "ReceiptHandle": receipt, "Body": body}]},
+                {"QueueUrl": url, "MaxNumberOfMessages": 10, "WaitTimeSeconds": 0},
+            )
+        stub.add_response(
+            "delete_message_batch",
+            {"Successful": [{"Id": "0"}], "Failed": []},
+            {"QueueUrl": url, "Entries": [{"Id": "0", "ReceiptHandle": "second"}]},
+        )
+        got = arrivals.poll(max_messages=10)
+        assert arrivals.poll(max_messages=10) == []
+        arrivals.ack(got)
+        stub.assert_no_pending_responses()
