@@ -10,6 +10,7 @@ breaker and retries, and commit results and dead letters to a Delta Lake table, 
     raypipe.latest("s3://out/emotions/")         # one row per id (pyarrow Table)
     raypipe.read_outcomes("s3://out/emotions/")  # every committed row, results and dead letters
     raypipe.read_report("s3://out/emotions/", report.run_id)  # the stored report, from any output URI
+    raypipe.watch("s3://corpus/paragraphs/", "s3://out/emotions/", every_s=60)  # commit arrivals until stopped
 
 `raypipe.connect()` joins the Ray cluster at `RAY_ADDRESS` (or one `ray start` left running),
 else starts a local one; the run calls do it by themselves when they need Ray.
@@ -42,6 +43,7 @@ __all__ = [
     "ServiceUnavailable",
     "SinkError",
     "UnsafeOutputError",
+    "WatchReport",
     "backfill",
     "build_config",
     "check_model_dir",
@@ -54,6 +56,7 @@ __all__ = [
     "read_outcomes",
     "read_report",
     "replay",
+    "watch",
 ]
 
 _HOMES = {
@@ -75,6 +78,7 @@ _HOMES = {
     "ServiceUnavailable": "raypipe.errors",
     "SinkError": "raypipe.errors",
     "UnsafeOutputError": "raypipe.errors",
+    "WatchReport": "raypipe.run.watch.report",
     "backfill": "raypipe.api",
     "build_config": "raypipe.api",
     "check_model_dir": "serve_app.export",
@@ -87,10 +91,11 @@ _HOMES = {
     "read_outcomes": "raypipe.commit.outcomes",
     "read_report": "raypipe.api",
     "replay": "raypipe.api",
+    "watch": "raypipe.api",
 }
 
 if TYPE_CHECKING:
-    from raypipe.api import backfill, build_config, connect, daily, read_report, replay
+    from raypipe.api import backfill, build_config, connect, daily, read_report, replay, watch
     from raypipe.commit.outcomes import latest, read_outcomes
     from raypipe.config import PipelineConfig, load_config
     from raypipe.errors import (
@@ -112,6 +117,7 @@ if TYPE_CHECKING:
         UnsafeOutputError,
     )
     from raypipe.report import RunReport
+    from raypipe.run.watch.report import WatchReport
     from serve_app.export import check_model_dir, export_hf_checkpoint, export_saved_model
 
 

@@ -17,18 +17,20 @@ string (`"2026-11-20T00:00:00Z"`) as well as a timezone-aware `datetime`.
 from __future__ import annotations
 
 import os
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raypipe.config import PipelineConfig, check_run_id, load_config, run_input
 from raypipe.errors import RunNotFoundError
-from raypipe.run.preflight import check_input_run, check_replay, parse_since
+from raypipe.run.preflight import check_input_run, check_replay, check_watch, parse_since
 
 if TYPE_CHECKING:
     from raypipe.report import RunReport
+    from raypipe.run.watch.report import WatchReport
 
-__all__ = ["backfill", "build_config", "connect", "daily", "read_report", "replay"]
+__all__ = ["backfill", "build_config", "connect", "daily", "read_report", "replay", "watch"]
 
 
 def connect(address: str | None = None) -> None:
@@ -164,3 +166,48 @@ def replay(
     from raypipe.run import modes
 
     return modes.replay(config, of_run=run_id)
+
+
+def watch(
+    input: str | None = None,
+    output: str | None = None,
+    *,
+    every_s: float | None = None,
+    max_wait_s: float | None = None,
+    events_queue: str | None = None,
+    config: str | Path | PipelineConfig | None = None,
+    stop: threading.Event | None = None,
+    ticks: int | None = None,
+    service: str | None = None,
+    run_id: str | None = None,
+    settings: dict[str, Any] | None = None,
+) -> WatchReport:
+    """Watches `input` and commits what arrives into `output`, unit by unit as a daily commits,
+    minutes after each arrival, until `stop` is set, SIGTERM or SIGINT comes (in the main
+    thread), or `ticks` looks were made; returns the watcher's `WatchReport`.
+
+    `every_s` (default `watch.every_s`, 60) is how often it looks; `max_wait_s` (default 60)
+    how long an arrival waits for others before it is committed; `events_queue` an SQS queue
+    of the input's S3 notifications, read instead of a listing per look. `config` is a config
+    file or a built `PipelineConfig`; `run_id` names the watcher (default: one per input, so a
+    restart resumes it). `raypipe.run.watch` tells the rest."""
+    watch_settings = {
+        k: v
+        for k, v in (("every_s", every_s), ("max_wait_s", max_wait_s), ("events_queue", events_queue))
+        if v is not None
+    }
+    overrides = dict(settings or {})
+    if watch_settings:
+        overrides["watch"] = {**overrides.get("watch", {}), **watch_settings}
+    if isinstance(config, PipelineConfig):
+        base = config.model_dump(exclude_unset=True)
+        for key, value in overrides.items():  # a section given here goes over the same section of `config`
+            base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        merged = build_config(output=output, service=service, run_id=run_id, settings=base)
+    else:
+        merged = build_config(output=output, service=service, run_id=run_id, config_file=config, settings=overrides)
+    source = run_input(merged, input, "watch")
+    check_watch(merged, source)
+    from raypipe.run.watch.mode import watch as run_watch  # after the checks: it brings Ray Data
+
+    return run_watch(merged, source, stop=stop, ticks=ticks)

@@ -8,6 +8,7 @@
     raypipe backfill --input URI --output URI [--service HOST:PORT] [--run-id ID]
     raypipe daily    --input URI --output URI [--service HOST:PORT] [--since ISO]
     raypipe replay   --output URI --run-id ID [--replay-id ID] [--service HOST:PORT]
+    raypipe watch    --input URI --output URI [--every 60s] [--max-wait 60s] [--events-queue URL]
     raypipe report   --output URI --run-id ID [--json]
     raypipe compact  --output URI [--run-id ID]          (small files of finished runs)
     raypipe vacuum   --output URI [--retention-hours H] [--dry-run]  (Delta vacuum, old runs' state)
@@ -29,6 +30,8 @@ import json
 import logging
 import sys
 from typing import Any, NoReturn
+
+from raypipe.run.watch import command as watch_command
 
 __all__ = ["main", "run"]
 
@@ -92,6 +95,7 @@ _EXAMPLES = {
         "raypipe daily --input ./shards --output ./out --since 2026-11-20T00:00:00+00:00",
         "raypipe daily --config job.yaml --set input.on_bad_shard=fail",
     ],
+    "raypipe watch": watch_command.EXAMPLES,
     "raypipe replay": [
         "raypipe replay --output s3://bucket/out --run-id backfill-1",
         "raypipe replay --output ./out --run-id backfill-1 --replay-id backfill-1.replay-1",
@@ -337,6 +341,8 @@ def _parser() -> argparse.ArgumentParser:
         "--replay-id",
         help="names the replay (default: resume the latest unfinished <run-id>.replay-<n>, else a new one)",
     )
+
+    watch_command.add_parser(sub, _add_run_args)
 
     compact = sub.add_parser("compact", help="merge finished runs' small files (dead letters stay apart)")
     compact.add_argument("--output", required=True)
@@ -785,6 +791,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 done = upkeep.migrate(args.output)
             print(json.dumps(done))
             return EXIT_OK
+        if args.command == "watch":
+            return watch_command.run(
+                args, _set_pairs(args.set + (["output.take_over_lease=true"] if args.force else []))
+            )
         if args.command == "demo":
             from raypipe.demo import run_demo
 

@@ -45,6 +45,7 @@ __all__ = [
     "PipelineConfig",
     "RetryConfig",
     "ServiceConfig",
+    "WatchConfig",
     "check_run_id",
     "load_config",
     "validate_uri",
@@ -421,6 +422,21 @@ class MetricsConfig(_Frozen):
         return v.strip() or None if v is not None else None
 
 
+class WatchConfig(_Frozen):
+    """`raypipe watch`: a long-lived driver that commits what arrives, unit by unit, as a daily does."""
+
+    every_s: float = Field(60.0, gt=0)
+    """How often the watcher looks for new input files (one listing; none with `events_queue`)."""
+    max_wait_s: float = Field(60.0, ge=0)
+    """The longest an arrival waits for more to join it: arrivals are cut into a commit when they
+    reach `input.unit_rows` rows or `input.unit_bytes` bytes, or when the oldest has waited this long."""
+    events_queue: str | None = None
+    """An SQS queue URL of the input bucket's S3 event notifications: arrivals are read from it
+    instead of listing the input at every tick (the input is listed once at the start)."""
+    report_every_s: float = Field(300.0, gt=0)
+    """How often the watcher writes its report (`OUTPUT/_raypipe/watch/<watch id>.json`)."""
+
+
 class PipelineConfig(_Frozen):
     output: OutputConfig
     input: InputConfig | None = None
@@ -430,6 +446,7 @@ class PipelineConfig(_Frozen):
     actors: ActorPoolConfig = ActorPoolConfig()
     dedup: DedupConfig = DedupConfig()
     metrics: MetricsConfig = MetricsConfig()
+    watch: WatchConfig = WatchConfig()
     run_id: str | None = None
     """Names the run; the same id resumes it. Default: `<mode>-<UTC timestamp>-<6 random hex digits>` (a new run)."""
     progress_interval_s: float = Field(10.0, gt=0)

@@ -18,6 +18,10 @@ Who emits what (names below carry the `metrics.namespace` prefix, `raypipe.` by 
   `client.retries`, `client.canaries`, and the gauges `run.units_left` and `run.eta_s`; and per
   run (`RunMetrics`): `run.started`, `run.finished` (tagged `status`), `run.rows_per_s`, and Datadog events
   "started", "succeeded" and "failed" with the run's counts.
+- a watcher's driver (`raypipe.run.watch`), per tick: `watch.ticks` and the gauges
+  `watch.backlog_rows`, `watch.backlog_files`, `watch.oldest_waiting_s`; per report window the
+  gauges `watch.freshness_p50_s` and `watch.freshness_p95_s` (arrival to commit). Its `mode`
+  tag is `watch`, its `run_id` the watch id.
 - the server: `serve_app.metrics`.
 
 Every metric carries the run's tags: `run_id`, `mode`, `model_version`, `app`.
@@ -77,6 +81,12 @@ __all__ = [
     "RUN_TAGS",
     "RUN_UNITS",
     "RUN_UNITS_LEFT",
+    "WATCH_BACKLOG_FILES",
+    "WATCH_BACKLOG_ROWS",
+    "WATCH_FRESHNESS_P50_S",
+    "WATCH_FRESHNESS_P95_S",
+    "WATCH_OLDEST_WAITING_S",
+    "WATCH_TICKS",
     "ActorGauges",
     "DogStatsdMetrics",
     "FanoutMetrics",
@@ -89,6 +99,8 @@ __all__ = [
     "RunMetrics",
     "emit_progress",
     "emit_unit",
+    "emit_watch_freshness",
+    "emit_watch_tick",
     "metrics_spec",
 ]
 
@@ -157,6 +169,20 @@ RUN_FINISHED = MetricDef(
     ("status",),
     (("status", ("completed", "incomplete", "failed")),),
 )
+WATCH_FRESHNESS_P50_S = MetricDef(
+    "watch.freshness_p50_s", "gauge", "a watcher's median arrival-to-commit time over its last report window, s"
+)
+WATCH_FRESHNESS_P95_S = MetricDef(
+    "watch.freshness_p95_s",
+    "gauge",
+    "a watcher's 95th percentile arrival-to-commit time over its last report window, s",
+)
+WATCH_BACKLOG_ROWS = MetricDef("watch.backlog_rows", "gauge", "rows a watcher has seen arrive and not committed yet")
+WATCH_BACKLOG_FILES = MetricDef("watch.backlog_files", "gauge", "files a watcher has seen arrive and not committed yet")
+WATCH_OLDEST_WAITING_S = MetricDef(
+    "watch.oldest_waiting_s", "gauge", "age of a watcher's oldest arrival not committed yet, s (0 with none)"
+)
+WATCH_TICKS = MetricDef("watch.ticks", "count", "a watcher's looks for new input (one per tick)")
 
 RUN_TAGS = ("run_id", "mode", "model_version", "app")
 """The tags of every metric of a run: the driver's sink sets them and the actors' sinks inherit them."""
@@ -183,6 +209,12 @@ CATALOG = Catalog(
         RUN_ETA_S,
         RUN_STARTED,
         RUN_FINISHED,
+        WATCH_FRESHNESS_P50_S,
+        WATCH_FRESHNESS_P95_S,
+        WATCH_BACKLOG_ROWS,
+        WATCH_BACKLOG_FILES,
+        WATCH_OLDEST_WAITING_S,
+        WATCH_TICKS,
     ),
 )
 """Every metric the driver and the actors emit; `kuberay/datadog/` is checked against it."""
@@ -310,6 +342,20 @@ def emit_progress(metrics: Metrics, units_left: int, eta_s: float | None) -> Non
     RUN_UNITS_LEFT.record(metrics, units_left)
     if eta_s is not None:
         RUN_ETA_S.record(metrics, eta_s)
+
+
+def emit_watch_tick(metrics: Metrics, *, backlog_rows: int, backlog_files: int, oldest_waiting_s: float) -> None:
+    """A watcher's tick: one `watch.ticks`, and its backlog as gauges."""
+    WATCH_TICKS.record(metrics, 1)
+    WATCH_BACKLOG_ROWS.record(metrics, backlog_rows)
+    WATCH_BACKLOG_FILES.record(metrics, backlog_files)
+    WATCH_OLDEST_WAITING_S.record(metrics, oldest_waiting_s)
+
+
+def emit_watch_freshness(metrics: Metrics, p50_s: float, p95_s: float) -> None:
+    """A watcher's freshness over its last report window (sent with each report)."""
+    WATCH_FRESHNESS_P50_S.record(metrics, p50_s)
+    WATCH_FRESHNESS_P95_S.record(metrics, p95_s)
 
 
 def metrics_spec(config: MetricsConfig, tags: dict[str, str] | None = None) -> MetricsSpec:

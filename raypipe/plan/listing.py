@@ -5,7 +5,8 @@ listed or read."""
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
@@ -14,7 +15,7 @@ from fsspec.core import url_to_fs
 from raypipe.errors import NoShardsError
 from raypipe.plan.units import ShardFormat
 
-__all__ = ["InputListing", "filesystem", "fingerprint", "list_input", "list_shards"]
+__all__ = ["InputListing", "filesystem", "fingerprint", "list_input", "list_shards", "modified_at"]
 
 
 # The shards under an input URI, and every file skipped, with why. A shard's `fingerprint` says
@@ -65,6 +66,19 @@ class InputListing:
     """Shard URI -> its size in bytes when listed."""
     skipped: list[dict[str, str]]
     """{path, reason} of each file not read: hidden (`_x`, `.x`), unknown extension, quarantined."""
+    modified: dict[str, datetime] = field(default_factory=dict)
+    """Shard URI -> when it was last written (S3 `LastModified`, local mtime), UTC, where listed:
+    when it arrived, for a watcher's freshness (`raypipe.run.watch`)."""
+
+
+def modified_at(info: dict[str, Any]) -> datetime | None:
+    """When a listed file was last written, UTC: S3's `LastModified`, or the local `mtime`."""
+    stamp = info.get("LastModified") or info.get("last_modified") or info.get("mtime")
+    if isinstance(stamp, datetime):
+        return stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=UTC)
+    if isinstance(stamp, int | float):
+        return datetime.fromtimestamp(stamp, UTC)
+    return None
 
 
 def list_input(uri: str, *, format: str = "auto", quarantined: frozenset[str] = frozenset()) -> InputListing:
@@ -106,6 +120,8 @@ def list_input(uri: str, *, format: str = "auto", quarantined: frozenset[str] = 
             listing.fingerprints[full] = fingerprint(info)
             if isinstance(info.get("size"), int):
                 listing.sizes[full] = info["size"]
+            if (when := modified_at(info)) is not None:
+                listing.modified[full] = when
     if not listing.shards:
         skipped = "; ".join(f"{s['path']}: {s['reason']}" for s in listing.skipped[:5])
         raise NoShardsError(

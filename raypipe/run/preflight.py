@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 from raypipe.config import InputConfig, PipelineConfig, check_run_id, run_input
 from raypipe.errors import ConfigError
 
-__all__ = ["check_input_run", "check_ray_address", "check_replay", "check_run", "parse_since"]
+__all__ = ["check_input_run", "check_ray_address", "check_replay", "check_run", "check_watch", "parse_since"]
 
 Mode = Literal["backfill", "daily", "replay"]
 
@@ -88,6 +88,13 @@ def check_input_run(config: PipelineConfig, input: InputConfig, mode: Literal["b
     from raypipe.plan.planning import check_input
 
     check_input(input, mode, quarantined=_quarantined(config.output.uri))
+    _check_ray()
+
+
+def check_watch(config: PipelineConfig, input: InputConfig) -> None:
+    """`check_run` of a watcher of `input`: the output, not inside the input, and the Ray
+    address. The input may hold no shard yet (a watcher waits for the first), so it is not listed."""
+    _check_output(config.output.uri, input_uri=input.uri)
     _check_ray()
 
 

@@ -19,7 +19,14 @@ from raypipe.call import metrics as client_metrics
 from raypipe.call.breaker import CircuitBreaker
 from raypipe.call.client import GrpcModelClient
 from raypipe.call.limiter import FixedLimiter
-from raypipe.call.metrics import ActorGauges, MetricsInterceptor, RunMetrics, emit_unit
+from raypipe.call.metrics import (
+    ActorGauges,
+    MetricsInterceptor,
+    RunMetrics,
+    emit_unit,
+    emit_watch_freshness,
+    emit_watch_tick,
+)
 from raypipe.config import MetricsConfig
 from raypipe.errors import ServiceUnavailable
 from raypipe.report import RunReport, UnitStats
@@ -112,6 +119,8 @@ def _run_every_client_emitter(rec: CheckingRecorder, monkeypatch) -> None:
     emit_unit(rec, stats)
     progress = Progress(2, 12, 10.0, metrics=rec, bar=False, clock=iter([0.0, 4.0]).__next__)
     progress.update(stats)
+    emit_watch_tick(rec, backlog_rows=3, backlog_files=1, oldest_waiting_s=2.5)
+    emit_watch_freshness(rec, 4.0, 9.0)
 
     monkeypatch.setattr(MetricsSpec, "build", lambda self: rec)
     for status in ("completed", "incomplete", "failed"):
