@@ -262,3 +262,45 @@ def test_a_watcher_refuses_an_output_a_daily_holds_naming_it(tmp_path, monkeypat
             run_watch(tmp_path, service, ticks=1)
     finally:
         lease.release()
+
+
+# -- arrivals from S3 events ----------------------------------------------------------------------
+class FakeQueue:
+    """`SqsArrivals`' surface: `poll` hands out what was put, `ack` records what was deleted."""
+
+    def __init__(self) -> None:
+        self.queued: list[Any] = []
+        self.acked: list[Any] = []
+
+    def poll(self, max_messages: int = 100, wait_s: float = 0) -> list[Any]:
+        out, self.queued = self.queued, []
+        return out
+
+    def ack(self, arrivals: Any) -> None:
+        self.acked += list(arrivals)
+
+
+def test_event_arrivals_list_once_then_read_only_the_queue_and_ack_after_the_commit(tmp_path):
+    from types import SimpleNamespace
+
+    from raypipe.config import InputConfig
+    from raypipe.run.watch.arrivals import EventArrivals
+
+    in_dir = tmp_path / "in"
+    first = write(in_dir, "first", ["f1"])
+    queue = FakeQueue()
+    source = EventArrivals(InputConfig(uri=str(in_dir)), queue)
+    assert [x.uri for x in source.look()] == [str(first)], "the first look lists the input"
+
+    second = write(in_dir, "second", ["s1"])
+    when = T0 + timedelta(seconds=5)
+    arrived = SimpleNamespace(uri=str(second), size=None, arrived_at=when)
+    elsewhere = SimpleNamespace(uri=str(tmp_path / "other" / "x.parquet"), size=1, arrived_at=when)
+    hidden = SimpleNamespace(uri=str(in_dir / "_SUCCESS"), size=0, arrived_at=when)
+    queue.queued = [arrived, elsewhere, hidden]
+    write(in_dir, "listed-only", ["l1"])  # no event: a look reads the queue, not the input
+    looked = source.look()
+    assert [(x.uri, x.arrived_at) for x in looked] == [(str(second), when)]
+    assert queue.acked == [elsewhere, hidden], "what is not the input's is deleted at once"
+    source.settle([str(second)])
+    assert queue.acked == [elsewhere, hidden, arrived], "an arrival's message goes once it is committed"
