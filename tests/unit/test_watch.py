@@ -304,3 +304,31 @@ def test_event_arrivals_list_once_then_read_only_the_queue_and_ack_after_the_com
     assert queue.acked == [elsewhere, hidden], "what is not the input's is deleted at once"
     source.settle([str(second)])
     assert queue.acked == [elsewhere, hidden, arrived], "an arrival's message goes once it is committed"
+
+
+def test_a_successor_does_not_read_again_a_file_another_run_recorded_as_read_meanwhile(tmp_path, monkeypatch):
+    """A watcher stopped mid-batch leaves its batch stored; a daily then reads the files it left
+    and records them as read. The successor skips them, as a daily after that daily would."""
+    from raypipe.plan.planning import plan_input
+
+    service = Service(monkeypatch)
+    for name in ("a", "b", "c"):
+        write(tmp_path / "in", name, [f"{name}1"])
+    service.on_call = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    assert run_watch(tmp_path, service, ticks=5).units == 1
+    service.on_call = None
+
+    cfg = config(tmp_path)
+    daily = CommitProtocol(cfg.output, "daily", "daily-1")
+    daily.setup_run(LABELS)
+    try:
+        plan = plan_input(run_input(cfg, str(tmp_path / "in"), "daily"), "daily", daily)
+        assert len(plan.units) == 2
+        daily.record_files_seen(plan, {u.key for u in plan.units})
+    finally:
+        daily.release()
+
+    calls = service.classify_calls
+    report = run_watch(tmp_path, service, ticks=1)
+    assert report.resumed_units == 0 and report.units == 0
+    assert service.classify_calls == calls

@@ -120,7 +120,10 @@ class Watcher:
             plan = dataclasses.replace(plan, on_bad_shard=self.on_bad_shard)
             if changed:
                 protocol.save_plan(plan)
-            todo = [u for u in plan.units if u.key not in done]
+            # A file another run committed and recorded since (a daily while no watcher ran) is
+            # not read again, as a daily would not read it.
+            seen = protocol.files_seen()
+            todo = [u for u in plan.units if u.key not in done and seen.get(u.shard, ("",))[0] != u.fingerprint]
             if todo:
                 logger.info("watch %s: finishing %d units an earlier watcher left", protocol.run_id, len(todo))
             committed = self._execute(plan, todo, arrived={})
