@@ -147,9 +147,7 @@ class EventArrivals:
         if name.startswith((".", "_")):
             return None
         fmt: ShardFormat | None = (
-            self.input.format  # type: ignore[assignment]
-            if self.input.format != "auto"
-            else _FORMATS.get(posixpath.splitext(name.lower())[1])
+            self.input.format if self.input.format != "auto" else _FORMATS.get(posixpath.splitext(name.lower())[1])
         )
         if fmt is None:
             return None

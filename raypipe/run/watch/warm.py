@@ -70,8 +70,8 @@ class WarmActors:
     def __init__(self, settings: ActorSettings, actors: ActorPoolConfig) -> None:
         import ray
 
-        remote = ray.remote(_WarmActor).options(num_cpus=actors.num_cpus, max_restarts=0)  # type: ignore[attr-defined]
-        self._actors = [remote.remote(settings) for _ in range(max(1, actors.min_actors))]
+        remote: Any = ray.remote(_WarmActor).options(num_cpus=actors.num_cpus, max_restarts=0)
+        self._actors: list[Any] = [remote.remote(settings) for _ in range(max(1, actors.min_actors))]
         self._per_actor = max(1, actors.units_per_actor)
         ray.get([a.ready.remote() for a in self._actors])  # started now, not on the first arrival
 
