@@ -137,7 +137,13 @@ class Watcher:
         listed = self.source.look()
         self.report.ticks += 1
         self.report.listings += 1
-        new = [item for item in listed if self._is_new(item)]
+        # one file once, though a look may see it twice (events' first look lists the input too)
+        new = list({item.uri: item for item in listed if self._is_new(item)}.values())
+        # a file seen in the version already committed (or set aside): its announcements may go,
+        # as a watcher killed between a commit and its acks leaves them for its successor
+        done = [item.uri for item in listed if item.fingerprint in (self._known.get(item.uri), self._bad.get(item.uri))]
+        if done:
+            self.source.settle(done)
         if new:
             for pending in self._plan_arrivals(new):
                 self.coalescer.add(pending)

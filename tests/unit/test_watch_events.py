@@ -1,0 +1,143 @@
+"""`raypipe watch` with its arrivals from S3 event notifications: the watcher in this process
+(the actor in process, the fake model client of `tests.unit.test_watch`), its input on moto's S3
+server on loopback, the bucket's notifications sent by moto to a moto SQS queue read by a real
+`SqsArrivals`. What is promised: every file committed once, and the queue drained — a message
+goes once its file is committed, also when a killed watcher committed it and never got to
+delete it. No Ray."""
+
+from __future__ import annotations
+
+import io
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import botocore.session
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raypipe.commit.outcomes import read_outcomes
+from raypipe.config import run_input
+from raypipe.plan.events import SqsArrivals, configure_bucket_notifications
+from raypipe.run.watch.mode import watch
+from tests.unit.test_watch import Service, config
+
+REGION = "us-east-1"
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    import s3fs
+
+    from bench.s3server import MotoServer
+
+    patch = pytest.MonkeyPatch()
+    with MotoServer() as server:
+        for key, value in {
+            "AWS_ENDPOINT_URL": server.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": REGION,
+        }.items():
+            patch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # none made for another endpoint is reused
+        try:
+            yield server.endpoint
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
+            patch.undo()
+
+
+class Setup:
+    """A bucket whose `in/` notifications go to a new queue."""
+
+    def __init__(self) -> None:
+        session = botocore.session.get_session()
+        self.s3 = session.create_client("s3", region_name=REGION)
+        self.sqs = session.create_client("sqs", region_name=REGION)
+        suffix = uuid.uuid4().hex[:8]
+        self.bucket = f"inbox-{suffix}"
+        self.s3.create_bucket(Bucket=self.bucket)
+        self.queue = self.sqs.create_queue(QueueName=f"arrivals-{suffix}")["QueueUrl"]
+        arn = self.sqs.get_queue_attributes(QueueUrl=self.queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        configure_bucket_notifications(self.bucket, arn, "in/")
+        self.input = f"s3://{self.bucket}/in"
+
+    def write(self, name: str, ids: list[str]) -> None:
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"id": ids, "text": [f"text of {i}" for i in ids]}), buf)
+        self.s3.put_object(Bucket=self.bucket, Key=f"in/{name}.parquet", Body=buf.getvalue())
+
+    def in_queue(self) -> int:
+        attrs = self.sqs.get_queue_attributes(
+            QueueUrl=self.queue,
+            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+        )["Attributes"]
+        return int(attrs["ApproximateNumberOfMessages"]) + int(attrs["ApproximateNumberOfMessagesNotVisible"])
+
+
+class KilledBeforeItsAcks(SqsArrivals):
+    """A watcher's queue that dies between a commit and its acks: nothing is ever deleted."""
+
+    def ack(self, arrivals: Any) -> None:
+        return None
+
+
+def run(tmp_path: Path, service: Service, setup: Setup, events: SqsArrivals, ticks: int) -> Any:
+    cfg = config(tmp_path)
+    return watch(cfg, run_input(cfg, setup.input, "watch"), runner=service.runner, events=events, ticks=ticks)
+
+
+def committed_ids(tmp_path: Path) -> list[str]:
+    return sorted(read_outcomes(str(tmp_path / "out"), columns=["id"]).column("id").to_pylist())
+
+
+def test_files_announced_by_events_are_committed_once_and_their_messages_deleted(
+    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, setup = Service(monkeypatch), Setup()
+    setup.write("a", ["a1", "a2"])
+    run(tmp_path, service, setup, SqsArrivals(setup.queue), ticks=1)  # the first look also lists
+    assert committed_ids(tmp_path) == ["a1", "a2"]
+    assert setup.in_queue() == 0
+
+    setup.write("b", ["b1"])
+    setup.write("_SUCCESS", [])  # announced, not a shard: its message goes too
+    report = run(tmp_path, service, setup, SqsArrivals(setup.queue), ticks=2)
+    assert committed_ids(tmp_path) == ["a1", "a2", "b1"]
+    assert report.units == 1 and setup.in_queue() == 0
+
+
+def test_a_file_a_killed_watcher_committed_and_never_acked_is_not_read_again_and_its_message_goes(
+    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, setup = Service(monkeypatch), Setup()
+    setup.write("a", ["a1"])
+    run(tmp_path, service, setup, KilledBeforeItsAcks(setup.queue, visibility_timeout_s=0), ticks=1)
+    assert committed_ids(tmp_path) == ["a1"] and setup.in_queue() == 1
+    calls = service.classify_calls
+
+    successor = SqsArrivals(setup.queue, visibility_timeout_s=0)
+    run(tmp_path, service, setup, successor, ticks=2)
+
+    assert committed_ids(tmp_path) == ["a1"] and service.classify_calls == calls
+    assert setup.in_queue() == 0, "the message of a file committed already is deleted, not kept for ever"
+    assert successor.unacked == 0
+
+
+def test_an_arrival_announced_twice_is_committed_once(
+    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, setup = Service(monkeypatch), Setup()
+    run(tmp_path, service, setup, SqsArrivals(setup.queue), ticks=1)  # nothing yet: the listing is empty
+    setup.write("a", ["a1"])
+    body = setup.sqs.receive_message(QueueUrl=setup.queue, VisibilityTimeout=0)["Messages"][0]["Body"]
+    setup.sqs.send_message(QueueUrl=setup.queue, MessageBody=body)  # S3 may notify twice
+
+    events = SqsArrivals(setup.queue)
+    run(tmp_path, service, setup, events, ticks=2)
+
+    assert committed_ids(tmp_path) == ["a1"]
+    assert setup.in_queue() == 0 and events.unacked == 0
