@@ -238,7 +238,10 @@ class SqsArrivals:
 
     def check(self) -> None:
         """Raises `ConfigError` when the queue cannot be read (a preflight: no message is taken)."""
-        self._call("get_queue_attributes", QueueUrl=self.queue_url, AttributeNames=["QueueArn"])
+        try:
+            self._call("get_queue_attributes", QueueUrl=self.queue_url, AttributeNames=["QueueArn"])
+        except _Unreachable as e:
+            raise ConfigError(f"events queue {self.queue_url}: cannot read it ({e})") from e
 
     @property
     def unacked(self) -> int:

@@ -93,8 +93,17 @@ def check_input_run(config: PipelineConfig, input: InputConfig, mode: Literal["b
 
 def check_watch(config: PipelineConfig, input: InputConfig) -> None:
     """`check_run` of a watcher of `input`: the output, not inside the input, and the Ray
-    address. The input may hold no shard yet (a watcher waits for the first), so it is not listed."""
+    address. The input may hold no shard yet (a watcher waits for the first), so it is not listed.
+    With an events queue: the input is on S3 and the queue can be read."""
     _check_output(config.output.uri, input_uri=input.uri)
+    if config.watch.events_queue:
+        from raypipe.plan.events import SqsArrivals
+
+        queue = SqsArrivals(config.watch.events_queue, input_uri=input.uri)
+        try:
+            queue.check()
+        finally:
+            queue.close()
     _check_ray()
 
 

@@ -397,3 +397,17 @@ def test_an_ack_deletes_with_the_newest_receipt_of_a_message_received_twice() ->
         assert arrivals.poll(max_messages=10) == []
         arrivals.ack(got)
         stub.assert_no_pending_responses()
+
+
+def test_a_queue_that_cannot_be_reached_fails_the_check_and_only_delays_a_poll(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from bench.tcp_proxy import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    arrivals = SqsArrivals(f"{closed}/123456789012/q", endpoint_url=closed, storage_options={"key": "k", "secret": "s"})
+    with pytest.raises(ConfigError, match="cannot read it"):
+        arrivals.check()
+    with caplog.at_level(logging.WARNING, logger="raypipe.plan.events"):
+        assert arrivals.poll() == []
+    assert "trying again next poll" in caplog.text

@@ -141,3 +141,19 @@ def test_an_arrival_announced_twice_is_committed_once(
 
     assert committed_ids(tmp_path) == ["a1"]
     assert setup.in_queue() == 0 and events.unacked == 0
+
+
+def test_a_watcher_with_a_queue_it_cannot_read_or_an_input_not_on_s3_is_refused_before_it_starts(
+    endpoint: str, tmp_path: Path
+) -> None:
+    from raypipe.errors import ConfigError
+    from raypipe.run.preflight import check_watch
+
+    setup = Setup()
+    cfg = config(tmp_path, events_queue=f"{endpoint}/123456789012/no-such-queue")
+    with pytest.raises(ConfigError, match="no-such-queue"):
+        check_watch(cfg, run_input(cfg, setup.input, "watch"))
+    cfg = config(tmp_path, events_queue=setup.queue)
+    with pytest.raises(ConfigError, match="not on S3"):
+        check_watch(cfg, run_input(cfg, str(tmp_path / "in"), "watch"))
+    check_watch(cfg, run_input(cfg, setup.input, "watch"))  # a queue it can read, an input on S3
