@@ -157,3 +157,17 @@ def test_a_watcher_with_a_queue_it_cannot_read_or_an_input_not_on_s3_is_refused_
     with pytest.raises(ConfigError, match="not on S3"):
         check_watch(cfg, run_input(cfg, str(tmp_path / "in"), "watch"))
     check_watch(cfg, run_input(cfg, setup.input, "watch"))  # a queue it can read, an input on S3
+
+
+def test_a_file_announced_after_the_first_look_listed_its_folder_is_found(endpoint: str) -> None:
+    from raypipe.api import build_config
+    from raypipe.run.watch.arrivals import EventArrivals
+
+    setup = Setup()
+    setup.write("a", ["a1"])
+    cfg = build_config(output="unused")
+    source = EventArrivals(run_input(cfg, setup.input, "watch"), SqsArrivals(setup.queue))
+    assert [p.rsplit("/", 1)[-1] for p in (item.uri for item in source.look())] == ["a.parquet", "a.parquet"]
+
+    setup.write("b", ["b1"])  # the folder's listing is cached by now: the event's file must be found all the same
+    assert [item.uri.rsplit("/", 1)[-1] for item in source.look()] == ["b.parquet"]

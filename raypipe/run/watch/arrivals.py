@@ -152,6 +152,9 @@ class EventArrivals:
         if fmt is None:
             return None
         fs, path = filesystem(uri)
+        # s3fs answers `info` from its cached listing of the folder when it has one (the first
+        # look's): a file announced since is not in it, and would be taken for deleted
+        fs.invalidate_cache(path)
         try:
             info = fs.info(path)
         except FileNotFoundError:
