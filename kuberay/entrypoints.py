@@ -12,8 +12,11 @@ This module does the same expansion from the rendered manifests, then:
   `grpcs://host:9443` (serve-grpcs, the model-tls component), never the other; a CA file it
   names is mounted on every Ray pod of its cluster (the driver and the actors both call), and
   a bearer token (`service.token_env`) goes only over TLS, from a variable those pods set;
+- checks its command: the watcher's RayJob (`raypipe.io/job: watch`) runs `raypipe watch`, a
+  scheduled one `raypipe daily`, any other backfill, daily or replay;
 - checks its run id: every run names one (a retry must resume the same run), and a scheduled
-  run takes it from its Job's name, so each tick is a new run and each retry of a tick is not;
+  run takes it from its Job's name, so each tick is a new run and each retry of a tick is not
+  (the watcher names none: it holds its output's lease for as long as it runs);
 - refuses shell syntax beyond `$VAR` (a `;` would end KubeRay's `if ...; then ...; fi`).
 """
 
@@ -107,7 +110,7 @@ def settings_problem(args: Any) -> str | None:
     ):
         if getattr(args, flag, None) is not None:
             overrides[section] = {**overrides.get(section, {}), key: getattr(args, flag)}
-    if args.run_id is not None:
+    if getattr(args, "run_id", None) is not None:
         overrides["run_id"] = args.run_id
     try:
         load_config(None, overrides, environ={}, offline=True)  # the CA file exists in the pod only
@@ -208,6 +211,8 @@ def _client_env_problems(job: Job, settings: dict[str, str]) -> list[str]:
 
 
 def _run_id_problem(job: Job, raw_argv: list[str], args: Any) -> str | None:
+    if args.command == "watch":
+        return None  # one watcher per output, under its lease: it names no run
     if not args.run_id:
         return "--run-id is missing: a retried attempt would start a new run instead of resuming"
     if not job.scheduled:
@@ -243,7 +248,7 @@ def job_problems(job: Job, resources: list[Resource]) -> list[str]:
     args, error = parse_raypipe(argv[3:])
     if error is not None:
         return [f"{where}: raypipe's CLI rejects it: {error}"]
-    expected = {"daily"} if job.scheduled else {"backfill", "daily", "replay"}
+    expected = {"watch"} if job.watch else {"daily"} if job.scheduled else {"backfill", "daily", "replay"}
     problems = []
     if args.command not in expected:
         problems.append(f"{where}: runs `raypipe {args.command}`; expected {' or '.join(sorted(expected))}")

@@ -21,11 +21,19 @@ The rules (each problem names the policy or the pods):
   dashboard and each submitter its own head's;
 - nothing else from outside a cluster: any other port of a Ray pod, and every port of a
   submitter or scheduler pod (they listen on nothing), admits no one.
+
+Egress is open for every part but the watcher, which runs for months: its pods are closed for
+egress (`egress_problems`), and what reaches a pod is what its egress and the target's ingress
+both allow. Its egress rules may open its own cluster (every port), the model service's client
+port on the workers, DNS (port 53) outside the rendering, and IP blocks on named ports: TCP
+only to blocks that hold no pod address (they except the private ranges), other protocols to
+any block (no raypipe pod listens on UDP). No rule without `to`, no peer wider than that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +79,8 @@ class Network:
     head_serves: bool = False
     """Whether the model service's head is in the Serve Service (excludeHeadPodFromServeSvc false)."""
     job_clusters: list[str] = field(default_factory=list)
+    watchers: list[str] = field(default_factory=list)
+    """The watcher's clusters, whose pods must be closed for egress."""
 
     def cluster_pods(self, cluster: str) -> list[Pod]:
         return [p for p in self.pods if p.cluster == cluster]
@@ -128,6 +138,8 @@ def network(resources: list[Resource]) -> Network:
         namespace = str(job.namespace or "")
         if "rayClusterSpec" in job.spec:
             net.job_clusters.append(job.where)
+            if job.watch:
+                net.watchers.append(job.where)
             pods += _ray_pods(job.where, f"{job.where}.rayClusterSpec", job.spec["rayClusterSpec"], namespace)
         template = job.spec.get("submitterPodTemplate")
         if template is not None:
@@ -244,6 +256,130 @@ def admitted_ports(net: Network, source: Pod, pod: Pod) -> list[tuple[int, int]]
         if not rule.get("from") or any(peer_admits(peer, source, namespace) for peer in rule["from"]):
             found += ranges
     return found
+
+
+# --- egress -----------------------------------------------------------------------------------
+
+PRIVATE_RANGES = tuple(
+    ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+)
+"""Where pod addresses come from (RFC 1918 and the shared range some CNIs use)."""
+DNS_PORT = 53
+
+
+def _isolates_egress(policy: Resource, pod: Pod) -> bool:
+    """Whether `policy` selects `pod` for egress (only a policy that says Egress does)."""
+    return (
+        str(get(policy, "metadata", "namespace", default="")) == pod.namespace
+        and "Egress" in (get(policy, "spec", "policyTypes") or [])
+        and matches(get(policy, "spec", "podSelector"), pod.labels)
+    )
+
+
+def block_holds_pods(block: dict[str, Any]) -> bool:
+    """Whether an ipBlock may hold a pod's address: it overlaps a private range it does not except.
+
+    A block that cannot be read, or an IPv6 one, may hold anything.
+    """
+    try:
+        cidr = ipaddress.ip_network(str(block.get("cidr")), strict=False)
+        excepted = [ipaddress.ip_network(str(e), strict=False) for e in block.get("except") or []]
+    except ValueError:
+        return True
+    if not isinstance(cidr, ipaddress.IPv4Network):
+        return True
+    for private in PRIVATE_RANGES:
+        if not cidr.overlaps(private):
+            continue
+        inside = private if cidr.supernet_of(private) else cidr  # overlapping networks nest
+        if not any(isinstance(e, ipaddress.IPv4Network) and e.supernet_of(inside) for e in excepted):
+            return True
+    return False
+
+
+def _egress_peer_admits(peer: dict[str, Any], target: Pod, policy_namespace: str) -> bool:
+    if "ipBlock" in peer:
+        return block_holds_pods(peer["ipBlock"])
+    return peer_admits(peer, target, policy_namespace)
+
+
+def egress_rules(net: Network, pod: Pod) -> Iterator[tuple[Resource, dict[str, Any], list[tuple[int, int]]]]:
+    """(policy, rule, TCP port ranges) of every egress rule of a policy that isolates `pod`."""
+    for policy in net.policies:
+        if _isolates_egress(policy, pod):
+            for rule in get(policy, "spec", "egress", default=[]) or []:
+                yield policy, rule, rule_ports(rule, pod)
+
+
+def egress_ports(net: Network, source: Pod, target: Pod) -> list[tuple[int, int]]:
+    """The TCP port ranges `source`'s egress lets it open on `target`."""
+    if not any(_isolates_egress(policy, source) for policy in net.policies):
+        return list(_ALL_PORTS)
+    found = []
+    for policy, rule, ranges in egress_rules(net, source):
+        namespace = str(get(policy, "metadata", "namespace", default=""))
+        if not rule.get("to") or any(_egress_peer_admits(peer, target, namespace) for peer in rule["to"]):
+            found += ranges
+    return found
+
+
+def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [(max(l1, l2), min(h1, h2)) for l1, h1 in a for l2, h2 in b if max(l1, l2) <= min(h1, h2)]
+
+
+def reachable_ports(net: Network, source: Pod, target: Pod) -> list[tuple[int, int]]:
+    """The TCP port ranges on which `source` can connect to `target`: its egress and the target's ingress."""
+    return _intersect(admitted_ports(net, source, target), egress_ports(net, source, target))
+
+
+def _udp_only(rule: dict[str, Any]) -> bool:
+    entries = rule.get("ports") or []
+    return bool(entries) and all(p.get("protocol", "TCP") != "TCP" for p in entries)
+
+
+def egress_problems(net: Network) -> list[str]:
+    """The watcher's pods are closed for egress, and every egress rule opens only what a pod needs."""
+    problems = []
+    for cluster in net.watchers:
+        for pod in net.cluster_pods(cluster):
+            if not any(_isolates_egress(policy, pod) for policy in net.policies):
+                problems.append(
+                    f"{pod.where}: no NetworkPolicy closes it for egress; the watcher's pods reach only what they need"
+                )
+    seen = set()
+    for source in net.pods:
+        for policy, rule, ranges in egress_rules(net, source):
+            namespace = str(get(policy, "metadata", "namespace", default=""))
+            at = f"{ref(policy)}.spec.egress"
+            if not rule.get("to"):
+                problems.append(f"{at}: a rule without `to` lets {_describe(source)} reach every destination")
+                continue
+            for peer in rule["to"]:
+                if "ipBlock" in peer:
+                    if not rule.get("ports"):
+                        problems.append(
+                            f"{at}: the block {get(peer, 'ipBlock', 'cidr')} is open on every port; name them"
+                        )
+                    elif block_holds_pods(peer["ipBlock"]) and not _udp_only(rule):
+                        problems.append(
+                            f"{at}: the block {get(peer, 'ipBlock', 'cidr')} may hold pod addresses and is open "
+                            "on TCP; except the private ranges (pods) or open only UDP"
+                        )
+                    continue
+                targets = [t for t in net.pods if t is not source and peer_admits(peer, t, namespace)]
+                if not targets and not (ranges and _within(ranges, frozenset({DNS_PORT}))):
+                    shown = yaml.safe_dump(peer, default_flow_style=True).strip()
+                    problems.append(f"{at}: {shown} is no pod of this rendering; outside it only DNS ({DNS_PORT})")
+                for target in targets:
+                    allowed = _allowed_ports(net, source, target)
+                    if not _within(ranges, allowed):
+                        message = f"{at}: lets {_describe(source)} reach {target.where} on " + (
+                            "every port" if ranges == list(_ALL_PORTS) else ", ".join(f"{lo}-{hi}" for lo, hi in ranges)
+                        )
+                        if message not in seen:
+                            seen.add(message)
+                            problems.append(message)
+    return problems
 
 
 def _union_covers_all(ranges: list[tuple[int, int]]) -> bool:
@@ -371,7 +507,9 @@ def cluster_problems(net: Network) -> list[str]:
     problems = []
     for cluster in ([net.model_service] if net.model_service else []) + net.job_clusters:
         pods = net.cluster_pods(cluster)
-        closed = [(s, t) for t in pods for s in pods if s is not t and not _union_covers_all(admitted_ports(net, s, t))]
+        closed = [
+            (s, t) for t in pods for s in pods if s is not t and not _union_covers_all(reachable_ports(net, s, t))
+        ]
         if closed:
             s, t = closed[0]
             problems.append(
@@ -384,7 +522,7 @@ def cluster_problems(net: Network) -> list[str]:
                     f"{head.where}: no NetworkPolicy admits the KubeRay operator to the dashboard ({DASHBOARD})"
                 )
             for submitter in (p for p in net.pods if p.submits == cluster):
-                if not _covers(admitted_ports(net, submitter, head), DASHBOARD):
+                if not _covers(reachable_ports(net, submitter, head), DASHBOARD):
                     problems.append(
                         f"{head.where}: no NetworkPolicy admits its submitter to the dashboard ({DASHBOARD}): "
                         "`ray job submit` cannot reach it"
@@ -400,7 +538,7 @@ def client_problems(net: Network) -> list[str]:
     workers = [p for p in net.cluster_pods(net.model_service) if not p.head]
     for job in net.job_clusters:
         for client in net.cluster_pods(job):
-            closed = [w for w in workers if not _covers(admitted_ports(net, client, w), net.client_port)]
+            closed = [w for w in workers if not _covers(reachable_ports(net, client, w), net.client_port)]
             if closed:
                 problems.append(
                     f"{net.model_service}: no NetworkPolicy admits {client.where} (a model client) "
@@ -417,4 +555,5 @@ def network_problems(resources: list[Resource]) -> list[str]:
         + admission_problems(net)
         + cluster_problems(net)
         + client_problems(net)
+        + egress_problems(net)
     )

@@ -19,14 +19,17 @@
   and the model-tls component's consistency (its proxy refusing calls without a bearer header).
 - The jobs: their own clusters (no clusterSelector onto the serving cluster), pods labelled
   as model clients, a bounded life (activeDeadlineSeconds), retries, and clean-up (a TTL
-  after shutdown, or deletionRules); exactly one daily schedule.
+  after shutdown, or deletionRules); exactly one way to commit new files: one daily schedule or
+  one watcher (`raypipe.io/job: watch`, a RayJob that runs until stopped: no deadline, created
+  once, its submitter restarted for as long as it follows the watcher).
 - Metrics: every container that runs raypipe or Ray in a Ray pod or a submitter (not the
   legacy scheduler, which only creates RayJobs) sends DogStatsD to the Datadog agent on its
   node: `DD_AGENT_HOST` from the downward API's `status.hostIP`.
 - One image per rendering (plus the TLS proxy's, pinned), tagged, and no CHANGE-ME placeholder.
 - The apply steps of docs/kuberay.md: the label raypipe.io/job splits a rendering into the
   model service (no label), the backfill (`backfill`: the RayJob) and the daily schedule
-  (`daily`), so each step applies what it says and nothing of the next.
+  (`daily`) or the watcher (`watch`: its RayJob), so each step applies what it says and
+  nothing of the next.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import yaml
 from kuberay.identity import identity_problems
 from kuberay.model_service import model_service_problems
 from kuberay.netpol import network_problems
-from kuberay.validate import Resource, cluster_pod_templates, containers, get, jobs, pod_templates, ref
+from kuberay.validate import Job, Resource, cluster_pod_templates, containers, get, jobs, pod_templates, ref
 
 POOL_LABEL, POOL_VALUE = "raypipe.io/pool", "cpu"
 MODEL_CLIENT_LABEL = "raypipe.io/model-client"
@@ -147,7 +150,9 @@ def _job_problems(resources: list[Resource]) -> list[str]:
                     f'{where}: every Ray pod needs the label {MODEL_CLIENT_LABEL}="true" to reach the model'
                 )
                 break
-        if not spec.get("activeDeadlineSeconds"):
+        if job.watch:
+            problems += _watch_problems(job)
+        elif not spec.get("activeDeadlineSeconds"):
             problems.append(f"{where}: needs activeDeadlineSeconds")
         if spec.get("backoffLimit", 0) < 1:
             problems.append(f"{where}: needs backoffLimit >= 1: a retry resumes the run")
@@ -165,15 +170,30 @@ def _job_problems(resources: list[Resource]) -> list[str]:
         if not get(spec, "submitterPodTemplate", "spec", "containers"):
             problems.append(f"{where}: needs a submitterPodTemplate (to place the submitter on the pool)")
     schedules = [r for r in resources if r.get("kind") in ("RayCronJob", "CronJob")]
-    if len(schedules) != 1:
+    watchers = [job.where for job in jobs(resources) if job.watch]
+    if len(schedules) + len(watchers) != 1:
         problems.append(
-            f"expected exactly one daily schedule (RayCronJob or legacy CronJob), found {[ref(r) for r in schedules]}"
+            "expected exactly one daily schedule (RayCronJob or legacy CronJob) or one watcher "
+            f"(raypipe.io/job=watch) to commit new files, found {[ref(r) for r in schedules] + watchers}"
         )
     for r in schedules:
         if r.get("kind") == "RayCronJob" and not get(r, "spec", "timeZone"):
             problems.append(f"{ref(r)}: set timeZone; the operator's clock is not a schedule")
         if r.get("kind") == "CronJob" and get(r, "spec", "concurrencyPolicy") != "Forbid":
             problems.append(f"{ref(r)}: concurrencyPolicy must be Forbid")
+    return problems
+
+
+def _watch_problems(job: Job) -> list[str]:
+    """The watcher runs until it is stopped, in a RayJob created once (not per tick)."""
+    where, spec = job.where, job.spec
+    problems = []
+    if job.scheduled:
+        problems.append(f"{where}: the watcher runs once, as a RayJob; a schedule would start one per tick")
+    if spec.get("activeDeadlineSeconds"):
+        problems.append(f"{where}: activeDeadlineSeconds would end the watcher (KubeRay does not retry a deadline)")
+    if get(spec, "submitterConfig", "backoffLimit", default=2) < 1:
+        problems.append(f"{where}: submitterConfig.backoffLimit >= 1: the submitter follows the watcher for its life")
     return problems
 
 
@@ -224,12 +244,12 @@ def _image_problems(resources: list[Resource]) -> list[str]:
 
 
 def _step_problems(resources: list[Resource]) -> list[str]:
-    steps: dict[str | None, list[str]] = {None: [], "backfill": [], "daily": []}
+    steps: dict[str | None, list[str]] = {None: [], "backfill": [], "daily": [], "watch": []}
     problems = []
     for r in resources:
         step = get(r, "metadata", "labels", JOB_LABEL)
         if step not in steps:
-            problems.append(f"{ref(r)}: label {JOB_LABEL}={step} is not a step (backfill or daily)")
+            problems.append(f"{ref(r)}: label {JOB_LABEL}={step} is not a step (backfill, daily or watch)")
             continue
         steps[step].append(str(r.get("kind")))
     jobs_kinds = {"RayJob", "RayCronJob", "CronJob"}
@@ -237,7 +257,13 @@ def _step_problems(resources: list[Resource]) -> list[str]:
         problems.append(f"the model-service step (no {JOB_LABEL} label) holds {sorted(steps[None])}")
     if steps["backfill"] != ["RayJob"]:
         problems.append(f"the backfill step ({JOB_LABEL}=backfill) holds {steps['backfill']}, not one RayJob")
-    if len(jobs_kinds & set(steps["daily"])) != 1 or "RayJob" in steps["daily"]:
+    if steps["watch"]:
+        # The watcher replaces the daily schedule: its step holds the RayJob and its own policies.
+        if steps["daily"]:
+            problems.append(f"the daily step ({JOB_LABEL}=daily) holds {steps['daily']} beside a watcher")
+        if sorted(set(steps["watch"])) != ["RayJob"] or steps["watch"].count("RayJob") != 1:
+            problems.append(f"the watch step ({JOB_LABEL}=watch) holds {steps['watch']}, not one RayJob")
+    elif len(jobs_kinds & set(steps["daily"])) != 1 or "RayJob" in steps["daily"]:
         problems.append(f"the daily step ({JOB_LABEL}=daily) holds {steps['daily']}, not one schedule")
     return problems
 

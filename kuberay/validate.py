@@ -30,6 +30,7 @@ RayJob manifests kept in ConfigMaps (the legacy daily CronJob's template).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import re
@@ -126,6 +127,13 @@ class Job:
     """Created once per tick (by a RayCronJob or the legacy CronJob)."""
     manifest: Resource | None = None
     """The whole RayJob manifest when it is embedded in a ConfigMap."""
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The labels of the RayJob resource or RayCronJob that holds it (none for a ConfigMap's template)."""
+
+    @property
+    def watch(self) -> bool:
+        """The long-lived watcher (`raypipe.io/job: watch`), which runs until it is stopped."""
+        return self.labels.get("raypipe.io/job") == "watch"
 
 
 def _embedded_rayjobs(resource: Resource) -> Iterator[tuple[str, Resource]]:
@@ -145,12 +153,14 @@ def jobs(resources: list[Resource]) -> list[Job]:
     for r in resources:
         meta, kind = r.get("metadata") or {}, r.get("kind")
         ns = meta.get("namespace")
+        labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
         if kind == "RayJob":
             name = meta.get("name") or f"{meta.get('generateName', 'rayjob-')}{EXAMPLE_SUFFIX}"
-            found.append(Job(ref(r), r.get("spec") or {}, name, ns, scheduled=False))
+            found.append(Job(ref(r), r.get("spec") or {}, name, ns, scheduled=False, labels=labels))
         elif kind == "RayCronJob":
             spec = get(r, "spec", "jobTemplate", default={})
-            found.append(Job(f"{ref(r)}.spec.jobTemplate", spec, f"{meta.get('name')}-{EXAMPLE_SUFFIX}", ns, True))
+            name = f"{meta.get('name')}-{EXAMPLE_SUFFIX}"
+            found.append(Job(f"{ref(r)}.spec.jobTemplate", spec, name, ns, scheduled=True, labels=labels))
         for where, doc in _embedded_rayjobs(r):
             dmeta = doc.get("metadata") or {}
             name = dmeta.get("name") or f"{dmeta.get('generateName', 'rayjob-')}{EXAMPLE_SUFFIX}"

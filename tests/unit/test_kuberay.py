@@ -52,17 +52,19 @@ def find(resources: list[Resource], kind: str, name: str | None = None) -> Resou
 
 
 def test_overlays_exist() -> None:
-    assert {"dev", "prod", "prod-kuberay-1.5"} <= set(OVERLAYS)
+    assert {"dev", "prod", "prod-kuberay-1.5", "prod-watch"} <= set(OVERLAYS)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_what_the_issue_asks_for(overlay: str) -> None:
-    kinds = [r["kind"] for r in rendered(overlay)]
+    resources = rendered(overlay)
+    kinds = [r["kind"] for r in resources]
+    watchers = [j for j in validate.jobs(resources) if j.watch]  # components/watch, instead of a schedule
     assert kinds.count("RayService") == 1
-    assert kinds.count("RayJob") == 1
+    assert kinds.count("RayJob") == 1 + len(watchers)
     assert kinds.count("ServiceAccount") >= 2  # raypipe-serve, raypipe-jobs (and the legacy scheduler's)
-    assert kinds.count("NetworkPolicy") == 8  # kuberay/base/networkpolicy.yaml
-    assert kinds.count("RayCronJob") + kinds.count("CronJob") == 1, kinds
+    assert kinds.count("NetworkPolicy") == 8 + 3 * len(watchers)  # kuberay/base/networkpolicy.yaml (+ the watcher's)
+    assert kinds.count("RayCronJob") + kinds.count("CronJob") + len(watchers) == 1, kinds
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
