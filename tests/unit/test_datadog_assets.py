@@ -11,11 +11,37 @@ from typing import Any
 import pytest
 
 from kuberay import datadog_assets as dd
+from protos.telemetry import Catalog, MetricDef
 from raypipe.call.metrics import CATALOG as CLIENT
 from serve_app.metrics import CATALOG as SERVER
 
 DASHBOARD = dd.load(dd.ASSETS / "dashboard.json")
 MONITORS = dd.load(dd.ASSETS / "monitors.json")
+
+WATCH_CONTRACT = Catalog(
+    "client",
+    CLIENT.constant_tags,
+    (
+        MetricDef("watch.freshness_p50_s", "gauge", "arrival to commit, p50 over the report window (s)"),
+        MetricDef("watch.freshness_p95_s", "gauge", "arrival to commit, p95 over the report window (s)"),
+        MetricDef("watch.backlog_rows", "gauge", "rows arrived and not committed"),
+        MetricDef("watch.backlog_files", "gauge", "files arrived and not committed"),
+        MetricDef("watch.oldest_waiting_s", "gauge", "age of the oldest uncommitted arrival (s)"),
+        MetricDef("watch.ticks", "count", "planning ticks"),
+    ),
+)
+"""The watcher's metrics as its contract names them: gauges and a count, with the run's tags."""
+
+
+@pytest.fixture
+def watch_metrics(monkeypatch: pytest.MonkeyPatch) -> dict[str, dd.Declared]:
+    """The catalogs, with the watcher's contract metrics wherever `raypipe.call.metrics` does not
+    declare them yet (the code's declaration wins where there is one)."""
+    declared = dd.catalog_metrics()
+    for m in WATCH_CONTRACT.metrics:
+        declared.setdefault(f"{dd.NAMESPACE}.{m.name}", dd.Declared(m, WATCH_CONTRACT))
+    monkeypatch.setattr(dd, "catalog_metrics", lambda namespace=dd.NAMESPACE: dict(declared))
+    return declared
 
 
 def _widget(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
@@ -50,7 +76,7 @@ def _has(found: list[str], *words: str) -> None:
     assert any(all(w in p for w in words) for p in found), found
 
 
-def test_the_shipped_dashboard_and_monitors_pass_every_check():
+def test_the_shipped_dashboard_and_monitors_pass_every_check(watch_metrics):
     assert dd.problems(DASHBOARD, MONITORS) == []
     assert dd.main([]) == 0
 
@@ -139,7 +165,7 @@ def test_a_count_must_be_summed_with_as_count_or_as_rate():
     _has(_broken_dashboard("Units committed", "avg:raypipe.run.units{$run_id}.as_count()"), "sum:")
 
 
-def test_a_value_the_code_never_gives_a_closed_tag_is_reported_whatever_its_case():
+def test_a_value_the_code_never_gives_a_closed_tag_is_reported_whatever_its_case(watch_metrics):
     _has(_broken_dashboard("Rows by outcome", "sum:raypipe.run.rows{outcome:dead_letters,$run_id}.as_count()"), "never")
     assert _broken_dashboard("Rows by outcome", "sum:raypipe.run.rows{outcome:DEAD_LETTER,$run_id}.as_count()") == []
     _has(
@@ -318,7 +344,7 @@ def test_percentile_configs_cover_the_distributions_and_fit_the_api_model():
         assert dd._parse_problems(body, MetricTagConfigurationCreateRequest, body["data"]["id"]) == []
 
 
-def test_the_docs_table_names_every_metric():
+def test_the_docs_table_names_every_metric(watch_metrics):
     doc = (dd.REPO / "docs" / "datadog.md").read_text(encoding="utf-8")
     missing = [name for name in dd.catalog_metrics() if f"| `{name}` |" not in doc]
     assert missing == []
@@ -331,3 +357,80 @@ def test_the_command_line_fails_on_a_broken_copy(tmp_path, capsys):
     (tmp_path / "monitors.json").write_text(json.dumps(monitors))
     assert dd.main(["--dir", str(tmp_path)]) == 1
     assert "raypipe.run.row: no such metric" in capsys.readouterr().out
+
+
+# --- the watcher's monitors and panel ---------------------------------------------------------
+
+
+def test_the_watch_panel_shows_every_watch_metric(watch_metrics):
+    group = _widget(DASHBOARD, "Watch: freshness and backlog (raypipe watch)")
+    shown = {
+        r.metric for _, _, queries in dd.widget_queries(group["widgets"]) for q in queries for r in dd.parse_refs(q)[0]
+    }
+    assert {f"raypipe.{m.name}" for m in WATCH_CONTRACT.metrics} <= shown
+    assert {name for name in watch_metrics if name.startswith("raypipe.watch.")} <= shown
+
+
+def test_the_freshness_monitor_alerts_on_p95_freshness_over_its_threshold(watch_metrics):
+    m = _monitor(MONITORS, "watch freshness")
+    query = dd._MONITOR_QUERY.match(m["query"])
+    assert query is not None
+    refs, _ = dd.parse_refs(query["expr"])
+    assert [(r.metric, r.scope) for r in refs] == [("raypipe.watch.freshness_p95_s", ("mode:watch",))]
+    assert query["op"] == ">"
+    # above the 2-minute target at --every 60s: it pages on a watcher well off it, not on noise
+    assert m["options"]["thresholds"]["warning"] > 120 and float(query["threshold"]) > 120
+    # freshness has no data while nothing arrives: silence is not news here
+    assert m["options"]["notify_no_data"] is False and refs[0].by
+
+
+def test_the_oldest_waiting_monitor_alerts_on_a_stuck_backlog_and_on_a_silent_watcher(watch_metrics):
+    m = _monitor(MONITORS, "watcher falling behind")
+    query = dd._MONITOR_QUERY.match(m["query"])
+    assert query is not None
+    refs, _ = dd.parse_refs(query["expr"])
+    assert [(r.metric, r.scope, r.by) for r in refs] == [("raypipe.watch.oldest_waiting_s", ("mode:watch",), ())]
+    assert query["op"] == ">" and query["time_agg"] == "min"  # above it for the whole window
+    assert m["options"]["notify_no_data"] is True
+    assert m["options"]["no_data_timeframe"] >= _hours(query["window"]) * 60
+    assert "{{#is_no_data}}" in m["message"] and "raypipe-watch" in m["message"]
+
+
+@pytest.mark.parametrize(
+    ("word", "change", "words"),
+    [
+        (
+            "watch freshness",
+            {"query": "avg(last_30m):max:raypipe.watch.freshness_p95{mode:watch} by {app} > 600"},
+            ("raypipe.watch.freshness_p95: no such metric",),
+        ),
+        (
+            "watch freshness",
+            {"query": "avg(last_30m):p95:raypipe.watch.freshness_p95_s{mode:watch} by {app} > 600"},
+            ("p95: needs a distribution",),
+        ),
+        (
+            "watcher falling behind",
+            {"query": "min(last_15m):max:raypipe.watch.oldest_waiting_s{mode:watch} by {output} > 1800"},
+            ("grouped by 'output'",),
+        ),
+        (
+            "watcher falling behind",
+            {"query": "min(last_15m):max:raypipe.watch.oldest_waiting_s{mode:watch} > 900"},
+            ("critical 1800 is not the query's 900",),
+        ),
+        (
+            "watch freshness",
+            {"message": "`raypipe lease show --outpt <OUTPUT>` docs/datadog.md#watch-freshness"},
+            ("--outpt",),
+        ),
+    ],
+)
+def test_broken_watch_monitors_are_reported(watch_metrics, word: str, change: dict[str, Any], words: tuple[str, ...]):
+    _has(_broken_monitor(word, **change), *words)
+
+
+def test_a_silent_watcher_must_alert(watch_metrics):
+    monitors = copy.deepcopy(MONITORS)
+    _monitor(monitors, "watcher falling behind")["options"]["notify_no_data"] = False
+    _has(dd.monitor_problems(monitors), "ungrouped monitor needs notify_no_data")
