@@ -16,7 +16,7 @@ This module does the same expansion from the rendered manifests, then:
   scheduled one `raypipe daily`, any other backfill, daily or replay;
 - checks its run id: every run names one (a retry must resume the same run), and a scheduled
   run takes it from its Job's name, so each tick is a new run and each retry of a tick is not
-  (the watcher names none: it holds its output's lease for as long as it runs);
+  (the watcher names none: its id defaults to one per input, so a retried watcher resumes);
 - refuses shell syntax beyond `$VAR` (a `;` would end KubeRay's `if ...; then ...; fi`).
 """
 
@@ -212,7 +212,7 @@ def _client_env_problems(job: Job, settings: dict[str, str]) -> list[str]:
 
 def _run_id_problem(job: Job, raw_argv: list[str], args: Any) -> str | None:
     if args.command == "watch":
-        return None  # one watcher per output, under its lease: it names no run
+        return None  # its default id is one per input: a retry in a new cluster resumes it
     if not args.run_id:
         return "--run-id is missing: a retried attempt would start a new run instead of resuming"
     if not job.scheduled:

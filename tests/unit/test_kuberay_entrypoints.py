@@ -73,6 +73,8 @@ def test_job_entrypoints_parse_with_the_real_cli(overlay: str) -> None:
         assert args.input.startswith("s3://") and args.output.startswith("s3://")
         if job.scheduled:
             assert args.run_id == job.name  # the RayJob's (generated) name: one run per tick
+        elif job.watch:
+            assert args.run_id is None  # the watch id, one per input: every retry resumes it
         else:
             assert (
                 args.run_id
@@ -80,8 +82,11 @@ def test_job_entrypoints_parse_with_the_real_cli(overlay: str) -> None:
                     "data"
                 ]["BACKFILL_RUN_ID"]
             )
-    assert set(commands) == {"backfill", "daily"}
-    assert commands["daily"].since is None
+    if any(job.watch for job in validate.jobs(resources)):
+        assert set(commands) == {"backfill", "watch"}  # components/watch, instead of the daily
+    else:
+        assert set(commands) == {"backfill", "daily"}
+        assert commands["daily"].since is None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
