@@ -332,6 +332,12 @@ def reachable_ports(net: Network, source: Pod, target: Pod) -> list[tuple[int, i
     return _intersect(admitted_ports(net, source, target), egress_ports(net, source, target))
 
 
+def _dns_only(rule: dict[str, Any]) -> bool:
+    """Whether a rule opens port 53 and nothing else, whatever the protocol."""
+    entries = rule.get("ports") or []
+    return bool(entries) and all(p.get("port") == DNS_PORT and "endPort" not in p for p in entries)
+
+
 def _udp_only(rule: dict[str, Any]) -> bool:
     entries = rule.get("ports") or []
     return bool(entries) and all(p.get("protocol", "TCP") != "TCP" for p in entries)
@@ -367,7 +373,7 @@ def egress_problems(net: Network) -> list[str]:
                         )
                     continue
                 targets = [t for t in net.pods if t is not source and peer_admits(peer, t, namespace)]
-                if not targets and not (ranges and _within(ranges, frozenset({DNS_PORT}))):
+                if not targets and not _dns_only(rule):
                     shown = yaml.safe_dump(peer, default_flow_style=True).strip()
                     problems.append(f"{at}: {shown} is no pod of this rendering; outside it only DNS ({DNS_PORT})")
                 for target in targets:

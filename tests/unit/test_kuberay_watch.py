@@ -79,6 +79,12 @@ def test_the_watchers_ray_pods_send_the_service_token_from_its_secret() -> None:
     assert spec["authOptions"]["secretName"] == "raypipe-watch-ray-token"
 
 
+def test_dns_over_udp_alone_is_enough_outside_the_rendering() -> None:
+    resources = rendered()
+    egress(resources)[2]["ports"] = [{"protocol": "UDP", "port": 53}]
+    assert policy.project_problems(resources) == []
+
+
 def test_the_watchers_egress_reaches_what_it_needs_and_no_other_raypipe_pod() -> None:
     resources = rendered()
     net = netpol.network(resources)
@@ -177,6 +183,10 @@ BREAKS: dict[str, tuple[Mutation, str]] = {
     ),
     "egress-outside-on-another-port": (
         lambda rs: egress(rs)[2]["ports"].append({"protocol": "TCP", "port": 443}),
+        "is no pod of this rendering; outside it only DNS",
+    ),
+    "egress-outside-on-udp": (
+        lambda rs: egress(rs)[2]["ports"].append({"protocol": "UDP", "port": 5353}),
         "is no pod of this rendering; outside it only DNS",
     ),
     "egress-closes-the-model": (
