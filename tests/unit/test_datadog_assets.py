@@ -434,3 +434,24 @@ def test_a_silent_watcher_must_alert(watch_metrics):
     monitors = copy.deepcopy(MONITORS)
     _monitor(monitors, "watcher falling behind")["options"]["notify_no_data"] = False
     _has(dd.monitor_problems(monitors), "ungrouped monitor needs notify_no_data")
+
+
+def _seconds(text: str) -> float:
+    value, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(s|m|h)?", text).groups()  # type: ignore[union-attr]
+    return float(value) * {"s": 1, "m": 60, "h": 3600}[unit or "s"]
+
+
+def test_the_watch_thresholds_leave_room_for_a_tick_and_a_cut_of_the_shipped_watcher(watch_metrics):
+    """An arrival waits up to --every to be seen and --max-wait to be cut before its commit
+    starts: a threshold below their sum would warn on a watcher doing as configured."""
+    import shutil
+
+    from kuberay import validate
+
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not on PATH: the kustomize overlays cannot be rendered")
+    (watch,) = [j for j in validate.jobs(validate.render(validate.OVERLAYS / "prod-watch")) if j.watch]
+    flags = dict(re.findall(r"--(every|max-wait) (\S+)", watch.spec["entrypoint"]))
+    floor = _seconds(flags["every"]) + _seconds(flags["max-wait"])
+    for word in ("watch freshness", "watcher falling behind"):
+        assert _monitor(MONITORS, word)["options"]["thresholds"]["warning"] > floor, word
