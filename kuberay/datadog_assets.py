@@ -52,18 +52,7 @@ ASSETS = REPO / "kuberay" / "datadog"
 NAMESPACE = "raypipe"
 """The DogStatsD namespace the assets assume (`metrics.namespace`, `ServerMetricsSettings.namespace`)."""
 
-_WATCH_PANEL = "a watcher's metric: shown by the watch panel once it is on the dashboard"
-UNDASHBOARDED: dict[str, str] = {
-    name: _WATCH_PANEL
-    for name in (
-        "watch.freshness_p50_s",
-        "watch.freshness_p95_s",
-        "watch.backlog_rows",
-        "watch.backlog_files",
-        "watch.oldest_waiting_s",
-        "watch.ticks",
-    )
-}
+UNDASHBOARDED: dict[str, str] = {}
 """Catalog metrics deliberately left off the dashboard, with the reason."""
 
 _SPACE_AGGS = {"avg", "sum", "min", "max", "count"}
