@@ -158,6 +158,7 @@ def run_freshness(
             out["cpu_ratio_watch_over_daily"] = round(out["watch_cpu_s_per_1000"] / out["daily_cpu_s_per_1000"], 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
