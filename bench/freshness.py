@@ -67,8 +67,17 @@ def _cpu(marker: str, seconds: float, roots: tuple[int, ...] = ()) -> float:
 
 
 def run_freshness(
-    *, model: Path, rate: float, minutes: float, every: str, max_wait: str, file_every_s: float, idle_s: float
+    *,
+    model: Path,
+    rate: float,
+    minutes: float,
+    every: str,
+    max_wait: str,
+    file_every_s: float,
+    idle_s: float,
+    out: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The figures, filled into `out` as they are measured (a run stopped early keeps them)."""
     from bench.cluster import LocalNodes, ProcessSampler, bench_env, run_measured
     from bench.tcp_proxy import free_port
 
@@ -78,7 +87,8 @@ def run_freshness(
     base_env = bench_env()
     base_env.pop("RAY_ADDRESS", None)  # bench_env's names the shared bench cluster: this one has its own
     nodes = LocalNodes(root, port=free_port(), dashboard_port=free_port(), env=base_env, head_cpus=2, multi_node=False)
-    out: dict[str, Any] = {"rate_per_s": rate, "minutes": minutes, "every": every, "max_wait": max_wait,
+    out = {} if out is None else out
+    out |= {"rate_per_s": rate, "minutes": minutes, "every": every, "max_wait": max_wait,
                            "file_every_s": file_every_s, "model": str(model)}  # fmt: skip
     try:
         with nodes:
@@ -173,18 +183,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=60.0)
     p.add_argument("--results", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
-    figures = run_freshness(
-        model=Path(args.model),
-        rate=args.rate,
-        minutes=args.minutes,
-        every=args.every,
-        max_wait=args.max_wait,
-        file_every_s=args.file_every_s,
-        idle_s=args.idle_s,
-    )
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = Path(args.results) / f"freshness-{stamp}.json"
-    path.write_text(json.dumps(figures, indent=2) + "\n")
+    figures: dict[str, Any] = {"complete": False}
+    try:
+        run_freshness(
+            model=Path(args.model),
+            rate=args.rate,
+            minutes=args.minutes,
+            every=args.every,
+            max_wait=args.max_wait,
+            file_every_s=args.file_every_s,
+            idle_s=args.idle_s,
+            out=figures,
+        )
+        figures["complete"] = True
+    finally:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        path = Path(args.results) / f"freshness-{stamp}.json"
+        path.write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps({k: v for k, v in figures.items() if k != "report"}, indent=2))
     print(f"written to {path}")
     return 0
