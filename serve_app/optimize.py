@@ -380,7 +380,7 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
         f"measured {record.measured_at or '?'} on {record.cpu or 'a CPU with ' + ' '.join(record.cpu_flags)}: "
         f"{record.sample.get('held_out', '?')} held-out texts in domain ({record.sample.get('source', '?')}), "
         f"{record.sample.get('out_of_domain', 'no')} out of domain; gate {threshold:.0%} on the worse of the two",
-        "runtime     precision  para/s   ± spread  speed-up  in domain  out of domain  max |dp|  at least  gate",
+        "runtime     precision     para/s   ± spread  speed-up  in domain  out of domain  max |dp|  at least  gate",
     ]
     for m in record.measurements:
         inside = "-" if m.agreement_in is None else f"{m.agreement_in:.2%}"
@@ -388,7 +388,7 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
         bound = "-" if m.setting in EQUAL_ANSWER_SETTINGS else f"{m.gate_figure:.2%}"
         spread = f"{m.spread / m.para_per_s:.1%}" if m.rounds and m.para_per_s else "-"
         lines.append(
-            f"{m.runtime:<11} {m.precision:<10} {m.para_per_s:>6.1f}  {spread:>8}  {m.speedup:>7.2f}x  "
+            f"{m.runtime:<11} {m.precision:<12} {m.para_per_s:>7.1f}  {spread:>8}  {m.speedup:>7.2f}x  "
             f"{inside:>9}  {outside:>13}  {m.max_abs_dp:>8.4f}  {bound:>8}  {'pass' if m.passes(threshold) else 'FAIL'}"
             f"{'  ' + m.note if m.note else ''}"
         )
