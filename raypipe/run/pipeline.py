@@ -34,7 +34,7 @@ from raypipe.report import UnitStats
 from raypipe.run.driver import no_ray_data_usage_actor
 from raypipe.run.read import marker_block, read_unit, unit_block_schema
 
-__all__ = ["UnitDatasource", "UnitResult", "run_units", "run_units_in_process"]
+__all__ = ["InProcessUnits", "UnitDatasource", "UnitResult", "run_units", "run_units_in_process", "unit_rows"]
 
 logger = logging.getLogger("raypipe")
 
@@ -154,6 +154,40 @@ def _results(summaries: pa.Table) -> Iterator[UnitResult]:
         yield UnitResult(row["unit"], row["error"], stats, row["fatal"])
 
 
+def unit_rows(unit: WorkUnit, columns: ColumnNames, on_bad_shard: str) -> pa.Table:
+    """The unit's rows in one table, as an actor takes them: what a read task's block holds."""
+    return pa.concat_tables(_read_block(unit, columns, on_bad_shard))
+
+
+class InProcessUnits:
+    """Units run without Ray: each read by the same `_read_block` and handed whole to one
+    `InferenceActor` in this process, one unit after another, on one event loop; the same
+    outcomes as `run_units`, in plan order. The actor (its channel, breaker, limiter, text
+    index) is kept across `run` calls until `close`: a watcher's tests hand it batch after
+    batch; `run_units_in_process` hands it one run's units."""
+
+    def __init__(self, settings: ActorSettings, client_factory: Callable[[], ModelClient] | None = None) -> None:
+        self._actor = InferenceActor(settings, client_factory=client_factory)
+        self._loop = asyncio.Runner()
+
+    def run(
+        self,
+        units: Sequence[WorkUnit],
+        *,
+        columns: ColumnNames,
+        on_bad_shard: Literal["fail", "record"],
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> Iterator[UnitResult]:
+        """Each unit's outcome as it is committed; `stopping()` is asked before each unit."""
+        for unit in units:
+            if stopping():
+                return
+            yield from _results(self._loop.run(self._actor(unit_rows(unit, columns, on_bad_shard))))
+
+    def close(self) -> None:
+        self._loop.close()
+
+
 def run_units_in_process(
     units: Sequence[WorkUnit],
     *,
@@ -163,13 +197,12 @@ def run_units_in_process(
     actors: ActorPoolConfig,
     client_factory: Callable[[], ModelClient] | None = None,
 ) -> Iterator[UnitResult]:
-    """`run_units` without Ray: each unit read by the same `_read_block` and handed whole to
-    one `InferenceActor` in this process, one unit after another, on one event loop; the same
-    outcomes, in plan order. `client_factory` builds the actor's model client (default: the
-    service the settings name). For tests of the whole run path (modes, protocol, table) that
-    must not start Ray; `actors` is accepted for `run_units`' signature and not used."""
-    actor = InferenceActor(settings, client_factory=client_factory)
-    with asyncio.Runner() as loop:
-        for unit in units:
-            blocks = _read_block(unit, columns, on_bad_shard)
-            yield from _results(loop.run(actor(pa.concat_tables(blocks))))
+    """`run_units` without Ray (`InProcessUnits`, for one run). `client_factory` builds the
+    actor's model client (default: the service the settings name). For tests of the whole run
+    path (modes, protocol, table) that must not start Ray; `actors` is accepted for
+    `run_units`' signature and not used."""
+    runner = InProcessUnits(settings, client_factory)
+    try:
+        yield from runner.run(units, columns=columns, on_bad_shard=on_bad_shard)
+    finally:
+        runner.close()

@@ -4,13 +4,14 @@ A daily streams its units through a Ray Data job (`raypipe.run.pipeline.run_unit
 start, an actor pool started and torn down, per run. A watcher commits a few small units a
 minute; a job per cut would pay that start every time. Here the same `InferenceActor` (its
 gRPC channel, breaker, limiter and text index) is held by long-lived Ray actors, started once;
-each unit is read by the actor that infers it (`raypipe.run.pipeline._read_block`, as a read
+each unit is read by the actor that infers it (`raypipe.run.pipeline.unit_rows`, as a read
 task reads it) and committed by it through the watcher's fenced `UnitCommitter`, as in a daily.
 
     WarmActors      Ray actors (`actors.min_actors` of them, `actors.num_cpus` each), at most
                     `actors.units_per_actor` units in flight on each
     InProcessUnits  one `InferenceActor` in this process on one event loop, for tests of the
-                    watcher that must not start Ray (as `run_units_in_process` is for runs)
+                    watcher that must not start Ray (`raypipe.run.pipeline`'s, which
+                    `run_units_in_process` runs a run's units with)
 
 Both run a batch's units and yield each one's `UnitResult` as it is committed; `stopping()`
 is asked before each unit is handed out, so a stop finishes the units in flight and hands out
@@ -26,13 +27,12 @@ from typing import Any, Literal, Protocol
 import pyarrow as pa
 
 from raypipe.call.actor import ActorSettings, InferenceActor
-from raypipe.call.client import ModelClient
 from raypipe.config import ActorPoolConfig
 from raypipe.plan.units import ColumnNames, WorkUnit
 
 # The pipeline's own read of a unit and decoding of an actor's summaries: a warm actor reads and
-# answers exactly as a Ray Data read task and actor do.
-from raypipe.run.pipeline import UnitResult, _read_block, _results
+# answers exactly as a Ray Data read task and actor do; the in-process runner is the pipeline's.
+from raypipe.run.pipeline import InProcessUnits, UnitResult, _results, unit_rows
 
 __all__ = ["InProcessUnits", "UnitRunner", "WarmActors"]
 
@@ -57,8 +57,7 @@ class _WarmActor:
         self._actor = InferenceActor(settings)
 
     async def run(self, unit: WorkUnit, columns: ColumnNames, on_bad_shard: str) -> pa.Table:
-        blocks = await asyncio.to_thread(_read_block, unit, columns, on_bad_shard)
-        return await self._actor(pa.concat_tables(blocks))
+        return await self._actor(await asyncio.to_thread(unit_rows, unit, columns, on_bad_shard))
 
     def ready(self) -> bool:
         return True
@@ -109,28 +108,3 @@ class WarmActors:
         for actor in self._actors:
             ray.kill(actor)
         self._actors = []
-
-
-class InProcessUnits:
-    """One `InferenceActor` in this process, kept across batches, one unit at a time."""
-
-    def __init__(self, settings: ActorSettings, client_factory: Callable[[], ModelClient] | None = None) -> None:
-        self._actor = InferenceActor(settings, client_factory=client_factory)
-        self._loop = asyncio.Runner()
-
-    def run(
-        self,
-        units: Sequence[WorkUnit],
-        *,
-        columns: ColumnNames,
-        on_bad_shard: Literal["fail", "record"],
-        stopping: Callable[[], bool],
-    ) -> Iterator[UnitResult]:
-        for unit in units:
-            if stopping():
-                return
-            blocks = _read_block(unit, columns, on_bad_shard)
-            yield from _results(self._loop.run(self._actor(pa.concat_tables(blocks))))
-
-    def close(self) -> None:
-        self._loop.close()
