@@ -7,74 +7,15 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import botocore.session
 import pytest
 
 from raypipe.errors import ConfigError
 from raypipe.plan.events import Arrival, SqsArrivals, configure_bucket_notifications
-
-REGION = "us-east-1"
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    from bench.s3server import MotoServer
-
-    patch = pytest.MonkeyPatch()
-    with MotoServer() as server:
-        for key, value in {
-            "AWS_ENDPOINT_URL": server.endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": REGION,
-        }.items():
-            patch.setenv(key, value)
-        try:
-            yield server.endpoint
-        finally:
-            patch.undo()
-
-
-def client(service: str) -> Any:
-    return botocore.session.get_session().create_client(service, region_name=REGION)
-
-
-@pytest.fixture
-def sqs(endpoint: str) -> Any:
-    return client("sqs")
-
-
-@pytest.fixture
-def s3(endpoint: str) -> Any:
-    return client("s3")
-
-
-@pytest.fixture
-def queue(sqs: Any) -> tuple[str, str]:
-    """A new queue: (URL, ARN)."""
-    url = sqs.create_queue(QueueName=f"arrivals-{uuid.uuid4().hex[:8]}")["QueueUrl"]
-    arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    return url, arn
-
-
-@pytest.fixture
-def bucket(s3: Any) -> str:
-    name = f"inbox-{uuid.uuid4().hex[:8]}"
-    s3.create_bucket(Bucket=name)
-    return name
-
-
-def in_queue(sqs: Any, url: str) -> int:
-    """Messages still in the queue, received or not."""
-    attrs = sqs.get_queue_attributes(
-        QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
-    )["Attributes"]
-    return int(attrs["ApproximateNumberOfMessages"]) + int(attrs["ApproximateNumberOfMessagesNotVisible"])
 
 
 def record(bucket: str, key: str, *, event: str = "ObjectCreated:Put", size: int | None = 7) -> dict[str, Any]:
@@ -95,7 +36,11 @@ def send(sqs: Any, url: str, body: Any) -> None:
 
 
 def test_objects_created_under_the_input_arrive_with_the_event_time_and_their_keys_decoded(
-    sqs: Any, s3: Any, queue: tuple[str, str], bucket: str
+    sqs: Any,
+    s3: Any,
+    queue: tuple[str, str],
+    bucket: str,
+    in_queue: Callable[[str], int],
 ) -> None:
     url, arn = queue
     configure_bucket_notifications(bucket, arn, "")  # every key: the input filter is the reader's
@@ -128,13 +73,15 @@ def test_objects_created_under_the_input_arrive_with_the_event_time_and_their_ke
     assert got == sorted(got, key=lambda a: a.arrived_at)
     # the test event and the arrivals outside the input are gone; the input's wait for their ack
     # (moto announces a multipart upload twice, as a Put and a CompleteMultipartUpload: one arrival)
-    assert in_queue(sqs, url) == arrivals.unacked >= 2
+    assert in_queue(url) == arrivals.unacked >= 2
     arrivals.ack(got)
-    assert in_queue(sqs, url) == 0 and arrivals.unacked == 0
+    assert in_queue(url) == 0 and arrivals.unacked == 0
 
 
 def test_a_message_is_deleted_when_all_its_records_are_acked_and_duplicates_cost_one_ack(
-    sqs: Any, queue: tuple[str, str]
+    sqs: Any,
+    queue: tuple[str, str],
+    in_queue: Callable[[str], int],
 ) -> None:
     url, _ = queue
     body = {
@@ -154,15 +101,22 @@ def test_a_message_is_deleted_when_all_its_records_are_acked_and_duplicates_cost
     b = Arrival("s3://inbox/in/b.parquet", None, a.arrived_at)
     assert got == [a, b], "one arrival per created object, the removal ignored, the duplicate once"
     arrivals.ack([a])
-    assert in_queue(sqs, url) == 2, "each message still carries an arrival not committed"
+    assert in_queue(url) == 2, "each message still carries an arrival not committed"
     arrivals.ack([b, b])
-    assert in_queue(sqs, url) == 0
+    assert in_queue(url) == 0
     arrivals.ack([a])  # acked twice: nothing left to delete, no error
 
 
-def test_events_wrapped_by_sns_arrive(sqs: Any, s3: Any, queue: tuple[str, str], bucket: str) -> None:
+def test_events_wrapped_by_sns_arrive(
+    sqs: Any,
+    s3: Any,
+    queue: tuple[str, str],
+    bucket: str,
+    in_queue: Callable[[str], int],
+    aws_client: Callable[[str], Any],
+) -> None:
     url, arn = queue
-    sns = client("sns")
+    sns = aws_client("sns")
     topic = sns.create_topic(Name=f"t-{uuid.uuid4().hex[:8]}")["TopicArn"]
     sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn)
     s3.put_bucket_notification_configuration(
@@ -178,7 +132,7 @@ def test_events_wrapped_by_sns_arrive(sqs: Any, s3: Any, queue: tuple[str, str],
 
     assert [(a.uri, a.size) for a in got] == [(f"s3://{bucket}/in/a.parquet", 3)]
     arrivals.ack(got)
-    assert in_queue(sqs, url) == 0
+    assert in_queue(url) == 0
 
 
 @pytest.mark.parametrize(
@@ -203,7 +157,11 @@ def test_events_wrapped_by_sns_arrive(sqs: Any, s3: Any, queue: tuple[str, str],
     ids=["text", "array", "records-not-a-list", "no-s3", "no-time", "bad-time", "record-not-object", "eventbridge"],
 )
 def test_a_malformed_message_is_logged_once_and_deleted(
-    sqs: Any, queue: tuple[str, str], body: Any, caplog: pytest.LogCaptureFixture
+    sqs: Any,
+    queue: tuple[str, str],
+    body: Any,
+    caplog: pytest.LogCaptureFixture,
+    in_queue: Callable[[str], int],
 ) -> None:
     url, _ = queue
     send(sqs, url, body)
@@ -213,13 +171,16 @@ def test_a_malformed_message_is_logged_once_and_deleted(
         assert arrivals.poll() == []
         assert arrivals.poll() == []
 
-    assert in_queue(sqs, url) == 0
+    assert in_queue(url) == 0
     assert len(caplog.records) == 1, caplog.text
     assert "deleted, not an S3 event" in caplog.text or "records skipped, not S3 events" in caplog.text
 
 
 def test_a_good_record_beside_a_bad_one_still_arrives(
-    sqs: Any, queue: tuple[str, str], caplog: pytest.LogCaptureFixture
+    sqs: Any,
+    queue: tuple[str, str],
+    caplog: pytest.LogCaptureFixture,
+    in_queue: Callable[[str], int],
 ) -> None:
     url, _ = queue
     send(sqs, url, {"Records": [{"eventName": "ObjectCreated:Put"}, record("inbox", "in/a.parquet")]})
@@ -231,11 +192,14 @@ def test_a_good_record_beside_a_bad_one_still_arrives(
     assert [a.uri for a in got] == ["s3://inbox/in/a.parquet"]
     assert len(caplog.records) == 1 and "1 of 2 records" in caplog.text
     arrivals.ack(got)
-    assert in_queue(sqs, url) == 0
+    assert in_queue(url) == 0
 
 
 def test_test_events_and_arrivals_elsewhere_are_deleted_without_a_word(
-    sqs: Any, queue: tuple[str, str], caplog: pytest.LogCaptureFixture
+    sqs: Any,
+    queue: tuple[str, str],
+    caplog: pytest.LogCaptureFixture,
+    in_queue: Callable[[str], int],
 ) -> None:
     url, _ = queue
     send(sqs, url, {"Service": "Amazon S3", "Event": "s3:TestEvent", "Time": "2026-11-28T00:00:00Z", "Bucket": "inbox"})
@@ -245,7 +209,7 @@ def test_test_events_and_arrivals_elsewhere_are_deleted_without_a_word(
     with caplog.at_level(logging.INFO, logger="raypipe.plan.events"):
         assert SqsArrivals(url, input_uri="s3://inbox/in").poll() == []
 
-    assert in_queue(sqs, url) == 0 and caplog.records == []
+    assert in_queue(url) == 0 and caplog.records == []
 
 
 def test_a_glob_input_keeps_what_its_literal_part_starts_with(sqs: Any, queue: tuple[str, str]) -> None:
@@ -257,7 +221,9 @@ def test_a_glob_input_keeps_what_its_literal_part_starts_with(sqs: Any, queue: t
     assert [a.uri for a in got] == ["s3://inbox/in/2026-11/a.parquet"]
 
 
-def test_arrivals_not_acked_come_back_to_a_successor(sqs: Any, queue: tuple[str, str]) -> None:
+def test_arrivals_not_acked_come_back_to_a_successor(
+    sqs: Any, queue: tuple[str, str], in_queue: Callable[[str], int]
+) -> None:
     url, _ = queue
     send(sqs, url, {"Records": [record("inbox", "in/a.parquet")]})
     # visibility 0: a received message is visible again at once, as after a watcher's death
@@ -269,10 +235,10 @@ def test_arrivals_not_acked_come_back_to_a_successor(sqs: Any, queue: tuple[str,
     # the first watcher is killed before its commit: nothing was deleted
     successor = SqsArrivals(url, visibility_timeout_s=0)
     assert successor.poll() == got
-    assert in_queue(sqs, url) == 1
+    assert in_queue(url) == 1
 
     successor.ack(got)
-    assert in_queue(sqs, url) == 0
+    assert in_queue(url) == 0
     assert SqsArrivals(url).poll() == []
 
 
@@ -290,7 +256,7 @@ def test_more_messages_than_one_receive_holds_are_all_polled(sqs: Any, queue: tu
 def test_credentials_come_from_storage_options_and_are_never_shown(
     sqs: Any,
     queue: tuple[str, str],
-    endpoint: str,
+    aws_endpoint: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -307,7 +273,7 @@ def test_credentials_come_from_storage_options_and_are_never_shown(
 
     with caplog.at_level(logging.WARNING, logger="raypipe.plan.events"):
         assert SqsArrivals(url).poll() == [], "no credentials anywhere: nothing received, a warning"
-        arrivals = SqsArrivals(url, endpoint_url=endpoint, storage_options={"key": key, "secret": secret})
+        arrivals = SqsArrivals(url, endpoint_url=aws_endpoint, storage_options={"key": key, "secret": secret})
         got = arrivals.poll()
 
     assert [a.uri for a in got] == ["s3://inbox/in/a.parquet"]
@@ -316,17 +282,17 @@ def test_credentials_come_from_storage_options_and_are_never_shown(
     assert len(caplog.records) == 2, caplog.text  # the failed poll, the malformed message
 
 
-def test_a_queue_that_does_not_exist_is_a_config_error(endpoint: str) -> None:
-    missing = SqsArrivals(f"{endpoint}/123456789012/no-such-queue")
+def test_a_queue_that_does_not_exist_is_a_config_error(aws_endpoint: str) -> None:
+    missing = SqsArrivals(f"{aws_endpoint}/123456789012/no-such-queue")
     with pytest.raises(ConfigError, match="no-such-queue"):
         missing.check()
     with pytest.raises(ConfigError):
         missing.poll()
 
 
-def test_an_input_not_on_s3_is_refused(endpoint: str, tmp_path: Path) -> None:
+def test_an_input_not_on_s3_is_refused(aws_endpoint: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not on S3"):
-        SqsArrivals(f"{endpoint}/123456789012/q", input_uri=str(tmp_path))
+        SqsArrivals(f"{aws_endpoint}/123456789012/q", input_uri=str(tmp_path))
 
 
 def test_configuring_notifications_keeps_the_bucket_s_others_and_replaces_its_own(
@@ -350,7 +316,9 @@ def test_configuring_notifications_keeps_the_bucket_s_others_and_replaces_its_ow
 
 
 def test_an_object_announced_twice_in_a_poll_arrives_once_and_a_later_version_is_not_acked_with_it(
-    sqs: Any, queue: tuple[str, str]
+    sqs: Any,
+    queue: tuple[str, str],
+    in_queue: Callable[[str], int],
 ) -> None:
     url, _ = queue
     early = record("inbox", "in/a.parquet", size=5)
@@ -368,9 +336,9 @@ def test_an_object_announced_twice_in_a_poll_arrives_once_and_a_later_version_is
     again = arrivals.poll()
     assert [(a.size, a.arrived_at.minute) for a in again] == [(11, 3)]
     arrivals.ack(got)
-    assert in_queue(sqs, url) == 1
+    assert in_queue(url) == 1
     arrivals.ack(again)
-    assert in_queue(sqs, url) == 0
+    assert in_queue(url) == 0
 
 
 def test_an_ack_deletes_with_the_newest_receipt_of_a_message_received_twice() -> None:

@@ -8,12 +8,10 @@ delete it. No Ray."""
 from __future__ import annotations
 
 import io
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import botocore.session
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -24,44 +22,13 @@ from raypipe.plan.events import SqsArrivals, configure_bucket_notifications
 from raypipe.run.watch.mode import watch
 from tests.unit.test_watch import Service, config
 
-REGION = "us-east-1"
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    import s3fs
-
-    from bench.s3server import MotoServer
-
-    patch = pytest.MonkeyPatch()
-    with MotoServer() as server:
-        for key, value in {
-            "AWS_ENDPOINT_URL": server.endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": REGION,
-        }.items():
-            patch.setenv(key, value)
-        s3fs.S3FileSystem.clear_instance_cache()  # none made for another endpoint is reused
-        try:
-            yield server.endpoint
-        finally:
-            s3fs.S3FileSystem.clear_instance_cache()
-            patch.undo()
-
 
 class Setup:
-    """A bucket whose `in/` notifications go to a new queue."""
+    """A bucket whose `in/` notifications go to a new queue (the conftest's moto server)."""
 
-    def __init__(self) -> None:
-        session = botocore.session.get_session()
-        self.s3 = session.create_client("s3", region_name=REGION)
-        self.sqs = session.create_client("sqs", region_name=REGION)
-        suffix = uuid.uuid4().hex[:8]
-        self.bucket = f"inbox-{suffix}"
-        self.s3.create_bucket(Bucket=self.bucket)
-        self.queue = self.sqs.create_queue(QueueName=f"arrivals-{suffix}")["QueueUrl"]
-        arn = self.sqs.get_queue_attributes(QueueUrl=self.queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    def __init__(self, s3: Any, bucket: str, queue: tuple[str, str]) -> None:
+        self.s3, self.bucket = s3, bucket
+        self.queue, arn = queue
         configure_bucket_notifications(self.bucket, arn, "in/")
         self.input = f"s3://{self.bucket}/in"
 
@@ -70,12 +37,10 @@ class Setup:
         pq.write_table(pa.table({"id": ids, "text": [f"text of {i}" for i in ids]}), buf)
         self.s3.put_object(Bucket=self.bucket, Key=f"in/{name}.parquet", Body=buf.getvalue())
 
-    def in_queue(self) -> int:
-        attrs = self.sqs.get_queue_attributes(
-            QueueUrl=self.queue,
-            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
-        )["Attributes"]
-        return int(attrs["ApproximateNumberOfMessages"]) + int(attrs["ApproximateNumberOfMessagesNotVisible"])
+
+@pytest.fixture
+def inbox(s3: Any, bucket: str, queue: tuple[str, str]) -> Setup:
+    return Setup(s3, bucket, queue)
 
 
 class KilledBeforeItsAcks(SqsArrivals):
@@ -85,9 +50,9 @@ class KilledBeforeItsAcks(SqsArrivals):
         return None
 
 
-def run(tmp_path: Path, service: Service, setup: Setup, events: SqsArrivals, ticks: int) -> Any:
+def run(tmp_path: Path, service: Service, inbox: Setup, events: SqsArrivals, ticks: int) -> Any:
     cfg = config(tmp_path)
-    return watch(cfg, run_input(cfg, setup.input, "watch"), runner=service.runner, events=events, ticks=ticks)
+    return watch(cfg, run_input(cfg, inbox.input, "watch"), runner=service.runner, events=events, ticks=ticks)
 
 
 def committed_ids(tmp_path: Path) -> list[str]:
@@ -95,79 +60,77 @@ def committed_ids(tmp_path: Path) -> list[str]:
 
 
 def test_files_announced_by_events_are_committed_once_and_their_messages_deleted(
-    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    inbox: Setup, in_queue: Callable[[str], int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    service, setup = Service(monkeypatch), Setup()
-    setup.write("a", ["a1", "a2"])
-    run(tmp_path, service, setup, SqsArrivals(setup.queue), ticks=1)  # the first look also lists
+    service = Service(monkeypatch)
+    inbox.write("a", ["a1", "a2"])
+    run(tmp_path, service, inbox, SqsArrivals(inbox.queue), ticks=1)  # the first look also lists
     assert committed_ids(tmp_path) == ["a1", "a2"]
-    assert setup.in_queue() == 0
+    assert in_queue(inbox.queue) == 0
 
-    setup.write("b", ["b1"])
-    setup.write("_SUCCESS", [])  # announced, not a shard: its message goes too
-    report = run(tmp_path, service, setup, SqsArrivals(setup.queue), ticks=2)
+    inbox.write("b", ["b1"])
+    inbox.write("_SUCCESS", [])  # announced, not a shard: its message goes too
+    report = run(tmp_path, service, inbox, SqsArrivals(inbox.queue), ticks=2)
     assert committed_ids(tmp_path) == ["a1", "a2", "b1"]
-    assert report.units == 1 and setup.in_queue() == 0
+    assert report.units == 1 and in_queue(inbox.queue) == 0
 
 
 def test_a_file_a_killed_watcher_committed_and_never_acked_is_not_read_again_and_its_message_goes(
-    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    inbox: Setup, in_queue: Callable[[str], int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    service, setup = Service(monkeypatch), Setup()
-    setup.write("a", ["a1"])
-    run(tmp_path, service, setup, KilledBeforeItsAcks(setup.queue, visibility_timeout_s=0), ticks=1)
-    assert committed_ids(tmp_path) == ["a1"] and setup.in_queue() == 1
+    service = Service(monkeypatch)
+    inbox.write("a", ["a1"])
+    run(tmp_path, service, inbox, KilledBeforeItsAcks(inbox.queue, visibility_timeout_s=0), ticks=1)
+    assert committed_ids(tmp_path) == ["a1"] and in_queue(inbox.queue) == 1
     calls = service.classify_calls
 
-    successor = SqsArrivals(setup.queue, visibility_timeout_s=0)
-    run(tmp_path, service, setup, successor, ticks=2)
+    successor = SqsArrivals(inbox.queue, visibility_timeout_s=0)
+    run(tmp_path, service, inbox, successor, ticks=2)
 
     assert committed_ids(tmp_path) == ["a1"] and service.classify_calls == calls
-    assert setup.in_queue() == 0, "the message of a file committed already is deleted, not kept for ever"
+    assert in_queue(inbox.queue) == 0, "the message of a file committed already is deleted, not kept for ever"
     assert successor.unacked == 0
 
 
 def test_an_arrival_announced_twice_is_committed_once(
-    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    inbox: Setup, sqs: Any, in_queue: Callable[[str], int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    service, setup = Service(monkeypatch), Setup()
-    run(tmp_path, service, setup, SqsArrivals(setup.queue), ticks=1)  # nothing yet: the listing is empty
-    setup.write("a", ["a1"])
-    body = setup.sqs.receive_message(QueueUrl=setup.queue, VisibilityTimeout=0)["Messages"][0]["Body"]
-    setup.sqs.send_message(QueueUrl=setup.queue, MessageBody=body)  # S3 may notify twice
+    service = Service(monkeypatch)
+    run(tmp_path, service, inbox, SqsArrivals(inbox.queue), ticks=1)  # nothing yet: the listing is empty
+    inbox.write("a", ["a1"])
+    body = sqs.receive_message(QueueUrl=inbox.queue, VisibilityTimeout=0)["Messages"][0]["Body"]
+    sqs.send_message(QueueUrl=inbox.queue, MessageBody=body)  # S3 may notify twice
 
-    events = SqsArrivals(setup.queue)
-    run(tmp_path, service, setup, events, ticks=2)
+    events = SqsArrivals(inbox.queue)
+    run(tmp_path, service, inbox, events, ticks=2)
 
     assert committed_ids(tmp_path) == ["a1"]
-    assert setup.in_queue() == 0 and events.unacked == 0
+    assert in_queue(inbox.queue) == 0 and events.unacked == 0
 
 
 def test_a_watcher_with_a_queue_it_cannot_read_or_an_input_not_on_s3_is_refused_before_it_starts(
-    endpoint: str, tmp_path: Path
+    aws_endpoint: str, inbox: Setup, tmp_path: Path
 ) -> None:
     from raypipe.errors import ConfigError
     from raypipe.run.preflight import check_watch
 
-    setup = Setup()
-    cfg = config(tmp_path, events_queue=f"{endpoint}/123456789012/no-such-queue")
+    cfg = config(tmp_path, events_queue=f"{aws_endpoint}/123456789012/no-such-queue")
     with pytest.raises(ConfigError, match="no-such-queue"):
-        check_watch(cfg, run_input(cfg, setup.input, "watch"))
-    cfg = config(tmp_path, events_queue=setup.queue)
+        check_watch(cfg, run_input(cfg, inbox.input, "watch"))
+    cfg = config(tmp_path, events_queue=inbox.queue)
     with pytest.raises(ConfigError, match="not on S3"):
         check_watch(cfg, run_input(cfg, str(tmp_path / "in"), "watch"))
-    check_watch(cfg, run_input(cfg, setup.input, "watch"))  # a queue it can read, an input on S3
+    check_watch(cfg, run_input(cfg, inbox.input, "watch"))  # a queue it can read, an input on S3
 
 
-def test_a_file_announced_after_the_first_look_listed_its_folder_is_found(endpoint: str) -> None:
+def test_a_file_announced_after_the_first_look_listed_its_folder_is_found(inbox: Setup) -> None:
     from raypipe.api import build_config
     from raypipe.run.watch.arrivals import EventArrivals
 
-    setup = Setup()
-    setup.write("a", ["a1"])
+    inbox.write("a", ["a1"])
     cfg = build_config(output="unused")
-    source = EventArrivals(run_input(cfg, setup.input, "watch"), SqsArrivals(setup.queue))
+    source = EventArrivals(run_input(cfg, inbox.input, "watch"), SqsArrivals(inbox.queue))
     assert [p.rsplit("/", 1)[-1] for p in (item.uri for item in source.look())] == ["a.parquet", "a.parquet"]
 
-    setup.write("b", ["b1"])  # the folder's listing is cached by now: the event's file must be found all the same
+    inbox.write("b", ["b1"])  # the folder's listing is cached by now: the event's file must be found all the same
     assert [item.uri.rsplit("/", 1)[-1] for item in source.look()] == ["b.parquet"]
