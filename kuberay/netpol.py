@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,12 +175,29 @@ def matches(selector: dict[str, Any] | None, labels: Mapping[str, str]) -> bool:
     return True
 
 
-def _isolates(policy: Resource, pod: Pod) -> bool:
-    """Whether `policy` selects `pod` for ingress."""
+@dataclass(frozen=True)
+class _Direction:
+    """Where a policy keeps its rules for one direction of traffic, and whom they name."""
+
+    policy_type: str
+    rules: str
+    """The spec's list of rules: "ingress" or "egress"."""
+    peers: str
+    """A rule's list of peers: "from" (its sources) or "to" (its destinations)."""
+    untyped: bool
+    """Whether a policy without `policyTypes` selects pods for this direction (Kubernetes: Ingress)."""
+
+
+INGRESS = _Direction("Ingress", "ingress", "from", untyped=True)
+EGRESS = _Direction("Egress", "egress", "to", untyped=False)
+
+
+def _isolates(policy: Resource, pod: Pod, way: _Direction = INGRESS) -> bool:
+    """Whether `policy` selects `pod` for `way` (ingress by default)."""
     types = get(policy, "spec", "policyTypes")
     return (
         str(get(policy, "metadata", "namespace", default="")) == pod.namespace
-        and (types is None or "Ingress" in types)
+        and (way.policy_type in types if types is not None else way.untyped)
         and matches(get(policy, "spec", "podSelector"), pod.labels)
     )
 
@@ -236,26 +253,39 @@ def _within(ranges: list[tuple[int, int]], allowed: frozenset[int] | None) -> bo
     return all(high - low < len(allowed) and all(p in allowed for p in range(low, high + 1)) for low, high in ranges)
 
 
-def admissions(net: Network, pod: Pod) -> Iterator[tuple[Resource, dict[str, Any], list[tuple[int, int]]]]:
-    """(policy, rule, port ranges) of every ingress rule that applies to `pod`."""
+def _rules(net: Network, pod: Pod, way: _Direction) -> Iterator[tuple[Resource, dict[str, Any], list[tuple[int, int]]]]:
+    """(policy, rule, TCP port ranges) of every `way` rule of a policy that selects `pod` for it.
+    For ingress the ranges are the ports opened on `pod`; for egress, on its destinations (a
+    named port is read from `pod`'s own, as for ingress)."""
     for policy in net.policies:
-        if _isolates(policy, pod):
-            for rule in get(policy, "spec", "ingress", default=[]) or []:
-                ranges = rule_ports(rule, pod)
-                if ranges:
-                    yield policy, rule, ranges
+        if _isolates(policy, pod, way):
+            for rule in get(policy, "spec", way.rules, default=[]) or []:
+                yield policy, rule, rule_ports(rule, pod)
+
+
+def _open_ports(
+    net: Network, pod: Pod, peer: Pod, way: _Direction, admits: Callable[[dict[str, Any], Pod, str], bool]
+) -> list[tuple[int, int]]:
+    """The port ranges `pod`'s `way` rules open to `peer` (every port if no policy selects `pod`
+    for `way`); `admits(peer rule entry, peer, policy namespace)` says whether an entry names it."""
+    if not any(_isolates(policy, pod, way) for policy in net.policies):
+        return list(_ALL_PORTS)
+    found = []
+    for policy, rule, ranges in _rules(net, pod, way):
+        namespace = str(get(policy, "metadata", "namespace", default=""))
+        if not rule.get(way.peers) or any(admits(entry, peer, namespace) for entry in rule[way.peers]):
+            found += ranges
+    return found
+
+
+def admissions(net: Network, pod: Pod) -> Iterator[tuple[Resource, dict[str, Any], list[tuple[int, int]]]]:
+    """(policy, rule, port ranges) of every ingress rule that applies to `pod` (and opens a TCP port)."""
+    return ((policy, rule, ranges) for policy, rule, ranges in _rules(net, pod, INGRESS) if ranges)
 
 
 def admitted_ports(net: Network, source: Pod, pod: Pod) -> list[tuple[int, int]]:
     """The port ranges on which `source` may connect to `pod`."""
-    if not any(_isolates(policy, pod) for policy in net.policies):
-        return list(_ALL_PORTS)
-    found = []
-    for policy, rule, ranges in admissions(net, pod):
-        namespace = str(get(policy, "metadata", "namespace", default=""))
-        if not rule.get("from") or any(peer_admits(peer, source, namespace) for peer in rule["from"]):
-            found += ranges
-    return found
+    return _open_ports(net, pod, source, INGRESS, peer_admits)
 
 
 # --- egress -----------------------------------------------------------------------------------
@@ -265,15 +295,6 @@ PRIVATE_RANGES = tuple(
 )
 """Where pod addresses come from (RFC 1918 and the shared range some CNIs use)."""
 DNS_PORT = 53
-
-
-def _isolates_egress(policy: Resource, pod: Pod) -> bool:
-    """Whether `policy` selects `pod` for egress (only a policy that says Egress does)."""
-    return (
-        str(get(policy, "metadata", "namespace", default="")) == pod.namespace
-        and "Egress" in (get(policy, "spec", "policyTypes") or [])
-        and matches(get(policy, "spec", "podSelector"), pod.labels)
-    )
 
 
 def block_holds_pods(block: dict[str, Any]) -> bool:
@@ -303,24 +324,9 @@ def _egress_peer_admits(peer: dict[str, Any], target: Pod, policy_namespace: str
     return peer_admits(peer, target, policy_namespace)
 
 
-def egress_rules(net: Network, pod: Pod) -> Iterator[tuple[Resource, dict[str, Any], list[tuple[int, int]]]]:
-    """(policy, rule, TCP port ranges) of every egress rule of a policy that isolates `pod`."""
-    for policy in net.policies:
-        if _isolates_egress(policy, pod):
-            for rule in get(policy, "spec", "egress", default=[]) or []:
-                yield policy, rule, rule_ports(rule, pod)
-
-
 def egress_ports(net: Network, source: Pod, target: Pod) -> list[tuple[int, int]]:
     """The TCP port ranges `source`'s egress lets it open on `target`."""
-    if not any(_isolates_egress(policy, source) for policy in net.policies):
-        return list(_ALL_PORTS)
-    found = []
-    for policy, rule, ranges in egress_rules(net, source):
-        namespace = str(get(policy, "metadata", "namespace", default=""))
-        if not rule.get("to") or any(_egress_peer_admits(peer, target, namespace) for peer in rule["to"]):
-            found += ranges
-    return found
+    return _open_ports(net, source, target, EGRESS, _egress_peer_admits)
 
 
 def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -348,13 +354,13 @@ def egress_problems(net: Network) -> list[str]:
     problems = []
     for cluster in net.watchers:
         for pod in net.cluster_pods(cluster):
-            if not any(_isolates_egress(policy, pod) for policy in net.policies):
+            if not any(_isolates(policy, pod, EGRESS) for policy in net.policies):
                 problems.append(
                     f"{pod.where}: no NetworkPolicy closes it for egress; the watcher's pods reach only what they need"
                 )
     seen = set()
     for source in net.pods:
-        for policy, rule, ranges in egress_rules(net, source):
+        for policy, rule, ranges in _rules(net, source, EGRESS):
             namespace = str(get(policy, "metadata", "namespace", default=""))
             at = f"{ref(policy)}.spec.egress"
             if not rule.get("to"):
