@@ -30,9 +30,11 @@ was stalled, and there is no window between a check and a write.
   and a maintenance commit (`fence_transactions`) carry every slot.
 - `retire`: a holder fences off its own writers (`CommitProtocol.abort`).
 
-Every commit carries a token of its own (`commit_token`): a commit that landed though its call
-raised (S3 carried the PUT out and lost the answer) is recognised as ours (`landed`), not taken
-for a conflict with another holder.
+Every commit here is made by `raypipe.commit.retry`: one commit carries a token of its own, so
+one that landed though its call raised (S3 carried the PUT out and lost the answer) is
+recognised as ours, not taken for a conflict with another holder; and one retry loop looks
+again on a fresh snapshot after a conflict with a commit not ours (a jittered wait, an
+injectable sleep).
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ from __future__ import annotations
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
+from raypipe.commit.retry import commit_failed, commit_once, empty_commit, jitter, retry_commit
 from raypipe.commit.table import (
     SLOTS,
     OutcomeTable,
@@ -83,68 +85,25 @@ class TableFence:
     generation: int
 
 
-def _commit_failed() -> type[Exception]:
-    from deltalake.exceptions import CommitFailedError
-
-    return CommitFailedError
-
-
-COMMIT_KEY = "raypipe.commit"
-"""The commit-info key of a token unique to one commit call (`landed`)."""
-
-
-def commit_token() -> dict[str, str]:
-    """Commit metadata naming this commit call alone, so a retry can recognise it (`landed`)."""
-    return {COMMIT_KEY: uuid.uuid4().hex}
-
-
-def landed(dt: Any, since: int, token: dict[str, str]) -> bool:
-    """Did the commit carrying `token` land after version `since`, though its call raised?
-
-    On S3 a commit is a conditional PUT of the next log entry. When S3 carries it out but the
-    answer is lost, the client retries, finds the entry taken, and delta-rs checks our commit
-    against the one there: its own, whose app transactions conflict with ours, so it raises
-    `CommitFailedError` for a commit that happened. The commits after `since` (the snapshot
-    the call was built on) are read back for the token. `dt` is refreshed to the latest version."""
-    dt.update_incremental()
-    newer = dt.version() - since
-    if newer <= 0:
-        return False
-    return any(c.get(COMMIT_KEY) == token[COMMIT_KEY] for c in dt.history(limit=newer))
-
-
-def _empty_commit(dt: Any, props: Any) -> None:
-    """A commit of no rows that carries `props` (app transactions, metadata)."""
-    dt.create_write_transaction([], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props)
-
-
-def take_over(table: OutcomeTable, run_id: str, *, holder: str = "") -> TableFence:
+def take_over(
+    table: OutcomeTable, run_id: str, *, holder: str = "", sleep: Callable[[float], None] = time.sleep
+) -> TableFence:
     """Commits the output's next generation to every slot, for run `run_id`: every older
     holder, of any run id, is fenced off.
 
     Two takers of the same generation cannot both win: the second commit's transactions
     conflict with the first's, and it raises `LeaseLostError`.
     """
-    from deltalake import CommitProperties, Transaction
+    from deltalake import Transaction
 
-    failed = _commit_failed()
-    for _ in range(20):
+    def attempt(_: int) -> TableFence:
         dt = table.load()
         generation = generation_of(dt) + 1
-        since, token = dt.version(), commit_token()
-        metadata = {"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder, **token}
+        metadata = {"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder}
+        slots = [Transaction(slot_app(s), generation) for s in range(SLOTS)]
         try:
-            _empty_commit(
-                dt,
-                CommitProperties(
-                    app_transactions=[Transaction(slot_app(s), generation) for s in range(SLOTS)],
-                    custom_metadata=metadata,
-                ),
-            )
-            return TableFence(table.output_uri, run_id, generation)
-        except failed:
-            if landed(dt, since, token):
-                return TableFence(table.output_uri, run_id, generation)
+            commit_once(dt, slots, metadata)
+        except commit_failed():
             if table.generation() >= generation:
                 raise LeaseLostError(
                     f"run {run_id}: another holder took over {table.uri} at the same moment (generation "
@@ -152,36 +111,43 @@ def take_over(table: OutcomeTable, run_id: str, *, holder: str = "") -> TableFen
                     holder=run_id,
                     expires_at="?",
                 ) from None
-            # A unit commit of the older holder landed first: our snapshot is stale. Again.
-            time.sleep(random.uniform(0.01, 0.1))  # noqa: S311  jitter, not a secret
-    raise SinkError(f"could not take over run {run_id}: the table kept changing under us", path=table.uri)
+            raise  # a unit commit of the older holder landed first: our snapshot is stale. Again.
+        return TableFence(table.output_uri, run_id, generation)
+
+    return retry_commit(
+        attempt,
+        tries=20,
+        wait=jitter(0.01, 0.1),
+        sleep=sleep,
+        failure=lambda: SinkError(
+            f"could not take over run {run_id}: the table kept changing under us", path=table.uri
+        ),
+    )
 
 
-def retire(table: OutcomeTable, fence: TableFence) -> bool:
+def retire(table: OutcomeTable, fence: TableFence, *, sleep: Callable[[float], None] = time.sleep) -> bool:
     """Fences off `fence`'s holder itself (the output's slots move to the next generation),
     unless a newer holder took the output already; True if it did (`CommitProtocol.abort`)."""
-    from deltalake import CommitProperties, Transaction
+    from deltalake import Transaction
 
-    failed = _commit_failed()
-    for _ in range(20):
+    def attempt(_: int) -> bool:
         dt = table.load()
         if generation_of(dt) != fence.generation:
             return False  # a newer holder took over: the output is its, leave it be
-        since, token = dt.version(), commit_token()
-        try:
-            _empty_commit(
-                dt,
-                CommitProperties(
-                    app_transactions=[Transaction(slot_app(s), fence.generation + 1) for s in range(SLOTS)],
-                    custom_metadata={"raypipe.operation": "abort", "raypipe.run_id": fence.run_id, **token},
-                ),
-            )
-            return True
-        except failed:
-            if landed(dt, since, token):
-                return True
-            time.sleep(random.uniform(0.01, 0.1))  # noqa: S311  jitter: a commit of ours or a take-over, look again
-    raise SinkError(f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri)
+        slots = [Transaction(slot_app(s), fence.generation + 1) for s in range(SLOTS)]
+        metadata = {"raypipe.operation": "abort", "raypipe.run_id": fence.run_id}
+        commit_once(dt, slots, metadata)  # a conflict (a commit of ours or a take-over) looks again
+        return True
+
+    return retry_commit(
+        attempt,
+        tries=20,
+        wait=jitter(0.01, 0.1),
+        sleep=sleep,
+        failure=lambda: SinkError(
+            f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri
+        ),
+    )
 
 
 def fence_transactions(fence: TableFence) -> list[Any]:
@@ -213,35 +179,27 @@ def fenced_commit(
     *,
     failure: str,
     clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
     output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
 
     A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
     newer holder took over, `LeaseLostError`. Returns the version the app was set to."""
-    from deltalake import CommitProperties
 
-    failed = _commit_failed()
-    for _ in range(50):
+    def attempt(_: int) -> int:
         dt = table.load()
         check_fence(dt, fence)
         app, version = mark(dt)
         # `dt` is the table's one snapshot: a `load` inside `mark` moves it on. The commit is
         # built on it as it is now, so the fence is checked on it as it is now.
         check_fence(dt, fence)
-        since, token = dt.version(), commit_token()
-        props = CommitProperties(
-            app_transactions=[*fence_transactions(fence), _transaction(app, version, clock)],
-            custom_metadata={**metadata, **token},
-        )
-        try:
-            _empty_commit(dt, props)
-            return version
-        except failed:
-            if landed(dt, since, token):
-                return version
-            time.sleep(random.uniform(0.01, 0.2))  # noqa: S311  jitter, not a secret
-    raise SinkError(failure, path=table.uri)
+        commit_once(dt, [*fence_transactions(fence), _transaction(app, version, clock)], metadata)
+        return version
+
+    return retry_commit(
+        attempt, tries=50, wait=jitter(0.01, 0.2), sleep=sleep, failure=lambda: SinkError(failure, path=table.uri)
+    )
 
 
 def _transaction(app: str, version: int, clock: Callable[[], float]) -> Any:
@@ -378,62 +336,63 @@ class UnitCommitter:
         Returns False if this generation had already committed the unit (nothing is written);
         raises `LeaseLostError` once a newer attempt took over.
         """
-        from deltalake import CommitProperties, Transaction, write_deltalake
+        from deltalake import Transaction, write_deltalake
 
-        failed = _commit_failed()
         slot = unit_slot(unit)
         run_id, generation = self.fence.run_id, self.fence.generation
-        with self._lock:
-            for attempt in range(max_tries):
-                try:
-                    dt = self._fresh()
-                    check_fence(dt, self.fence, slot)
-                    if dt.transaction_version(unit_app(run_id, unit)) is not None:
-                        return False
-                    if self._schema is None or attempt:
-                        self._schema = pa.schema(dt.schema().to_arrow())
-                    since, token = dt.version(), commit_token()
-                    props = CommitProperties(
-                        app_transactions=[
-                            Transaction(slot_app(slot), generation),
-                            # Stamped, so the table's transaction retention prunes it: ~47k
-                            # units per backfill would otherwise sit in every snapshot forever.
-                            _transaction(unit_app(run_id, unit), generation, self._clock),
-                        ],
-                        custom_metadata={"raypipe.unit": unit, "raypipe.generation": str(generation), **token},
+
+        def write(dt: Any, props: Any) -> None:
+            assert self._schema is not None
+            if rows.num_rows and replace_dead_letters:
+                conformed = self._conform(rows, self._schema)
+                (
+                    dt.merge(
+                        conformed,
+                        predicate=_replace_predicate(conformed.column("run_id")[0].as_py(), unit),
+                        source_alias="s",
+                        target_alias="t",
+                        commit_properties=props,
                     )
-                    if rows.num_rows and replace_dead_letters:
-                        conformed = self._conform(rows, self._schema)
-                        (
-                            dt.merge(
-                                conformed,
-                                predicate=_replace_predicate(conformed.column("run_id")[0].as_py(), unit),
-                                source_alias="s",
-                                target_alias="t",
-                                commit_properties=props,
-                            )
-                            .when_matched_update_all()
-                            .execute()
-                        )
-                    elif rows.num_rows:
-                        write_deltalake(
-                            dt,
-                            self._conform(rows, self._schema),
-                            mode="append",
-                            partition_by=["run_id"],
-                            commit_properties=props,
-                        )
-                    else:
-                        _empty_commit(dt, props)
-                    return True
-                except failed:
-                    if landed(dt, since, token):
-                        return True
-                    # Another commit of this slot or unit won: look again on a fresh snapshot
-                    # (a newer generation there fences us off above).
-                    self._sleep(random.uniform(0.005, 0.05) * min(attempt + 1, 10))  # noqa: S311  jitter, not a secret
-                except (LeaseLostError, SinkError):
-                    raise
-                except Exception as e:
-                    raise as_sink_error(e, self._table.uri) from e
-        raise SinkError(f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri)
+                    .when_matched_update_all()
+                    .execute()
+                )
+            elif rows.num_rows:
+                conformed = self._conform(rows, self._schema)
+                write_deltalake(dt, conformed, mode="append", partition_by=["run_id"], commit_properties=props)
+            else:
+                empty_commit(dt, props)
+
+        def attempt(n: int) -> bool:
+            try:
+                dt = self._fresh()
+                check_fence(dt, self.fence, slot)
+                if dt.transaction_version(unit_app(run_id, unit)) is not None:
+                    return False
+                if self._schema is None or n:
+                    self._schema = pa.schema(dt.schema().to_arrow())
+                transactions = [
+                    Transaction(slot_app(slot), generation),
+                    # Stamped, so the table's transaction retention prunes it: ~47k
+                    # units per backfill would otherwise sit in every snapshot forever.
+                    _transaction(unit_app(run_id, unit), generation, self._clock),
+                ]
+                metadata = {"raypipe.unit": unit, "raypipe.generation": str(generation)}
+                # Another commit of this slot or unit won: `retry_commit` looks again on a fresh
+                # snapshot (a newer generation there fences us off above).
+                commit_once(dt, transactions, metadata, write)
+                return True
+            except (LeaseLostError, SinkError, commit_failed()):
+                raise
+            except Exception as e:
+                raise as_sink_error(e, self._table.uri) from e
+
+        with self._lock:
+            return retry_commit(
+                attempt,
+                tries=max_tries,
+                wait=lambda n: random.uniform(0.005, 0.05) * min(n, 10),  # noqa: S311  jitter, not a secret
+                sleep=self._sleep,
+                failure=lambda: SinkError(
+                    f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri
+                ),
+            )
