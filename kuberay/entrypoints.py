@@ -1,4 +1,4 @@
-"""Checks that every RayJob entrypoint is a raypipe command the real CLI accepts.
+"""Checks that every RayJob entrypoint (and the maintenance pod's commands) is a raypipe command the real CLI accepts.
 
 KubeRay's submitter runs `/bin/bash -c "... ray job submit ... -- <entrypoint> ; ..."`, so the
 entrypoint is expanded by the submitter's shell with the submitter container's environment
@@ -18,6 +18,9 @@ This module does the same expansion from the rendered manifests, then:
   run takes it from its Job's name, so each tick is a new run and each retry of a tick is not
   (the watcher names none: its id defaults to one per input, so a retried watcher resumes);
 - refuses shell syntax beyond `$VAR` (a `;` would end KubeRay's `if ...; then ...; fi`).
+
+The maintenance CronJob's pod (`maintenance_problems`) runs no RayJob: its init container and
+container run `python -m raypipe compact`, then `vacuum`, on the runs' output, parsed the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from typing import Any
 import yaml
 
 from kuberay.netpol import TLS_PORT_NAME
-from kuberay.validate import Job, Resource, cluster_pod_templates, get, jobs
+from kuberay.validate import Job, Resource, cluster_pod_templates, containers, get, is_maintenance, jobs, ref
+from protos.credential import TOKEN_ENV
 
 JOB_NAME_FIELDS = ("metadata.labels['batch.kubernetes.io/job-name']", "metadata.labels['job-name']")
 """Pod fields that hold the submitter's Job name, which KubeRay sets to the RayJob's name."""
@@ -267,8 +271,54 @@ def job_problems(job: Job, resources: list[Resource]) -> list[str]:
     return problems
 
 
+MAINTENANCE_STEPS = ("compact", "vacuum")
+"""What the maintenance schedule's pod runs, in this order: its init container, then its container."""
+
+
+def maintenance_problems(cronjob: Resource) -> list[str]:
+    """The maintenance pod runs `python -m raypipe compact`, then `vacuum`, each on the output the
+    runs write (`$(JOB_OUTPUT_URI)` from the raypipe-params ConfigMap, as the runs take it), each
+    accepted by raypipe's own CLI parser; no `--force` (a short retention could delete files a live
+    run has written but not committed, nor a retention under vacuum's floor) and no model
+    service's token (it calls none)."""
+    from raypipe.commit.upkeep import VACUUM_FLOOR_HOURS
+
+    where = f"{ref(cronjob)}.spec.jobTemplate.spec.template"
+    template = get(cronjob, "spec", "jobTemplate", "spec", "template", default={})
+    steps = [(c, [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]) for c in containers(template)]
+    commands = [" ".join(argv[:4]) for _, argv in steps]
+    if [argv[3:4] for _, argv in steps] != [[step] for step in MAINTENANCE_STEPS]:
+        return [f"{where}: runs {commands}; expected `raypipe compact` (init container), then `raypipe vacuum`"]
+    problems = []
+    for c, argv in steps:
+        at = f"{where}.containers[{c.get('name')}]"
+        if argv[:3] != ["python", "-m", "raypipe"]:
+            problems.append(f"{at}: must run `python -m raypipe`, not {' '.join(argv[:3])!r}")
+            continue
+        args, error = parse_raypipe(argv[3:])
+        if error is not None:
+            problems.append(f"{at}: raypipe's CLI rejects it: {error}")
+            continue
+        source = {v.get("name"): get(v, "valueFrom", "configMapKeyRef") for v in c.get("env") or []}
+        if args.output != "$(JOB_OUTPUT_URI)" or source.get("JOB_OUTPUT_URI") != {
+            "name": "raypipe-params",
+            "key": "JOB_OUTPUT_URI",
+        }:
+            problems.append(f"{at}: --output must be $(JOB_OUTPUT_URI) from ConfigMap raypipe-params, the runs' output")
+        if getattr(args, "force", False):
+            problems.append(f"{at}: --force allows a retention that may delete a live run's uncommitted files")
+        elif getattr(args, "retention_hours", VACUUM_FLOOR_HOURS) < VACUUM_FLOOR_HOURS:
+            problems.append(f"{at}: vacuum refuses a retention under {VACUUM_FLOOR_HOURS:g} h without --force")
+        if any(v.get("name") == TOKEN_ENV for v in c.get("env") or []):
+            problems.append(f"{at}: holds the model service's token but calls no model")
+    return problems
+
+
 def entrypoint_problems(resources: list[Resource]) -> list[str]:
     problems = []
     for job in jobs(resources):
         problems += job_problems(job, resources)
+    for r in resources:
+        if is_maintenance(r):
+            problems += maintenance_problems(r)
     return problems

@@ -22,14 +22,17 @@
   after shutdown, or deletionRules); exactly one way to commit new files: one daily schedule or
   one watcher (`raypipe.io/job: watch`, a RayJob that runs until stopped: no deadline, created
   once, its submitter restarted for as long as it follows the watcher).
+- Maintenance (`kuberay/components/maintenance`): at most one schedule of it, a CronJob
+  (concurrencyPolicy Forbid, a time zone) in the daily step, never beside a watcher, which
+  holds the output's lease while it runs; its commands are checked in `kuberay.entrypoints`.
 - Metrics: every container that runs raypipe or Ray in a Ray pod or a submitter (not the
   legacy scheduler, which only creates RayJobs) sends DogStatsD to the Datadog agent on its
   node: `DD_AGENT_HOST` from the downward API's `status.hostIP`.
 - One image per rendering (plus the TLS proxy's, pinned), tagged, and no CHANGE-ME placeholder.
 - The apply steps of docs/kuberay.md: the label raypipe.io/job splits a rendering into the
   model service (no label), the backfill (`backfill`: the RayJob) and the daily schedule
-  (`daily`) or the watcher (`watch`: its RayJob), so each step applies what it says and
-  nothing of the next.
+  (`daily`, with the maintenance schedule) or the watcher (`watch`: its RayJob), so each step
+  applies what it says and nothing of the next.
 """
 
 from __future__ import annotations
@@ -42,7 +45,17 @@ import yaml
 from kuberay.identity import identity_problems
 from kuberay.model_service import model_service_problems
 from kuberay.netpol import network_problems
-from kuberay.validate import Job, Resource, cluster_pod_templates, containers, get, jobs, pod_templates, ref
+from kuberay.validate import (
+    Job,
+    Resource,
+    cluster_pod_templates,
+    containers,
+    get,
+    is_maintenance,
+    jobs,
+    pod_templates,
+    ref,
+)
 
 POOL_LABEL, POOL_VALUE = "raypipe.io/pool", "cpu"
 MODEL_CLIENT_LABEL = "raypipe.io/model-client"
@@ -169,14 +182,14 @@ def _job_problems(resources: list[Resource]) -> list[str]:
             )
         if not get(spec, "submitterPodTemplate", "spec", "containers"):
             problems.append(f"{where}: needs a submitterPodTemplate (to place the submitter on the pool)")
-    schedules = [r for r in resources if r.get("kind") in ("RayCronJob", "CronJob")]
+    schedules = [r for r in resources if r.get("kind") in ("RayCronJob", "CronJob") and not is_maintenance(r)]
     watchers = [job.where for job in jobs(resources) if job.watch]
     if len(schedules) + len(watchers) != 1:
         problems.append(
             "expected exactly one daily schedule (RayCronJob or legacy CronJob) or one watcher "
             f"(raypipe.io/job=watch) to commit new files, found {[ref(r) for r in schedules] + watchers}"
         )
-    for r in schedules:
+    for r in schedules + [r for r in resources if is_maintenance(r)]:
         if r.get("kind") == "RayCronJob" and not get(r, "spec", "timeZone"):
             problems.append(f"{ref(r)}: set timeZone; the operator's clock is not a schedule")
         if r.get("kind") == "CronJob" and get(r, "spec", "concurrencyPolicy") != "Forbid":
@@ -248,6 +261,8 @@ def _step_problems(resources: list[Resource]) -> list[str]:
     problems = []
     for r in resources:
         step = get(r, "metadata", "labels", JOB_LABEL)
+        if is_maintenance(r):
+            continue  # beside the daily schedule in its step (_maintenance_problems)
         if step not in steps:
             problems.append(f"{ref(r)}: label {JOB_LABEL}={step} is not a step (backfill, daily or watch)")
             continue
@@ -268,6 +283,25 @@ def _step_problems(resources: list[Resource]) -> list[str]:
     return problems
 
 
+def _maintenance_problems(resources: list[Resource]) -> list[str]:
+    """At most one maintenance schedule, in the daily step, with a time zone and never two at once;
+    never beside a watcher, which holds the output's lease for as long as it runs."""
+    found = [r for r in resources if is_maintenance(r)]
+    problems = []
+    if len(found) > 1:
+        problems.append(f"expected at most one maintenance schedule, found {[ref(r) for r in found]}")
+    if found and any(job.watch for job in jobs(resources)):
+        problems.append(
+            f"{ref(found[0])}: beside a watcher, which holds the output's lease while it runs: every tick is refused"
+        )
+    for r in found:
+        if get(r, "metadata", "labels", JOB_LABEL) != "daily":
+            problems.append(f"{ref(r)}: label {JOB_LABEL}=daily: it is applied with the daily schedule")
+        if not get(r, "spec", "timeZone"):
+            problems.append(f"{ref(r)}: set timeZone; the controller's clock is not a schedule")
+    return problems
+
+
 def project_problems(resources: list[Resource]) -> list[str]:
     return (
         _pod_problems(resources)
@@ -279,4 +313,5 @@ def project_problems(resources: list[Resource]) -> list[str]:
         + _metrics_problems(resources)
         + _image_problems(resources)
         + _step_problems(resources)
+        + _maintenance_problems(resources)
     )

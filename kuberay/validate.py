@@ -17,7 +17,8 @@ the problems it found, each naming the resource and the field; an empty list mea
 - `serve_problems` (in `kuberay.serve_check`): serveConfigV2 parses with Ray's
   ServeDeploySchema, has no keys that schema silently ignores, and its import paths import.
 - `entrypoint_problems` (in `kuberay.entrypoints`): every RayJob entrypoint, expanded as its
-  submitter's shell expands it, parses with raypipe's own CLI parser.
+  submitter's shell expands it, and the maintenance CronJob's commands parse with raypipe's
+  own CLI parser.
 - `project_problems` (in `kuberay.policy`): raypipe's deployment contract: the CPU pool,
   requests = limits, non-root, ClusterIP only, the ports, one image; the NetworkPolicies
   (`kuberay.netpol`), the tokens, the ServiceAccounts and the RayJob creators' admission policy
@@ -166,6 +167,18 @@ def jobs(resources: list[Resource]) -> list[Job]:
             name = dmeta.get("name") or f"{dmeta.get('generateName', 'rayjob-')}{EXAMPLE_SUFFIX}"
             found.append(Job(where, doc.get("spec") or {}, name, ns, scheduled=True, manifest=doc))
     return found
+
+
+MAINTENANCE_COMPONENT = "maintenance"
+"""`app.kubernetes.io/component` of the CronJob that runs the output's maintenance (compact, vacuum)."""
+
+
+def is_maintenance(resource: Resource) -> bool:
+    """The maintenance schedule (`kuberay/components/maintenance`): a CronJob, not a run of new files."""
+    return (
+        resource.get("kind") == "CronJob"
+        and get(resource, "metadata", "labels", "app.kubernetes.io/component") == MAINTENANCE_COMPONENT
+    )
 
 
 def cluster_pod_templates(where: str, cluster: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

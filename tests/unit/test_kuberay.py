@@ -64,7 +64,12 @@ def test_overlay_renders_what_the_issue_asks_for(overlay: str) -> None:
     assert kinds.count("RayJob") == 1 + len(watchers)
     assert kinds.count("ServiceAccount") >= 2  # raypipe-serve, raypipe-jobs (and the legacy scheduler's)
     assert kinds.count("NetworkPolicy") == 8 + 3 * len(watchers)  # kuberay/base/networkpolicy.yaml (+ the watcher's)
-    assert kinds.count("RayCronJob") + kinds.count("CronJob") + len(watchers) == 1, kinds
+    schedules = [
+        r["kind"] for r in resources if r["kind"] in ("RayCronJob", "CronJob") and not validate.is_maintenance(r)
+    ]
+    assert len(schedules) + len(watchers) == 1, kinds
+    # the output's maintenance (components/maintenance) beside a daily schedule, never beside a watcher
+    assert sum(map(validate.is_maintenance, resources)) == (0 if watchers else 1)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -53,7 +53,8 @@ def _one(rs: list[Resource], kind: str) -> Resource:
 def _created_rayjob(rs: list[Resource]) -> dict[str, Any]:
     """The RayJob create_rayjob.py sends: the template with the CronJob's image everywhere."""
     cm = next(r for r in rs if r["kind"] == "ConfigMap" and "rayjob-template" in r["metadata"]["name"])
-    image = _one(rs, "CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["image"]
+    cronjob = next(r for r in rs if r["kind"] == "CronJob" and r["metadata"]["name"] == "raypipe-daily-legacy")
+    image = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["image"]
     template = yaml.safe_load(next(iter(cm["data"].values())))
     return _prepare()(template, image=image, scheduled_by="raypipe-daily-legacy")
 

@@ -25,6 +25,22 @@ KEPT_SKIPS = {
     ("prod-kuberay-1.5", "CronJob.raypipe.raypipe-daily-legacy", "CKV_K8S_38"),  # API token: it creates RayJobs
     ("prod-kuberay-1.5", "CronJob.raypipe.raypipe-daily-legacy", "CKV_K8S_40"),  # uid 1000, the image's user
     ("prod-kuberay-1.5", "CronJob.raypipe.raypipe-daily-legacy", "CKV_K8S_43"),  # tag, not digest
+    # The maintenance pod, in every overlay with a daily schedule: reasons in components/maintenance.
+    *(
+        (overlay, f"CronJob.{namespace}.raypipe-maintenance", check)
+        for overlay, namespace in (
+            ("dev", "raypipe-dev"),
+            ("prod", "raypipe"),
+            ("prod-kuberay-1.5", "raypipe"),
+            ("prod-tls", "raypipe"),
+        )
+        for check in (
+            "CKV_K8S_15",  # pull policy
+            "CKV_K8S_35",  # the optional S3 keys' Secret as variables, as in every job pod
+            "CKV_K8S_40",  # uid 1000, the image's user
+            "CKV_K8S_43",  # tag, not digest
+        )
+    ),
 }
 
 
