@@ -113,6 +113,7 @@ def build_demo_model(out_dir: Path | str, *, seed: int = 0, force: bool = False)
             _swap_into_place(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        _record_runtimes(out_dir)
         logger.info(
             "built demo model %s in %.1f s (%s)",
             out_dir,
@@ -120,6 +121,24 @@ def build_demo_model(out_dir: Path | str, *, seed: int = 0, force: bool = False)
             summary,
         )
     return out_dir
+
+
+def _record_runtimes(out_dir: Path) -> None:
+    """Measures this CPU's equal-answer settings once, under the build's lock, and leaves their
+    record beside the model, as ``raypipe model export`` leaves one beside a user's model: the
+    replicas that serve the demo model (the demo's, the notebooks', every test cluster's) then
+    start at the recorded choice, instead of each measuring itself in the background at once
+    (`serve_app.self_measure`). A measurement that fails leaves no record: a replica measures then."""
+    from serve_app.self_measure import SelfMeasureError, measure_in_child
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this platform
+        cores = os.cpu_count() or 1
+    try:
+        measure_in_child(out_dir, threads=max(1, cores))
+    except (SelfMeasureError, OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("could not measure the demo model's runtimes (%s); its replicas will measure themselves", e)
 
 
 def _built_fingerprint(out_dir: Path) -> str | None:

@@ -441,3 +441,27 @@ def test_demo_data_is_deterministic_and_balanced() -> None:
     assert paragraphs == demo_data.paragraphs(600, seed=1)
     words = [len(text.split()) for text, _ in paragraphs]
     assert min(words) < 10 and max(words) > 150  # a long tail, so bucketing matters
+
+
+def test_a_demo_build_leaves_its_runtimes_record_so_its_replicas_do_not_measure_themselves(
+    demo_model_dir, tmp_path, monkeypatch
+):
+    """Measured once, under the build's lock, as `raypipe model export` leaves a user's model."""
+    import json
+    import shutil
+
+    from serve_app import demo_model, self_measure
+
+    def fake_train(tmp, *, seed, fingerprint):
+        shutil.copytree(demo_model_dir, tmp, ignore=shutil.ignore_patterns("runtimes.json"))
+        card = json.loads((tmp / "model.json").read_text())
+        (tmp / "model.json").write_text(json.dumps({**card, "fingerprint": fingerprint}))
+        return "copied"
+
+    measured = []
+    monkeypatch.setattr(demo_model, "_train_in_child", fake_train)
+    monkeypatch.setattr(self_measure, "measure_in_child", lambda d, *, threads: measured.append((d, threads)))
+    out = demo_model.build_demo_model(tmp_path / "demo", force=True)
+    assert [d for d, _ in measured] == [out] and measured[0][1] >= 1
+    demo_model.build_demo_model(tmp_path / "demo")  # built already: no second measurement
+    assert len(measured) == 1
