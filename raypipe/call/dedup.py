@@ -28,19 +28,30 @@ saying so.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.commit.table import OUTCOME_RESULT, RESULT_STATUS_OK, OutcomeTable, label_column, text_hashes
+from raypipe.commit.table import (
+    OUTCOME_RESULT,
+    RESULT_STATUS_OK,
+    OutcomeTable,
+    label_column,
+    storage_options,
+    text_hashes,
+)
+from raypipe.store import STATE_DIR
 
-__all__ = ["IndexShard", "IndexStats", "TextIndex", "build_index", "hash_texts", "shard_bounds"]
+__all__ = ["IndexShard", "IndexStats", "StoredIndex", "TextIndex", "build_index", "hash_texts", "shard_bounds"]
 
 logger = logging.getLogger("raypipe")
 
@@ -237,6 +248,15 @@ class IndexStats:
     """Bytes of the shards (in Ray's object store when built with Ray)."""
     built_with_ray: bool = False
     """Built by Ray tasks (the driver holds only references) or in the calling process."""
+    from_stored: bool = False
+    """Brought up to date from the stored index (`StoredIndex`) and the table's files committed
+    since; False: the table's files were read whole (no stored index, or it could not be used)."""
+    table_files_read: int = 0
+    """The outcomes table's data files read."""
+    log_entries_read: int = 0
+    """The table's log entries read to find the files committed since the stored index."""
+    stored_rows_written: int = 0
+    """Distinct texts written to the stored index (its new rows, or all of them when replaced)."""
 
     def to_dict(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
@@ -250,6 +270,7 @@ def build_index(
     max_rows: int,
     use_ray: bool | None = None,
     shard_rows: int = SHARD_ROWS,
+    stored: bool = True,
 ) -> tuple[TextIndex | None, IndexStats]:
     """The committed answers of `model_version`, one per distinct text, at most `max_rows`.
 
@@ -257,7 +278,12 @@ def build_index(
     object store, so the caller holds references only; otherwise in this process. Over
     `max_rows` distinct texts, the index keeps `max_rows` of them (the smallest hashes: a fixed
     choice) and reuse goes on for those; the log and the stats (`IndexStats.capped`) say so.
-    None when there are no answers."""
+    None when there are no answers.
+
+    With `stored` (the default), the index kept beside the table (`StoredIndex`) is brought up
+    to date from the files committed after the version it covers, and written back; without a
+    usable one (none yet, lost, corrupt, or a commit since that may have dropped answers) the
+    table is read whole, and that replaces it."""
     stats = IndexStats(cap=max_rows)
     table = output if isinstance(output, OutcomeTable) else OutcomeTable(output)  # a run passes its own
     if not table.exists():
@@ -266,38 +292,50 @@ def build_index(
     ds = dt.to_pyarrow_dataset()
     if "text_hash" not in ds.schema.names or not all(label_column(x) in ds.schema.names for x in labels):
         return None, stats
-    # Only files whose statistics admit answers of this version (the plain expression meets the
-    # statistics alone; the rows are filtered in `_split`).
-    fragments = list(ds.get_fragments(filter=pc.field("model_version") == model_version))
-    if not fragments:
-        return None, stats
-    rows = _committed_rows(dt, len(fragments))
-    shards = max(1, math.ceil(rows / shard_rows))
-    bounds = shard_bounds(shards)
-    groups = [fragments[g::shards] for g in range(min(shards, len(fragments)))]
-    source = (ds.schema, ds.format, ds.filesystem)
     if use_ray is None:
         import ray
 
         use_ray = ray.is_initialized()
-    if use_ray:
-        built, sizes, rows_read = _build_with_ray(source, groups, model_version, labels, bounds)
-    else:
-        built, sizes, rows_read = _build_here(source, groups, model_version, labels, bounds)
+    store = StoredIndex.of(table, dt, model_version, labels) if stored else None
+    plan = store.since(dt, ds) if store is not None else None
+    try:
+        built = _build(ds, dt, plan, model_version, labels, bool(use_ray), shard_rows)
+    except Exception:
+        if plan is None:
+            raise
+        # The stored index or a file named by the log since could not be read (deleted under it,
+        # corrupt): the full scan answers instead, and its result replaces the stored index.
+        logger.warning(
+            "the stored reuse index of %s could not be read: reading the table whole", model_version, exc_info=True
+        )
+        plan = None
+        built = _build(ds, dt, plan, model_version, labels, bool(use_ray), shard_rows)
+    if built is None:
+        if store is not None:
+            store.save(dt.version(), [], full=plan is None)
+        return None, dataclasses.replace(
+            stats, from_stored=plan is not None, log_entries_read=plan.entries if plan is not None else 0
+        )
+    shards, sizes, fresh, bounds, read = built
+    if store is not None:
+        stats = dataclasses.replace(stats, stored_rows_written=store.save(dt.version(), fresh, full=plan is None))
     committed = int(sum(sizes))
     limits = _cap(sizes, max_rows)
     capped = committed > max_rows
     held = int(sum(limits))
     per_text = 8 + 4 * len(labels) + 1
-    stats = IndexStats(
-        rows_read=rows_read,
+    stats = dataclasses.replace(
+        stats,
+        rows_read=read.rows,
+        table_files_read=read.table_files,
+        log_entries_read=plan.entries if plan is not None else 0,
+        from_stored=plan is not None,
         distinct_texts=held,
-        cap=max_rows,
         capped=capped,
         committed_texts=committed,
-        shards=shards,
+        shards=len(shards),
         index_bytes=committed * per_text,
-        built_with_ray=use_ray,
+        built_with_ray=bool(use_ray),
     )
     if capped:
         logger.warning(
@@ -311,17 +349,67 @@ def build_index(
     if not held:
         return None, stats
     # Shards wholly over the cap are let go (their memory too); the one the cap cuts is kept whole.
-    kept = [s if n else _merge(width=len(labels)) for s, n in zip(built, limits, strict=True)]
+    kept = [s if n else _merge(width=len(labels)) for s, n in zip(shards, limits, strict=True)]
     index = TextIndex.of_shards(model_version, tuple(labels), bounds, kept, limits)
     logger.info(
-        "reusing answers of %s for %d distinct texts already committed (%d shards, %.0f MiB%s)",
+        "reusing answers of %s for %d distinct texts already committed (%d shards, %.0f MiB%s; %s)",
         model_version,
         held,
-        shards,
+        len(shards),
         stats.index_bytes / 2**20,
         " in Ray's object store" if use_ray else "",
+        f"the stored index and {read.table_files} files committed since"
+        if plan is not None
+        else "the table read whole",
     )
     return index, stats
+
+
+@dataclass(frozen=True)
+class _Read:
+    rows: int
+    table_files: int
+
+
+_Built = tuple[list[Any], list[int], list[IndexShard], np.ndarray, _Read]
+
+
+def _build(
+    ds: Any,
+    dt: Any,
+    plan: _Since | None,
+    model_version: str,
+    labels: tuple[str, ...],
+    use_ray: bool,
+    shard_rows: int,
+) -> _Built | None:
+    """The shuffle over the stored index's files and the table's files committed since (`plan`),
+    or over every table file whose statistics admit answers of the version (`plan` None).
+    Returns the shards, their sizes, the rows the stored index does not hold yet (by shard), the
+    shards' bounds and what was read; None when there is nothing to read."""
+    source = (ds.schema, ds.format, ds.filesystem)
+    if plan is None:
+        # Only files whose statistics admit answers of this version (the plain expression meets the
+        # statistics alone; the rows are filtered in `_split`).
+        fragments = list(ds.get_fragments(filter=pc.field("model_version") == model_version))
+        held: list[Any] = []
+        rows = _committed_rows(dt, len(fragments))
+    else:
+        fragments = [ds.format.make_fragment(path, ds.filesystem) for path in plan.paths]
+        held = plan.held_fragments
+        rows = plan.held_rows + plan.rows
+    if not fragments and not held:
+        return None
+    shards = max(1, math.ceil(rows / shard_rows))
+    bounds = shard_bounds(shards)
+    groups: list[_Group] = []
+    if held and plan is not None:
+        groups += [(plan.held_source, held[g::shards], False) for g in range(min(shards, len(held)))]
+    old = len(groups)
+    groups += [(source, fragments[g::shards], True) for g in range(min(shards, len(fragments)))]
+    run = _build_with_ray if use_ray else _build_here
+    built, sizes, fresh, rows_read = run(groups, old, model_version, labels, bounds)
+    return built, sizes, fresh, bounds, _Read(rows_read, len(fragments))
 
 
 def _committed_rows(dt: Any, files: int) -> int:
@@ -349,47 +437,56 @@ def _cap(sizes: Sequence[int], cap: int) -> list[int]:
     return limits
 
 
-_Source = tuple[Any, Any, Any]  # schema, format, filesystem of the table's dataset
+_Source = tuple[Any, Any, Any]  # schema, format, filesystem of a dataset
+_Group = tuple[_Source, list[Any], bool]  # files of one reading task, and whether they are the table's
 
 
 def _build_here(
-    source: _Source, groups: list[list[Any]], model_version: str, labels: tuple[str, ...], bounds: np.ndarray
-) -> tuple[list[IndexShard], list[int], int]:
+    groups: list[_Group], old: int, model_version: str, labels: tuple[str, ...], bounds: np.ndarray
+) -> tuple[list[IndexShard], list[int], list[IndexShard], int]:
     """The shuffle in this process (no Ray): every shard ends up in this process's memory."""
     slices, rows_read = [], 0
-    for group in groups:
-        *parts, read = _split(source, group, model_version, labels, bounds)
+    for source, group, table in groups:
+        *parts, read = _split(source, group, model_version, labels, bounds, table)
         slices.append(parts)
         rows_read += read
-    shards = [_merge(*[s[k] for s in slices]) for k in range(len(bounds) + 1)]
-    return shards, [len(s.hashes) for s in shards], rows_read
+    merged = [_merge_fresh(old, *[s[k] for s in slices]) for k in range(len(bounds) + 1)]
+    return [m[0] for m in merged], [m[1] for m in merged], [m[2] for m in merged], rows_read
 
 
 def _build_with_ray(
-    source: _Source, groups: list[list[Any]], model_version: str, labels: tuple[str, ...], bounds: np.ndarray
-) -> tuple[list[Any], list[int], int]:
-    """The shuffle as Ray tasks: this process holds references; the shards stay in the object store."""
+    groups: list[_Group], old: int, model_version: str, labels: tuple[str, ...], bounds: np.ndarray
+) -> tuple[list[Any], list[int], list[IndexShard], int]:
+    """The shuffle as Ray tasks: this process holds references; the shards stay in the object
+    store. The rows the stored index lacks come back here, to be written to it."""
     import ray
 
     shards = len(bounds) + 1
     split: Any = ray.remote(_split).options(num_returns=shards + 1, num_cpus=TASK_CPUS)
-    merge: Any = ray.remote(_merge_sized).options(num_returns=2, num_cpus=TASK_CPUS)
-    slices = [split.remote(source, group, model_version, labels, bounds) for group in groups]
+    merge: Any = ray.remote(_merge_fresh).options(num_returns=3, num_cpus=TASK_CPUS)
+    slices = [split.remote(source, group, model_version, labels, bounds, table) for source, group, table in groups]
     rows_read = sum(ray.get([s[-1] for s in slices]))
-    merged = [merge.remote(*[s[k] for s in slices]) for k in range(shards)]
+    merged = [merge.remote(old, *[s[k] for s in slices]) for k in range(shards)]
     del slices  # each slice is freed as soon as its merge has run
     sizes = [int(n) for n in ray.get([m[1] for m in merged])]
-    return [m[0] for m in merged], sizes, int(rows_read)
+    fresh = list(ray.get([m[2] for m in merged]))
+    return [m[0] for m in merged], sizes, fresh, int(rows_read)
 
 
 _Slice = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _split(
-    source: _Source, fragments: list[Any], model_version: str, labels: tuple[str, ...], bounds: np.ndarray
+    source: _Source,
+    fragments: list[Any],
+    model_version: str,
+    labels: tuple[str, ...],
+    bounds: np.ndarray,
+    table: bool = True,
 ) -> tuple[Any, ...]:
-    """One group of the table's files: its answers of the version, by shard (each slice sorted,
-    distinct), and the rows read last."""
+    """One group of files: its answers of the version, by shard (each slice sorted, distinct),
+    and the rows read last. The table's files are filtered to the version's answers; the stored
+    index's hold nothing else."""
     import pyarrow.dataset as pds
 
     schema, fmt, filesystem = source
@@ -402,6 +499,8 @@ def _split(
         & (pc.field("outcome").cast(pa.string()) == OUTCOME_RESULT)
         & (pc.field("status").cast(pa.string()) == RESULT_STATUS_OK)
         & pc.field("text_hash").is_valid()
+        if table
+        else None
     )
     columns = ["text_hash", "truncated", *[label_column(x) for x in labels]]
     shards = len(bounds) + 1
@@ -447,6 +546,202 @@ def _merge(*parts: IndexShard, width: int | None = None) -> IndexShard:
     return IndexShard(np.ascontiguousarray(hashes[first]), np.ascontiguousarray(probs), truncated)
 
 
-def _merge_sized(*parts: IndexShard) -> tuple[IndexShard, int]:
+def _merge_fresh(old: int, *parts: IndexShard) -> tuple[IndexShard, int, IndexShard]:
+    """One hash range's shard from its slices, the first `old` of them the stored index's (whose
+    answers come first); its size; and its rows the stored index does not hold."""
     shard = _merge(*parts)
-    return shard, len(shard.hashes)
+    held = np.concatenate([p.hashes for p in parts[:old]]) if old else np.empty(0, np.int64)
+    new = ~np.isin(shard.hashes, held)
+    fresh = IndexShard(shard.hashes[new], shard.probabilities[new], shard.truncated[new])
+    return shard, len(shard.hashes), fresh
+
+
+# -- the stored index ------------------------------------------------------------------------
+
+INDEX_DIR = "reuse_index"
+"""The stored indexes' folder under the output's state folder (`raypipe.store.STATE_DIR`)."""
+
+INDEX_APP = "raypipe/reuse-index/covers"
+"""The stored index's application transaction: its version is the outcomes table's version the
+index covers (every answer committed up to it is held)."""
+
+STORED_FILES_MAX = 16
+"""Files the stored index holds before a run compacts it into one (each update appends one)."""
+
+#: No time travel is needed on a cache: its log entries and replaced files go at the next upkeep.
+_STORED_CONFIG = {
+    "delta.logRetentionDuration": "interval 0 hours",
+    "delta.deletedFileRetentionDuration": "interval 0 hours",
+}
+
+
+@dataclass(frozen=True)
+class _Since:
+    """What bringing the stored index up to date reads: its files, and the table's files
+    committed after the version it covers."""
+
+    held_source: _Source
+    held_fragments: list[Any]
+    held_rows: int
+    paths: list[str]
+    """The table's files committed after the stored index's version and still in the table, as
+    its dataset names them."""
+    rows: int
+    """Their rows, by the log's statistics (a bound on the answers among them)."""
+    entries: int
+    """The log entries read."""
+
+
+class StoredIndex:
+    """The reuse index kept beside the table, so that a run reads only what was committed since.
+
+    A small Delta table under `OUTPUT/_raypipe/reuse_index/<key>/` (the key digests the outcomes
+    table's id, the model version and the labels), one row per distinct text: `text_hash`,
+    `truncated` and the label columns, named as in the outcomes table, each as a committed
+    result of that version holds them. Its application transaction `INDEX_APP` names the
+    outcomes table's version it covers. It is a cache of committed rows, never a record: it
+    holds only answers read from committed rows of the table's log (a fenced-off commit never
+    lands there), so it is written without the output's fence, and whatever goes wrong with it
+    (lost, corrupt, behind, written by two runs at once) costs the next run a full read of the
+    table or calls, never an answer (docs/guarantees.md)."""
+
+    def __init__(self, uri: str, labels: tuple[str, ...]) -> None:
+        self.uri = uri
+        self.options = storage_options(uri)
+        self.columns = ["text_hash", "truncated", *[label_column(x) for x in labels]]
+
+    @classmethod
+    def of(cls, table: OutcomeTable, dt: Any, model_version: str, labels: tuple[str, ...]) -> StoredIndex:
+        key = hashlib.sha256("\0".join([dt.metadata().id, model_version, *labels]).encode()).hexdigest()[:32]
+        return cls(f"{table.output_uri}/{STATE_DIR}/{INDEX_DIR}/{key}", tuple(labels))
+
+    def since(self, dt: Any, ds: Any) -> _Since | None:
+        """What brings it up to the table's snapshot `dt`; None when it cannot be used (none
+        yet, unreadable, of another shape, ahead of the table, or the table's log since it is
+        gone or holds a commit that may have dropped answers): the table is then read whole."""
+        from deltalake import DeltaTable
+
+        try:
+            if not DeltaTable.is_deltatable(self.uri, storage_options=self.options):
+                return None
+            idt = DeltaTable(self.uri, storage_options=self.options)
+            covers = idt.transaction_version(INDEX_APP)
+            if covers is None or covers > dt.version() or pa.schema(idt.schema().to_arrow()).names != self.columns:
+                logger.warning("the stored reuse index at %s does not fit the table: reading the table whole", self.uri)
+                return None
+            log = _log_since(ds.filesystem, covers, dt.version())
+            if log is None:
+                return None
+            held_ds = idt.to_pyarrow_dataset()
+            held = list(held_ds.get_fragments())
+            paths, rows, entries = log
+            return _Since(
+                held_source=(held_ds.schema, held_ds.format, held_ds.filesystem),
+                held_fragments=held,
+                held_rows=_committed_rows(idt, len(held)),
+                paths=paths,
+                rows=rows,
+                entries=entries,
+            )
+        except Exception:  # a cache: whatever is wrong with it, the full read answers
+            logger.warning(
+                "the stored reuse index at %s cannot be read: reading the table whole", self.uri, exc_info=True
+            )
+            return None
+
+    def save(self, version: int, fresh: Sequence[IndexShard], *, full: bool) -> int:
+        """Adds `fresh` (or, `full`, replaces what it holds with it) as covering the table's
+        `version`; the distinct texts written. A failure is logged, not raised: it costs the
+        next run a longer read, not this run its answers."""
+        from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+        rows = self._rows(fresh)
+        props = CommitProperties(
+            app_transactions=[Transaction(INDEX_APP, version)],
+            custom_metadata={"raypipe.operation": "reuse-index", "raypipe.covers": str(version)},
+        )
+        try:
+            exists = DeltaTable.is_deltatable(self.uri, storage_options=self.options)
+            if exists and not full and not rows.num_rows:
+                idt = DeltaTable(self.uri, storage_options=self.options)
+                if idt.transaction_version(INDEX_APP) == version:
+                    return 0
+                idt.create_write_transaction([], mode="append", schema=idt.schema(), commit_properties=props)
+            else:
+                write_deltalake(
+                    self.uri,
+                    rows,
+                    mode="overwrite" if full or not exists else "append",
+                    storage_options=self.options,
+                    configuration=None if exists else _STORED_CONFIG,
+                    commit_properties=props,
+                )
+            self._upkeep(full)
+        except Exception:
+            logger.warning(
+                "the reuse index could not be stored at %s (the next run reads more)", self.uri, exc_info=True
+            )
+            return 0
+        return rows.num_rows
+
+    def _rows(self, fresh: Sequence[IndexShard]) -> pa.Table:
+        """The shards' rows in hash order (the shards are in hash order, each sorted)."""
+        labels = self.columns[2:]
+        hashes = np.concatenate([np.empty(0, np.int64), *[s.hashes for s in fresh]])
+        truncated = np.concatenate([np.empty(0, bool), *[s.truncated for s in fresh]])
+        probs = [s.probabilities for s in fresh if len(s.hashes)]
+        matrix = np.concatenate(probs) if probs else np.empty((0, len(labels)), np.float32)
+        columns = {"text_hash": pa.array(hashes, pa.int64()), "truncated": pa.array(truncated, pa.bool_())}
+        columns |= {c: pa.array(matrix[:, k], pa.float32()) for k, c in enumerate(labels)}
+        return pa.table(columns)
+
+    def _upkeep(self, full: bool) -> None:
+        """After a replacement, or once it holds `STORED_FILES_MAX` files: one file, one
+        checkpoint, and the replaced files and log entries deleted. A run reading it meanwhile
+        may find a file gone; it then reads the table whole."""
+        from deltalake import DeltaTable
+
+        idt = DeltaTable(self.uri, storage_options=self.options)
+        if not full and len(idt.file_uris()) <= STORED_FILES_MAX:
+            return
+        if not full:
+            idt.optimize.compact()
+        idt.create_checkpoint()
+        idt.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False)
+        idt.cleanup_metadata()
+
+
+def _log_since(filesystem: Any, since: int, until: int) -> tuple[list[str], int, int] | None:
+    """The files committed after version `since` up to `until` and still in the table (as its
+    dataset names them), their rows by the log's statistics, and the entries read; None when an
+    entry is gone (the log's retention) or a commit removed rows that may not come back.
+
+    It reads the log's commit entries, Delta's documented format (`_delta_log/<version>.json`,
+    one action a line), because delta-rs offers a snapshot's files and the history's commit
+    infos but not the actions of one commit. Of raypipe's own commits, a unit's (an append, or a
+    replay's MERGE, which rewrites dead letters only) and `compact`'s (the same rows in fewer
+    files) keep every answer they remove; any other commit that removes rows (a DELETE, an
+    overwrite by another tool) sends the run to the full read."""
+    added: dict[str, int] = {}
+    for version in range(since + 1, until + 1):
+        try:
+            with filesystem.open_input_stream(f"_delta_log/{version:020d}.json") as f:
+                text = f.read().decode()
+        except (FileNotFoundError, OSError):
+            logger.info("the table's log before version %d is gone: reading the table whole", version)
+            return None
+        actions = [json.loads(line) for line in text.splitlines() if line.strip()]
+        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {}) or {}
+        keeps_answers = info.get("raypipe.unit") is not None or info.get("raypipe.operation") == "compact"
+        for action in actions:
+            if (add := action.get("add")) is not None:
+                if "://" in add["path"]:
+                    return None  # a file outside the table (a shallow clone's): not ours to name
+                stats = json.loads(add.get("stats") or "{}")
+                added[unquote(add["path"])] = int(stats.get("numRecords", SHARD_ROWS // 4))
+            elif (remove := action.get("remove")) is not None:
+                if remove.get("dataChange", True) and not keeps_answers:
+                    logger.info("version %d of the table removed rows: reading the table whole", version)
+                    return None
+                added.pop(unquote(remove["path"]), None)
+    return list(added), sum(added.values()), until - since
