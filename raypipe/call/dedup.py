@@ -609,6 +609,16 @@ class StoredIndex:
         self.uri = uri
         self.options = storage_options(uri)
         self.columns = ["text_hash", "truncated", *[label_column(x) for x in labels]]
+        self._dt: Any = None  # its snapshot, once opened: one per run
+
+    def _open(self) -> Any:
+        from deltalake import DeltaTable
+
+        if self._dt is None:
+            self._dt = DeltaTable(self.uri, storage_options=self.options)
+        else:
+            self._dt.update_incremental()
+        return self._dt
 
     @classmethod
     def of(cls, table: OutcomeTable, dt: Any, model_version: str, labels: tuple[str, ...]) -> StoredIndex:
@@ -624,7 +634,7 @@ class StoredIndex:
         try:
             if not DeltaTable.is_deltatable(self.uri, storage_options=self.options):
                 return None
-            idt = DeltaTable(self.uri, storage_options=self.options)
+            idt = self._open()
             covers = idt.transaction_version(INDEX_APP)
             if covers is None or covers > dt.version() or pa.schema(idt.schema().to_arrow()).names != self.columns:
                 logger.warning("the stored reuse index at %s does not fit the table: reading the table whole", self.uri)
@@ -653,7 +663,7 @@ class StoredIndex:
         """Adds `fresh` (or, `full`, replaces what it holds with it) as covering the table's
         `version`; the distinct texts written. A failure is logged, not raised: it costs the
         next run a longer read, not this run its answers."""
-        from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+        from deltalake import CommitProperties, Transaction
 
         rows = self._rows(fresh)
         props = CommitProperties(
@@ -661,28 +671,48 @@ class StoredIndex:
             custom_metadata={"raypipe.operation": "reuse-index", "raypipe.covers": str(version)},
         )
         try:
-            exists = DeltaTable.is_deltatable(self.uri, storage_options=self.options)
-            if exists and not full and not rows.num_rows:
-                idt = DeltaTable(self.uri, storage_options=self.options)
-                if idt.transaction_version(INDEX_APP) == version:
-                    return 0
-                idt.create_write_transaction([], mode="append", schema=idt.schema(), commit_properties=props)
-            else:
-                write_deltalake(
-                    self.uri,
-                    rows,
-                    mode="overwrite" if full or not exists else "append",
-                    storage_options=self.options,
-                    configuration=None if exists else _STORED_CONFIG,
-                    commit_properties=props,
-                )
-            self._upkeep(full)
+            self._write(rows, props, version, full=full)
         except Exception:
-            logger.warning(
-                "the reuse index could not be stored at %s (the next run reads more)", self.uri, exc_info=True
-            )
-            return 0
+            if not full:
+                logger.warning(
+                    "the reuse index could not be stored at %s (the next run reads more)", self.uri, exc_info=True
+                )
+                return 0
+            # A replacement over an index that cannot be opened at all (its log corrupt): it
+            # starts afresh, else every run would read the table whole from now on.
+            try:
+                from fsspec.core import url_to_fs
+
+                fs, path = url_to_fs(self.uri)
+                fs.rm(path, recursive=True)
+                self._dt = None
+                self._write(rows, props, version, full=full)
+            except Exception:
+                logger.warning(
+                    "the reuse index could not be stored at %s (the next run reads more)", self.uri, exc_info=True
+                )
+                return 0
         return rows.num_rows
+
+    def _write(self, rows: pa.Table, props: Any, version: int, *, full: bool) -> None:
+        from deltalake import DeltaTable, write_deltalake
+
+        exists = DeltaTable.is_deltatable(self.uri, storage_options=self.options)
+        if exists and not full and not rows.num_rows:
+            idt = self._open()
+            if idt.transaction_version(INDEX_APP) == version:
+                return
+            idt.create_write_transaction([], mode="append", schema=idt.schema(), commit_properties=props)
+        else:
+            write_deltalake(
+                self.uri,
+                rows,
+                mode="overwrite" if full or not exists else "append",
+                storage_options=self.options,
+                configuration=None if exists else _STORED_CONFIG,
+                commit_properties=props,
+            )
+        self._upkeep(full)
 
     def _rows(self, fresh: Sequence[IndexShard]) -> pa.Table:
         """The shards' rows in hash order (the shards are in hash order, each sorted)."""
@@ -699,9 +729,7 @@ class StoredIndex:
         """After a replacement, or once it holds `STORED_FILES_MAX` files: one file, one
         checkpoint, and the replaced files and log entries deleted. A run reading it meanwhile
         may find a file gone; it then reads the table whole."""
-        from deltalake import DeltaTable
-
-        idt = DeltaTable(self.uri, storage_options=self.options)
+        idt = self._open()
         if not full and len(idt.file_uris()) <= STORED_FILES_MAX:
             return
         if not full:

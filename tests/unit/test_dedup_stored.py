@@ -116,18 +116,21 @@ def test_a_daily_reads_only_what_was_committed_since_the_stored_index(tmp_path):
 
 
 def test_a_lost_or_corrupt_stored_index_is_rebuilt_by_the_full_read(tmp_path):
-    """A stored index deleted, or a file of it overwritten with garbage: the run reads the table
-    whole (same answers) and stores it again; the run after that reads from it again."""
+    """A stored index deleted, a file of it or its log overwritten with garbage: the run reads
+    the table whole (same answers) and stores it again; the run after that reads from it again."""
     commit_run(tmp_path, "r1", {"u1": unit_rows("r1", "u1", TEXTS[:3], "m1", [False] * 3)})
     full = answers(build_index(str(tmp_path), "m1", LABELS, max_rows=100, stored=False)[0])
     build_index(str(tmp_path), "m1", LABELS, max_rows=100)
-    for damage in ("lost", "corrupt"):
+    for damage in ("lost", "corrupt", "corrupt log"):
         (where,) = stored_dirs(tmp_path)
         if damage == "lost":
             shutil.rmtree(where)
-        else:
+        elif damage == "corrupt":
             for part in where.glob("*.parquet"):
                 part.write_bytes(b"not parquet at all")
+        else:
+            for entry in (where / "_delta_log").iterdir():
+                entry.write_bytes(b"{not json")
         index, stats = build_index(str(tmp_path), "m1", LABELS, max_rows=100)
         assert not stats.from_stored and stats.table_files_read == 1, damage
         assert answers(index) == full, damage

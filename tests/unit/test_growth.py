@@ -15,6 +15,7 @@ from pathlib import Path
 import deltalake
 import pytest
 
+from raypipe.commit.table import TABLE_DIR
 from tests.modelcheck.reference import Row
 from tests.modelcheck.world import World
 
@@ -43,12 +44,14 @@ def _daily(world: World, day: int) -> None:
 
 @contextlib.contextmanager
 def _snapshots_opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
-    """Every `DeltaTable` built meanwhile: each one reads the log from its last checkpoint."""
+    """Every `DeltaTable` of the outcomes table built meanwhile: each one reads the log from its
+    last checkpoint."""
     opened: list[object] = []
     init = deltalake.DeltaTable.__init__
 
     def counting(self: deltalake.DeltaTable, *args: object, **kwargs: object) -> None:
-        opened.append(kwargs.get("version"))
+        if str(args[0] if args else kwargs.get("table_uri")).endswith(f"/{TABLE_DIR}"):
+            opened.append(kwargs.get("version"))
         init(self, *args, **kwargs)  # type: ignore[arg-type]
 
     with monkeypatch.context() as m:
@@ -69,13 +72,47 @@ def test_a_daily_opens_the_table_once_for_the_driver_and_once_per_committer(
 
 def test_the_state_beside_the_table_does_not_grow_with_the_dailies(world: World) -> None:
     """A completed run's plans and attempt statistics go once its report is written (the report
-    stays); files seen are a chain of deltas that a full copy replaces every `FILES_SEEN_CHAIN`."""
+    stays); files seen are a chain of deltas that a full copy replaces every `FILES_SEEN_CHAIN`
+    (the stored reuse index has a test of its own, below)."""
+    from raypipe.call.dedup import INDEX_DIR
     from raypipe.commit.protocol import FILES_SEEN_CHAIN
 
     for day in range(1, 6):
         _daily(world, day)
     state = world.output / "_raypipe"
-    left = sorted(str(p.relative_to(state)) for p in state.rglob("*") if p.is_file())
+    left = sorted(
+        str(p.relative_to(state)) for p in state.rglob("*") if p.is_file() and not p.is_relative_to(state / INDEX_DIR)
+    )
     assert not [p for p in left if p.startswith("runs/")], left
     assert len(left) <= FILES_SEEN_CHAIN + 2, left  # files seen, the lease (and its lock file)
     assert len(list((world.output / "runs").glob("*.json"))) == 6  # every run's report stays
+
+
+def test_a_daily_reads_the_stored_reuse_index_and_what_was_committed_since(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each daily's reuse index reads the table's files committed since the run before (not the
+    history's) and the log entries since; the stored index stays a bounded number of files (`STORED_FILES_MAX`, here 2,
+    then compacted into one, its replaced files and log entries deleted)."""
+    from raypipe.call import dedup
+
+    monkeypatch.setattr(dedup, "STORED_FILES_MAX", 2)
+    built: list[dedup.IndexStats] = []
+    build = dedup.build_index
+
+    def recording(*args: object, **kwargs: object) -> object:
+        out = build(*args, **kwargs)  # type: ignore[arg-type]
+        built.append(out[1])
+        return out
+
+    monkeypatch.setattr("raypipe.run.steps.build_index", recording)
+    for day in range(1, 8):
+        _daily(world, day)
+    assert len(built) == 7
+    assert all(s.from_stored for s in built), built  # the backfill stored it
+    # The first daily reads the backfill's four units; each next one, the daily before's two.
+    assert [s.table_files_read for s in built] == [4] + [2] * 6, built
+    assert len({s.log_entries_read for s in built[1:]}) == 1, [s.log_entries_read for s in built]  # flat
+    (stored,) = (world.output / "_raypipe" / dedup.INDEX_DIR).iterdir()
+    assert len(list(stored.glob("*.parquet"))) <= 3
+    assert len(list((stored / "_delta_log").glob("*.json"))) <= 4
