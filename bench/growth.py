@@ -4,12 +4,16 @@ A corpus of `--files` small Parquet files is backfilled once; then `--dailies` d
 after a producer added one file and rewrote one in place (a changed file is read whole). After
 each daily it records the size of the table's log (`outcomes/_delta_log`), of raypipe's state
 beside it (`_raypipe/`), the number of files in each, what opening a snapshot reads (the log
-entries after the last checkpoint, the checkpoint's bytes), and the daily's planning and wall time.
+entries after the last checkpoint, the checkpoint's bytes), the daily's planning and wall time,
+and what its reuse index read (the stored index's rows, and the table's files and log entries
+committed since: `raypipe.call.dedup.StoredIndex`) and the stored index's size on disk.
 The runs go through the real run path (modes, protocol, Delta table on a local disk) with the
 model-based test's seams: units inferred in this process by a fake model client, no Ray, so
 the figures are the bookkeeping's, not the model's.
 
     python -m bench.growth --files 50000 --dailies 1000
+    python -m bench.growth --files 50000 --dailies 1000 --state DIR --minutes 9 --out FILE   # in parts:
+    # the same command again goes on from DIR where the last part stopped, adding to FILE
 
 writes `bench/results/growth-<UTC stamp>.json` (after every sample, so a run stopped early keeps
 what it measured): a row per sampled daily and the ratio of the last sample to the first for each
@@ -19,6 +23,8 @@ figure (flat is ~1; growth with the history is >> 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import sys
 import tempfile
@@ -49,7 +55,18 @@ def _log_tail(log: Path) -> tuple[int, int]:
     return tail, checkpoint
 
 
-def run_growth(files: int, dailies: int, *, samples: int = 20, results: Path | None = None) -> dict[str, Any]:
+def run_growth(
+    files: int,
+    dailies: int,
+    *,
+    samples: int = 20,
+    results: Path | None = None,
+    state: Path | None = None,
+    minutes: float | None = None,
+) -> dict[str, Any]:
+    """The backfill and the dailies; with `state`, the output and the progress are kept there
+    after every daily, so a run stopped (by `minutes`, or killed) goes on where it was with
+    the same `state`."""
     sys.path.insert(0, str(ROOT))
     from raypipe.run.steps import PlanRun
     from tests.modelcheck.reference import Row
@@ -67,9 +84,41 @@ def run_growth(files: int, dailies: int, *, samples: int = 20, results: Path | N
 
     PlanRun.plan = timed_plan  # type: ignore[method-assign]
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
-    with tempfile.TemporaryDirectory(prefix="raypipe-growth-") as tmp:
-        world = World(Path(tmp), unit_rows=1000)
-        try:
+    until = time.monotonic() + minutes * 60 if minutes else None
+    with contextlib.ExitStack() as stack:
+        root = state or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="raypipe-growth-")))
+        progress_file = root / "progress.json"
+        progress = json.loads(progress_file.read_text()) if progress_file.exists() else None
+        if progress is not None and (progress["files"], progress["dailies"]) != (files, dailies):
+            raise SystemExit(f"{root} holds a run of --files {progress['files']} --dailies {progress['dailies']}")
+        # The world's seams, over the kept input and output when resuming (its clock of file
+        # modification times goes on from where it was).
+        world = World(
+            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="raypipe-growth-world-"))), unit_rows=1000
+        )
+        world.input, world.output = root / "in", root / "out"
+        world.input.mkdir(parents=True, exist_ok=True)
+        if progress is not None:
+            world._mtime = itertools.count(progress["mtime"], 1_000_000_000)
+        stack.callback(world.close)
+        stack.callback(setattr, PlanRun, "plan", plan)
+
+        def save(day: int, backfill_s: float, rows: list[dict[str, Any]]) -> None:
+            if state is None:
+                return
+            mtime = next(world._mtime)
+            world._mtime = itertools.count(mtime, 1_000_000_000)
+            done = {
+                "files": files,
+                "dailies": dailies,
+                "day": day,
+                "backfill_s": backfill_s,
+                "rows": rows,
+                "mtime": mtime,
+            }
+            progress_file.write_text(json.dumps(done))
+
+        if progress is None:
             for k in range(files):
                 world.write_file(f"f{k:06d}.parquet", [Row(f"r{k}", f"text {k}", t0)])
             started = time.monotonic()
@@ -77,47 +126,60 @@ def run_growth(files: int, dailies: int, *, samples: int = 20, results: Path | N
             if out.error is not None:
                 raise RuntimeError(f"the backfill failed: {out.error!r}")
             backfill_s = time.monotonic() - started
-            every = max(1, dailies // samples)
             rows: list[dict[str, Any]] = []
-            for day in range(1, dailies + 1):
-                stamp = t0 + timedelta(days=day)
-                world.write_file(f"new{day:06d}.parquet", [Row(f"n{day}", f"new text {day}", stamp)])
-                k = day % files
-                world.write_file(f"f{k:06d}.parquet", [Row(f"r{k}", f"text {k} day {day}", stamp)])
-                started = time.monotonic()
-                out = world.run("daily", f"daily-{day}")
-                wall = time.monotonic() - started
-                if out.error is not None or out.report is None or out.report.status != "completed":
-                    raise RuntimeError(f"daily {day} did not complete: {out.error!r}")
-                if day == 1 or day % every == 0 or day == dailies:
-                    log_bytes, log_files = _tree(world.output / "outcomes" / "_delta_log")
-                    log_tail, checkpoint_bytes = _log_tail(world.output / "outcomes" / "_delta_log")
-                    state_bytes, state_files = _tree(world.output / "_raypipe")
-                    rows.append(
-                        {
-                            "daily": day,
-                            "wall_s": round(wall, 3),
-                            "planning_s": round(planned[-1], 3),
-                            "calls": len(out.calls),
-                            "log_bytes": log_bytes,
-                            "log_files": log_files,
-                            "log_tail": log_tail,
-                            "checkpoint_bytes": checkpoint_bytes,
-                            "state_bytes": state_bytes,
-                            "state_files": state_files,
-                        }
-                    )
-                    print(json.dumps(rows[-1]), flush=True)
-                    if results is not None:  # a run stopped early keeps what it measured
-                        results.write_text(json.dumps(_result(files, dailies, backfill_s, rows), indent=1) + "\n")
-        finally:
-            world.close()
-            PlanRun.plan = plan  # type: ignore[method-assign]
+            first_day = 1
+            save(0, backfill_s, rows)
+        else:
+            backfill_s, rows, first_day = progress["backfill_s"], progress["rows"], progress["day"] + 1
+        every = max(1, dailies // samples)
+        for day in range(first_day, dailies + 1):
+            if until is not None and time.monotonic() > until:
+                print(f"stopped after daily {day - 1} (--minutes); go on with --state {root}", flush=True)
+                break
+            stamp = t0 + timedelta(days=day)
+            world.write_file(f"new{day:06d}.parquet", [Row(f"n{day}", f"new text {day}", stamp)])
+            k = day % files
+            world.write_file(f"f{k:06d}.parquet", [Row(f"r{k}", f"text {k} day {day}", stamp)])
+            started = time.monotonic()
+            out = world.run("daily", f"daily-{day}")
+            wall = time.monotonic() - started
+            if out.error is not None or out.report is None or out.report.status != "completed":
+                raise RuntimeError(f"daily {day} did not complete: {out.error!r}")
+            if day == 1 or day % every == 0 or day == dailies:
+                log_bytes, log_files = _tree(world.output / "outcomes" / "_delta_log")
+                log_tail, checkpoint_bytes = _log_tail(world.output / "outcomes" / "_delta_log")
+                state_bytes, state_files = _tree(world.output / "_raypipe")
+                index_bytes, index_files = _tree(world.output / "_raypipe" / "reuse_index")
+                index = (out.report.planning or {}).get("reuse_index", {})
+                rows.append(
+                    {
+                        "daily": day,
+                        "wall_s": round(wall, 3),
+                        "planning_s": round(planned[-1], 3),
+                        "calls": len(out.calls),
+                        "log_bytes": log_bytes,
+                        "log_files": log_files,
+                        "log_tail": log_tail,
+                        "checkpoint_bytes": checkpoint_bytes,
+                        "state_bytes": state_bytes,
+                        "state_files": state_files,
+                        "index_bytes": index_bytes,
+                        "index_files": index_files,
+                        "index_from_stored": index.get("from_stored"),
+                        "index_table_files_read": index.get("table_files_read"),
+                        "index_log_entries_read": index.get("log_entries_read"),
+                        "index_rows_read": index.get("rows_read"),
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+                if results is not None:  # a run stopped early keeps what it measured
+                    results.write_text(json.dumps(_result(files, dailies, backfill_s, rows), indent=1) + "\n")
+            save(day, backfill_s, rows)
     return _result(files, dailies, backfill_s, rows)
 
 
 def _result(files: int, dailies: int, backfill_s: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    first, last = rows[0], rows[-1]
+    first, last = (rows[0], rows[-1]) if rows else ({}, {})
 
     def ratio(key: str) -> float | None:
         a, b = first.get(key), last.get(key)
@@ -126,11 +188,24 @@ def _result(files: int, dailies: int, backfill_s: float, rows: list[dict[str, An
     return {
         "files": files,
         "dailies": dailies,
-        "dailies_done": last["daily"],
+        "dailies_done": last["daily"] if rows else 0,
         "backfill_s": round(backfill_s, 1),
         "samples": rows,
         "last_over_first": {
-            k: ratio(k) for k in ("wall_s", "planning_s", "log_bytes", "checkpoint_bytes", "state_bytes", "state_files")
+            k: ratio(k)
+            for k in (
+                "wall_s",
+                "planning_s",
+                "log_bytes",
+                "log_tail",
+                "checkpoint_bytes",
+                "state_bytes",
+                "state_files",
+                "index_bytes",
+                "index_files",
+                "index_table_files_read",
+                "index_log_entries_read",
+            )
         },
     }
 
@@ -141,11 +216,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dailies", type=int, default=1_000)
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="keep the output and the progress here; a run given the same --state goes on where it stopped",
+    )
+    parser.add_argument("--minutes", type=float, default=None, help="stop after the daily running at this many minutes")
     args = parser.parse_args(argv)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or ROOT / "bench" / "results" / f"growth-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = run_growth(args.files, args.dailies, samples=args.samples, results=out)
+    if args.state is not None:
+        args.state.mkdir(parents=True, exist_ok=True)
+    result = run_growth(
+        args.files, args.dailies, samples=args.samples, results=out, state=args.state, minutes=args.minutes
+    )
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["last_over_first"]))
     print(f"written to {out}")
