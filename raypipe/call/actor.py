@@ -363,6 +363,11 @@ class InferenceActor:
             self._committer.commit, unit, outcomes, replace_dead_letters=self._settings.replay
         )
         stats.commit_s = round(time.monotonic() - t0, 4)
+        if stats.committed and (index := await self._text_index()) is not None:
+            try:  # reused by this actor's next units (a watcher's, tick after tick)
+                index.add_committed(outcomes)
+            except Exception:  # reuse saves calls; the unit is committed whatever happens here
+                logger.warning("unit %s: its answers are not added to the reuse index", unit, exc_info=True)
         if self._gauges is not None:
             self._gauges.committed()
         return None

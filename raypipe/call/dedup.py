@@ -103,7 +103,8 @@ class _Rows:
         shards = self._index.load()._loaded or ()
         offsets = self._index.offsets
         which = np.searchsorted(offsets, positions, side="right") - 1
-        parts = [getattr(s, self._column) for s in shards]
+        # Positions past the shards' are the answers added since (`TextIndex.add`).
+        parts = [getattr(s, self._column) for s in (*shards, self._index._added)]
         out = np.empty((len(positions), *parts[0].shape[1:]), dtype=parts[0].dtype)
         for k in np.unique(which):
             sel = which == k
@@ -116,7 +117,10 @@ class TextIndex:
 
     `shards` are `IndexShard`s or Ray object references to them (resolved once, on first use,
     zero-copy); `limits[k]` is how many of shard k's rows count (fewer when capped). Positions
-    from `lookup` index `probabilities`, `truncated` as if the shards were one array."""
+    from `lookup` index `probabilities`, `truncated` as if the shards were one array.
+
+    Answers committed after it was built are added with `add_committed` (kept in this process,
+    past the shards' positions), so a long-lived actor reuses what it committed itself."""
 
     def __init__(
         self,
@@ -165,6 +169,7 @@ class TextIndex:
         self.shards = tuple(shards)
         self.limits = np.asarray(limits, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.limits)]).astype(np.int64)
+        self._added = _merge(width=len(self.labels))
         self._loaded: tuple[IndexShard, ...] | None = None
         if all(isinstance(s, IndexShard) for s in self.shards):
             self._loaded = self.shards
@@ -180,12 +185,49 @@ class TextIndex:
             self._loaded = self.shards
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.offsets[-1]) + len(self._added.hashes)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the shards (mapped, not copied, when they live in Ray's object store)."""
-        return sum(s.nbytes for s in self.load()._loaded or ())
+        """Bytes of the shards (mapped, not copied, when they live in Ray's object store) and
+        of the answers added since."""
+        return sum(s.nbytes for s in self.load()._loaded or ()) + self._added.nbytes
+
+    @classmethod
+    def empty(cls, model_version: str, labels: tuple[str, ...]) -> TextIndex:
+        """No answers yet: what `add_committed` adds to."""
+        return cls(
+            model_version, labels, np.empty(0, np.int64), np.empty((0, len(labels)), np.float32), np.empty(0, bool)
+        )
+
+    def add_committed(self, rows: pa.Table) -> int:
+        """Adds the answers of `rows` (a unit's outcome rows, just committed: the caller's
+        promise) that are results of this model version and not held yet; returns how many.
+        They stay in this process: a copy elsewhere (another actor) does not see them."""
+        names = set(rows.column_names)
+        needed = {"outcome", "status", "model_version", "text_hash", "truncated", *map(label_column, self.labels)}
+        if not rows.num_rows or not needed <= names:
+            return 0
+        ok = (
+            (pc.field("outcome").cast(pa.string()) == OUTCOME_RESULT)
+            & (pc.field("status").cast(pa.string()) == RESULT_STATUS_OK)
+            & (pc.field("model_version").cast(pa.string()) == self.model_version)
+            & pc.field("text_hash").is_valid()
+        )
+        rows = rows.filter(ok)
+        if not rows.num_rows:
+            return 0
+        hashes = rows.column("text_hash").to_numpy()
+        new = self.lookup(hashes) < 0
+        if not new.any():
+            return 0
+        probs = np.column_stack(
+            [rows.column(label_column(x)).to_numpy(zero_copy_only=False) for x in self.labels]
+        ).astype(np.float32)
+        truncated = rows.column("truncated").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+        before = len(self._added.hashes)
+        self._added = _merge(self._added, IndexShard(hashes[new], probs[new], truncated[new]))
+        return len(self._added.hashes) - before
 
     def load(self) -> TextIndex:
         """Maps the shards held in Ray's object store (once; a blocking `ray.get`). Returns self."""
@@ -225,6 +267,12 @@ class TextIndex:
             pos = np.minimum(np.searchsorted(keys, hashes[sel]), limit - 1)
             hit = keys[pos] == hashes[sel]
             found[sel[hit]] = pos[hit] + self.offsets[k]
+        added = self._added.hashes
+        if len(added):
+            sel = np.flatnonzero(found < 0)
+            pos = np.minimum(np.searchsorted(added, hashes[sel]), len(added) - 1)
+            hit = added[pos] == hashes[sel]
+            found[sel[hit]] = pos[hit] + self.offsets[-1]
         return found
 
 

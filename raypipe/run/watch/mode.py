@@ -175,13 +175,16 @@ def watch(
 def _text_index(
     config: PipelineConfig, protocol: CommitProtocol, version: str, labels: tuple[str, ...], *, in_ray: bool
 ) -> Any:
-    """The answers committed before the watcher started, for reuse (as a daily builds it)."""
+    """The answers committed before the watcher started, for reuse (as a daily builds it: from
+    the stored index and what was committed since), built once; each actor adds the answers it
+    commits afterwards (`TextIndex.add_committed`), so no tick builds it again."""
     if not config.dedup.enabled:
         return None
-    from raypipe.call.dedup import build_index
+    from raypipe.call.dedup import TextIndex, build_index
 
-    index, _ = build_index(protocol.output.uri, version, labels, max_rows=config.dedup.max_index_rows, use_ray=in_ray)
-    if index is None or not in_ray:
+    index, _ = build_index(protocol.table, version, labels, max_rows=config.dedup.max_index_rows, use_ray=in_ray)
+    index = index or TextIndex.empty(version, labels)  # its own commits are added to it
+    if not in_ray:
         return index
     import ray
 
