@@ -19,6 +19,11 @@ texts. The shards live in Ray's object store and the driver holds only their ref
 so its memory does not grow with the corpus; the actors map every shard without a copy.
 Without Ray (tests, a notebook), the same steps run in the calling process.
 
+The index is kept beside the table (`StoredIndex`: a small Delta table of distinct texts and
+their answers that names the table version it covers), so a run reads it and only the files the
+log committed since, not every committed row; a lost, corrupt or unusable one is replaced by the
+full read. A long-lived actor adds the answers it commits (`TextIndex.add_committed`).
+
 `dedup.max_index_rows` bounds the index in distinct texts: over it, the index keeps that many
 (the smallest hashes) and the run reuses those, inferring the others again; the log says so
 and the report's `reuse_index` (`IndexStats`) shows `capped`. Reuse is never off without
