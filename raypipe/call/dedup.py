@@ -37,7 +37,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -371,7 +371,8 @@ def build_index(
         )
     shards, sizes, fresh, bounds, read = built
     if store is not None:
-        stats = dataclasses.replace(stats, stored_rows_written=store.save(dt.version(), fresh, full=plan is None))
+        written = store.save(dt.version(), fresh, full=plan is None)
+        stats = dataclasses.replace(stats, stored_rows_written=written)
     committed = int(sum(sizes))
     limits = _cap(sizes, max_rows)
     capped = committed > max_rows
@@ -424,7 +425,8 @@ class _Read:
     table_files: int
 
 
-_Built = tuple[list[Any], list[int], list[IndexShard], np.ndarray, _Read]
+_Fresh = tuple[Any, int]  # the rows a shard adds to the stored index (an `IndexShard` or a Ray reference), how many
+_Built = tuple[list[Any], list[int], list[_Fresh], np.ndarray, _Read]
 
 
 def _build(
@@ -438,8 +440,8 @@ def _build(
 ) -> _Built | None:
     """The shuffle over the stored index's files and the table's files committed since (`plan`),
     or over every table file whose statistics admit answers of the version (`plan` None).
-    Returns the shards, their sizes, the rows the stored index does not hold yet (by shard), the
-    shards' bounds and what was read; None when there is nothing to read."""
+    Returns the shards, their sizes, the rows the stored index does not hold yet (by shard, with
+    their count), the shards' bounds and what was read; None when there is nothing to read."""
     source = (ds.schema, ds.format, ds.filesystem)
     if plan is None:
         # Only files whose statistics admit answers of this version (the plain expression meets the
@@ -496,7 +498,7 @@ _Group = tuple[_Source, list[Any], bool]  # files of one reading task, and wheth
 
 def _build_here(
     groups: list[_Group], old: int, model_version: str, labels: tuple[str, ...], bounds: np.ndarray
-) -> tuple[list[IndexShard], list[int], list[IndexShard], int]:
+) -> tuple[list[IndexShard], list[int], list[_Fresh], int]:
     """The shuffle in this process (no Ray): every shard ends up in this process's memory."""
     slices, rows_read = [], 0
     for source, group, table in groups:
@@ -504,25 +506,25 @@ def _build_here(
         slices.append(parts)
         rows_read += read
     merged = [_merge_fresh(old, *[s[k] for s in slices]) for k in range(len(bounds) + 1)]
-    return [m[0] for m in merged], [m[1] for m in merged], [m[2] for m in merged], rows_read
+    return [m[0] for m in merged], [m[1] for m in merged], [(m[2], m[3]) for m in merged], rows_read
 
 
 def _build_with_ray(
     groups: list[_Group], old: int, model_version: str, labels: tuple[str, ...], bounds: np.ndarray
-) -> tuple[list[Any], list[int], list[IndexShard], int]:
+) -> tuple[list[Any], list[int], list[_Fresh], int]:
     """The shuffle as Ray tasks: this process holds references; the shards stay in the object
-    store. The rows the stored index lacks come back here, to be written to it."""
+    store, and so do the rows the stored index lacks (written from there one shard at a time)."""
     import ray
 
     shards = len(bounds) + 1
     split: Any = ray.remote(_split).options(num_returns=shards + 1, num_cpus=TASK_CPUS)
-    merge: Any = ray.remote(_merge_fresh).options(num_returns=3, num_cpus=TASK_CPUS)
+    merge: Any = ray.remote(_merge_fresh).options(num_returns=4, num_cpus=TASK_CPUS)
     slices = [split.remote(source, group, model_version, labels, bounds, table) for source, group, table in groups]
     rows_read = sum(ray.get([s[-1] for s in slices]))
     merged = [merge.remote(old, *[s[k] for s in slices]) for k in range(shards)]
     del slices  # each slice is freed as soon as its merge has run
     sizes = [int(n) for n in ray.get([m[1] for m in merged])]
-    fresh = list(ray.get([m[2] for m in merged]))
+    fresh = [(m[2], int(n)) for m, n in zip(merged, ray.get([m[3] for m in merged]), strict=True)]
     return [m[0] for m in merged], sizes, fresh, int(rows_read)
 
 
@@ -599,14 +601,14 @@ def _merge(*parts: IndexShard, width: int | None = None) -> IndexShard:
     return IndexShard(np.ascontiguousarray(hashes[first]), np.ascontiguousarray(probs), truncated)
 
 
-def _merge_fresh(old: int, *parts: IndexShard) -> tuple[IndexShard, int, IndexShard]:
+def _merge_fresh(old: int, *parts: IndexShard) -> tuple[IndexShard, int, IndexShard, int]:
     """One hash range's shard from its slices, the first `old` of them the stored index's (whose
-    answers come first); its size; and its rows the stored index does not hold."""
+    answers come first); its size; its rows the stored index does not hold, and their count."""
     shard = _merge(*parts)
     held = np.concatenate([p.hashes for p in parts[:old]]) if old else np.empty(0, np.int64)
     new = ~np.isin(shard.hashes, held)
     fresh = IndexShard(shard.hashes[new], shard.probabilities[new], shard.truncated[new])
-    return shard, len(shard.hashes), fresh
+    return shard, len(shard.hashes), fresh, len(fresh.hashes)
 
 
 # -- the stored index ------------------------------------------------------------------------
@@ -712,19 +714,19 @@ class StoredIndex:
             )
             return None
 
-    def save(self, version: int, fresh: Sequence[IndexShard], *, full: bool) -> int:
+    def save(self, version: int, fresh: Sequence[_Fresh], *, full: bool) -> int:
         """Adds `fresh` (or, `full`, replaces what it holds with it) as covering the table's
         `version`; the distinct texts written. A failure is logged, not raised: it costs the
         next run a longer read, not this run its answers."""
         from deltalake import CommitProperties, Transaction
 
-        rows = self._rows(fresh)
+        rows = sum(n for _, n in fresh)
         props = CommitProperties(
             app_transactions=[Transaction(INDEX_APP, version)],
             custom_metadata={"raypipe.operation": "reuse-index", "raypipe.covers": str(version)},
         )
         try:
-            self._write(rows, props, version, full=full)
+            self._write(fresh, rows, props, version, full=full)
         except Exception:
             if not full:
                 logger.warning(
@@ -739,19 +741,19 @@ class StoredIndex:
                 fs, path = url_to_fs(self.uri)
                 fs.rm(path, recursive=True)
                 self._dt = None
-                self._write(rows, props, version, full=full)
+                self._write(fresh, rows, props, version, full=full)
             except Exception:
                 logger.warning(
                     "the reuse index could not be stored at %s (the next run reads more)", self.uri, exc_info=True
                 )
                 return 0
-        return rows.num_rows
+        return rows
 
-    def _write(self, rows: pa.Table, props: Any, version: int, *, full: bool) -> None:
+    def _write(self, fresh: Sequence[_Fresh], rows: int, props: Any, version: int, *, full: bool) -> None:
         from deltalake import DeltaTable, write_deltalake
 
         exists = DeltaTable.is_deltatable(self.uri, storage_options=self.options)
-        if exists and not full and not rows.num_rows:
+        if exists and not full and not rows:
             idt = self._open()
             if idt.transaction_version(INDEX_APP) == version:
                 return
@@ -759,7 +761,7 @@ class StoredIndex:
         else:
             write_deltalake(
                 self.uri,
-                rows,
+                pa.RecordBatchReader.from_batches(self._schema(), self._batches(fresh)),
                 mode="overwrite" if full or not exists else "append",
                 storage_options=self.options,
                 configuration=None if exists else _STORED_CONFIG,
@@ -767,16 +769,22 @@ class StoredIndex:
             )
         self._upkeep(full)
 
-    def _rows(self, fresh: Sequence[IndexShard]) -> pa.Table:
-        """The shards' rows in hash order (the shards are in hash order, each sorted)."""
-        labels = self.columns[2:]
-        hashes = np.concatenate([np.empty(0, np.int64), *[s.hashes for s in fresh]])
-        truncated = np.concatenate([np.empty(0, bool), *[s.truncated for s in fresh]])
-        probs = [s.probabilities for s in fresh if len(s.hashes)]
-        matrix = np.concatenate(probs) if probs else np.empty((0, len(labels)), np.float32)
-        columns = {"text_hash": pa.array(hashes, pa.int64()), "truncated": pa.array(truncated, pa.bool_())}
-        columns |= {c: pa.array(matrix[:, k], pa.float32()) for k, c in enumerate(labels)}
-        return pa.table(columns)
+    def _schema(self) -> pa.Schema:
+        return pa.schema(
+            [("text_hash", pa.int64()), ("truncated", pa.bool_()), *[(c, pa.float32()) for c in self.columns[2:]]]
+        )
+
+    def _batches(self, fresh: Sequence[_Fresh]) -> Iterator[pa.RecordBatch]:
+        """The shards' rows in hash order (the shards are in hash order, each sorted), one shard
+        at a time: from Ray's object store, a shard is mapped only while it is written."""
+        schema = self._schema()
+        for shard, n in fresh:
+            if not n:
+                continue
+            s = shard if isinstance(shard, IndexShard) else _get(shard)
+            columns = [pa.array(s.hashes, pa.int64()), pa.array(s.truncated, pa.bool_())]
+            columns += [pa.array(s.probabilities[:, k], pa.float32()) for k in range(len(self.columns) - 2)]
+            yield pa.RecordBatch.from_arrays(columns, schema=schema)
 
     def _upkeep(self, full: bool) -> None:
         """After a replacement, or once it holds `STORED_FILES_MAX` files: one file, one
@@ -790,6 +798,13 @@ class StoredIndex:
         idt.create_checkpoint()
         idt.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False)
         idt.cleanup_metadata()
+
+
+def _get(ref: Any) -> Any:
+    import ray
+
+    (got,) = ray.get([ref])
+    return got
 
 
 def _log_since(filesystem: Any, since: int, until: int) -> tuple[list[str], int, int] | None:

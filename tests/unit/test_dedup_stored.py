@@ -254,3 +254,25 @@ def test_brought_up_to_date_it_equals_a_full_read(steps):
                 for h, (probs, _) in answers(built).items():
                     (text,) = [t for t in TEXTS if int(hash_texts([t])[0]) == h]
                     np.testing.assert_allclose(probs, answer(version, text), rtol=1e-6)
+
+
+def test_with_ray_the_stored_index_is_brought_up_to_date_as_in_this_process(tmp_path, monkeypatch):
+    """The shuffle as Ray tasks (a fake Ray that runs them at once) over the stored index and
+    the files committed since: the same answers as a full read, the new rows stored from the
+    object store's shards."""
+    import sys
+
+    from tests.unit.test_dedup import _FakeRay
+
+    texts = [f"paragraph {i}" for i in range(60)]
+    commit_run(tmp_path, "r1", {"u1": unit_rows("r1", "u1", texts[:40], "m1", [False] * 40)})
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay())
+    _, stats = build_index(str(tmp_path), "m1", LABELS, max_rows=1_000, shard_rows=16)
+    assert stats.built_with_ray and not stats.from_stored and stats.stored_rows_written == 40
+    commit_run(tmp_path, "r2", {"u2": unit_rows("r2", "u2", texts[30:], "m1", [False] * 30)})
+    index, stats = build_index(str(tmp_path), "m1", LABELS, max_rows=1_000, shard_rows=16)
+    assert stats.built_with_ray and stats.from_stored and stats.table_files_read == 1
+    assert stats.stored_rows_written == 20
+    assert index is not None
+    index.load()
+    assert answers(index) == answers(build_index(str(tmp_path), "m1", LABELS, max_rows=1_000, stored=False)[0])
