@@ -827,7 +827,7 @@ def _log_since(filesystem: Any, since: int, until: int) -> tuple[list[str], int,
             logger.info("the table's log before version %d is gone: reading the table whole", version)
             return None
         actions = [json.loads(line) for line in text.splitlines() if line.strip()]
-        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {}) or {}
+        info: dict[str, Any] = next((a["commitInfo"] for a in actions if "commitInfo" in a), {}) or {}
         keeps_answers = info.get("raypipe.unit") is not None or info.get("raypipe.operation") == "compact"
         for action in actions:
             if (add := action.get("add")) is not None:
