@@ -342,6 +342,9 @@ def build_index(
     if not table.exists():
         return None, stats
     dt = table.load()
+    # The version first: the snapshot is shared with the run and may move on meanwhile; the
+    # dataset then holds more than the version says, never less (what is read twice is merged).
+    version = dt.version()
     ds = dt.to_pyarrow_dataset()
     if "text_hash" not in ds.schema.names or not all(label_column(x) in ds.schema.names for x in labels):
         return None, stats
@@ -350,7 +353,7 @@ def build_index(
 
         use_ray = ray.is_initialized()
     store = StoredIndex.of(table, dt, model_version, labels) if stored else None
-    plan = store.since(dt, ds) if store is not None else None
+    plan = store.since(version, ds) if store is not None else None
     try:
         built = _build(ds, dt, plan, model_version, labels, bool(use_ray), shard_rows)
     except Exception:
@@ -365,13 +368,13 @@ def build_index(
         built = _build(ds, dt, plan, model_version, labels, bool(use_ray), shard_rows)
     if built is None:
         if store is not None:
-            store.save(dt.version(), [], full=plan is None)
+            store.save(version, [], full=plan is None)
         return None, dataclasses.replace(
             stats, from_stored=plan is not None, log_entries_read=plan.entries if plan is not None else 0
         )
     shards, sizes, fresh, bounds, read = built
     if store is not None:
-        written = store.save(dt.version(), fresh, full=plan is None)
+        written = store.save(version, fresh, full=plan is None)
         stats = dataclasses.replace(stats, stored_rows_written=written)
     committed = int(sum(sizes))
     limits = _cap(sizes, max_rows)
@@ -680,8 +683,8 @@ class StoredIndex:
         key = hashlib.sha256("\0".join([dt.metadata().id, model_version, *labels]).encode()).hexdigest()[:32]
         return cls(f"{table.output_uri}/{STATE_DIR}/{INDEX_DIR}/{key}", tuple(labels))
 
-    def since(self, dt: Any, ds: Any) -> _Since | None:
-        """What brings it up to the table's snapshot `dt`; None when it cannot be used (none
+    def since(self, version: int, ds: Any) -> _Since | None:
+        """What brings it up to the table's `version` (`ds` its dataset); None when it cannot be used (none
         yet, unreadable, of another shape, ahead of the table, or the table's log since it is
         gone or holds a commit that may have dropped answers): the table is then read whole."""
         from deltalake import DeltaTable
@@ -691,10 +694,10 @@ class StoredIndex:
                 return None
             idt = self._open()
             covers = idt.transaction_version(INDEX_APP)
-            if covers is None or covers > dt.version() or pa.schema(idt.schema().to_arrow()).names != self.columns:
+            if covers is None or covers > version or pa.schema(idt.schema().to_arrow()).names != self.columns:
                 logger.warning("the stored reuse index at %s does not fit the table: reading the table whole", self.uri)
                 return None
-            log = _log_since(ds.filesystem, covers, dt.version())
+            log = _log_since(ds.filesystem, covers, version)
             if log is None:
                 return None
             held_ds = idt.to_pyarrow_dataset()
