@@ -5,7 +5,7 @@ entrypoint is expanded by the submitter's shell with the submitter container's e
 (`$JOB_INPUT_URI` from the raypipe-params ConfigMap, `$JOB_RUN_ID` from the pod's Job name).
 This module does the same expansion from the rendered manifests, then:
 
-- parses the command with `raypipe.cli._parser()` (so an unknown or misspelt flag fails here,
+- parses the command with `raypipe.cli.parser.build_parser()` (so an unknown or misspelt flag fails here,
   not 20 minutes into a cluster start) and validates its settings with raypipe's config;
 - checks it calls a RayService of the same rendering at `<name>-serve-svc:<port>`, in the
   way that Service offers: plaintext `host:9000` (the head's serve-grpc port), or TLS
@@ -87,24 +87,24 @@ def _expand(entrypoint: str, env: dict[str, str | None]) -> tuple[str, list[str]
 
 def parse_raypipe(argv: list[str]) -> tuple[Any, str | None]:
     """Parses `argv` (after `python -m raypipe`) with the real CLI parser: (namespace, error)."""
-    from raypipe.cli import _parser
+    from raypipe.cli.parser import build_parser
 
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return _parser().parse_args(argv), None
+            return build_parser().parse_args(argv), None
     except SystemExit:
         return None, stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else "usage error"
 
 
 def settings_problem(args: Any) -> str | None:
     """Why raypipe's config rejects the run's flags and `--set` pairs (as `raypipe.cli` builds them)."""
-    from raypipe.cli import _set_pairs
+    from raypipe.cli.parser import set_pairs
     from raypipe.config import load_config
     from raypipe.errors import ConfigError
 
     try:
-        overrides: dict[str, Any] = _set_pairs(args.set)
+        overrides: dict[str, Any] = set_pairs(args.set)
     except SystemExit as e:
         return str(e)
     for flag, section, key in (
@@ -155,10 +155,10 @@ def _services(resources: list[Resource]) -> dict[str, ServeService]:
 
 def _service_settings(args: Any) -> dict[str, str]:
     """The `service.*` settings of the run's `--set` pairs."""
-    from raypipe.cli import _set_pairs
+    from raypipe.cli.parser import set_pairs
 
     try:
-        service = _set_pairs(args.set).get("service", {})
+        service = set_pairs(args.set).get("service", {})
     except SystemExit:
         return {}  # settings_problem reports it
     return {str(k): str(v) for k, v in service.items()} if isinstance(service, dict) else {}

@@ -1,6 +1,6 @@
-"""The console entry point's quick exit (`raypipe.cli.run`): main's exit code, with everything a
-normal exit would have done first (non-daemon threads joined, atexit handlers run, buffered
-output flushed). A child process, since the entry point ends its process."""
+"""The console entry point's quick exit (`raypipe.cli.run`, defined in `raypipe.cli.entry`):
+main's exit code, with everything a normal exit would have done first (non-daemon threads
+joined, atexit handlers run, buffered output flushed). A child process, since the entry point ends its process."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def late():
 print("buffered line")
 threading.Thread(target=late).start()
 sys.argv = ["raypipe", "report", "--output", sys.argv[1], "--run-id", "x"]
-import raypipe.cli
-raypipe.cli._disconnect_ray = lambda: print("ray disconnected")
-raypipe.cli.run()
+import raypipe.cli.entry as entry
+entry._disconnect_ray = lambda: print("ray disconnected")
+entry.run()
 print("not reached")
 """
 
@@ -43,19 +43,19 @@ def test_the_entry_point_exits_with_mains_code_after_what_a_normal_exit_does(tmp
 def test_ray_is_disconnected_as_a_caller_does_not_as_its_exit_hook_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """`ray.shutdown()` with no arguments: Ray's own atexit hook passes `_exiting_interpreter=True`,
     which sleeps half a second first; its later call finds Ray down and does nothing."""
-    from raypipe import cli
+    from raypipe.cli import entry
 
     calls: list[dict[str, object]] = []
     fake_ray = types.SimpleNamespace(is_initialized=lambda: not calls, shutdown=lambda **kw: calls.append(kw))
     monkeypatch.setitem(sys.modules, "ray", fake_ray)
-    cli._disconnect_ray()
-    cli._disconnect_ray()
+    entry._disconnect_ray()
+    entry._disconnect_ray()
     assert calls == [{}]
 
 
 def test_no_ray_is_no_disconnect(monkeypatch: pytest.MonkeyPatch) -> None:
-    from raypipe import cli
+    from raypipe.cli import entry
 
     monkeypatch.delitem(sys.modules, "ray", raising=False)
-    cli._disconnect_ray()  # a command that never imported Ray does not import it to exit
+    entry._disconnect_ray()  # a command that never imported Ray does not import it to exit
     assert "ray" not in sys.modules

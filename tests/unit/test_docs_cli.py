@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from raypipe import cli, config_docs
+from raypipe import config_docs
+from raypipe.cli.parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -93,7 +94,7 @@ def test_the_docs_name_raypipe_commands():
 
 
 def test_every_command_and_flag_the_docs_name_exists():
-    root = cli._parser()
+    root = build_parser()
     problems = sorted(
         {f"{where}: `raypipe {line.strip()}`: {p}" for where, line in _mentions() for p in _problems(line, root)}
     )
@@ -113,7 +114,7 @@ FOREIGN_FLAGS = {"--runtime-env-json", "--node-labels", "--crds"}
 
 
 def test_every_flag_the_docs_name_on_its_own_is_raypipes():
-    flags = {o for p in _parsers(cli._parser()) for a in p._actions for o in a.option_strings}
+    flags = {o for p in _parsers(build_parser()) for a in p._actions for o in a.option_strings}
     named = {
         (path.relative_to(ROOT).as_posix(), flag)
         for path in DOCS
@@ -144,7 +145,7 @@ def test_every_setting_the_docs_name_in_a_code_span_exists():
 
 
 def test_the_check_catches_an_unknown_command_and_flag():
-    root = cli._parser()
+    root = build_parser()
     assert _problems("gc --output s3://b/o", root) == ["no command raypipe gc"]
     assert _problems("backfill --input x --outptu y", root) == ["raypipe backfill has no --outptu"]
     assert _problems("shards quarantine|release --output URI SHARD...", root) == []
@@ -152,7 +153,7 @@ def test_the_check_catches_an_unknown_command_and_flag():
     assert _problems("daily --set input.unit_row=5", root) == ["no setting input.unit_row"]
 
 
-@pytest.mark.parametrize("parser", list(_parsers(cli._parser())), ids=lambda p: p.prog)
+@pytest.mark.parametrize("parser", list(_parsers(build_parser())), ids=lambda p: p.prog)
 def test_every_commands_help_shows_examples_and_exit_codes(parser, capsys):
     with pytest.raises(SystemExit) as done:
         parser.parse_args(["--help"])
@@ -165,9 +166,9 @@ def test_every_commands_help_shows_examples_and_exit_codes(parser, capsys):
         assert "\n  3    " in text and "\n  143  " in text
 
 
-@pytest.mark.parametrize("parser", list(_parsers(cli._parser())), ids=lambda p: p.prog)
+@pytest.mark.parametrize("parser", list(_parsers(build_parser())), ids=lambda p: p.prog)
 def test_every_example_in_the_help_parses(parser):
-    root = cli._parser()
+    root = build_parser()
     examples = (parser.epilog or "").split("examples:\n")[1].split("\n\n")[0].splitlines()
     assert examples
     for example in examples:

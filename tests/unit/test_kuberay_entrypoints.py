@@ -3,7 +3,7 @@
 KubeRay's submitter pastes a RayJob's entrypoint into `bash -c "... ray job submit -- <it>"`,
 so `$JOB_*` expand from the submitter container's environment. These tests expand them the
 same way from the rendered manifests (ConfigMap keys, the Job-name label) and parse the result
-with `raypipe.cli._parser()`: an unknown flag fails here rather than after a cluster start.
+with `raypipe.cli.parser.build_parser()`: an unknown flag fails here rather than after a cluster start.
 They also check the flags the deploy guide and the jobs rely on exist, and the run-id rules
 that make a retried RayJob resume its run (the lease behaviour itself is tested with the
 lease). Broken copies fail.
@@ -23,7 +23,7 @@ import pytest
 
 from kuberay import entrypoints, validate
 from kuberay.validate import Resource
-from raypipe.cli import _parser
+from raypipe.cli.parser import build_parser
 
 OVERLAYS = sorted(p.name for p in validate.OVERLAYS.iterdir() if (p / "kustomization.yaml").is_file())
 GUIDE = validate.REPO / "docs" / "kuberay.md"
@@ -63,7 +63,7 @@ def test_job_entrypoints_parse_with_the_real_cli(overlay: str) -> None:
     for job in validate.jobs(resources):
         argv = argv_of(job, resources)
         assert argv[:3] == ["python", "-m", "raypipe"], argv
-        args = _parser().parse_args(argv[3:])  # SystemExit(2) on an unknown flag
+        args = build_parser().parse_args(argv[3:])  # SystemExit(2) on an unknown flag
         commands[args.command] = args
         if uses_tls(resources):
             assert args.service == "grpcs://raypipe-serve-svc:9443"
@@ -119,13 +119,13 @@ def test_the_flags_the_jobs_and_guide_use_exist(command: str, flags: list[str]) 
 def test_force_flag_for_taking_a_live_lease() -> None:
     """The guide documents `--force` on backfill and daily: a same-run-id attempt takes the lease at once."""
     for command in ("backfill", "daily"):
-        args = _parser().parse_args([command, "--output", "s3://b/o/", "--run-id", "r", "--force"])
+        args = build_parser().parse_args([command, "--output", "s3://b/o/", "--run-id", "r", "--force"])
         assert args.force is True
-        assert _parser().parse_args([command, "--output", "s3://b/o/", "--run-id", "r"]).force is False
+        assert build_parser().parse_args([command, "--output", "s3://b/o/", "--run-id", "r"]).force is False
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
-    parser = _parser()
+    parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sub: argparse.ArgumentParser = subparsers.choices[command]
     return sub
@@ -151,7 +151,7 @@ def test_guide_has_raypipe_commands() -> None:
 def test_guide_commands_parse_with_the_real_cli(command: str) -> None:
     argv = shlex.split(command)
     argv = argv[3:] if argv[0] == "python" else argv[1:]
-    _parser().parse_args(argv)
+    build_parser().parse_args(argv)
 
 
 def test_guide_documents_the_lease_rules() -> None:

@@ -9,7 +9,14 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-JOINS = {"raypipe/cli.py", "raypipe/demo.py", "raypipe/samples.py", "raypipe/__init__.py"}
+JOINS = {
+    "raypipe/cli/model.py",
+    "raypipe/cli/parser.py",
+    "raypipe/cli/serve.py",
+    "raypipe/demo.py",
+    "raypipe/samples.py",
+    "raypipe/__init__.py",
+}
 """The CLI, the demo and its sample corpus (the demo model's paragraphs), and the public API."""
 
 

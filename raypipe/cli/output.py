@@ -1,0 +1,103 @@
+"""The commands on an output rather than a run: `report`, `shards`, `lease`, `compact`, `vacuum`,
+`migrate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from raypipe.cli.parser import EXIT_OK
+
+OUTPUT_COMMANDS = ("shards", "lease", "compact", "vacuum", "migrate")
+"""The commands `output_command` runs."""
+
+
+def output_command(args: argparse.Namespace) -> int:
+    """`raypipe shards|lease|compact|vacuum|migrate`: the command's exit code."""
+    if args.command == "shards":
+        return _shards(args)
+    if args.command == "lease":
+        return _lease(args)
+    return _maintain(args)
+
+
+def _lease(args: argparse.Namespace) -> int:
+    from raypipe.commit.lease import Lease
+    from raypipe.store import OutputStore
+
+    lease = Lease(OutputStore(args.output), "raypipe-cli")
+    if args.lease_command == "show":
+        current = lease.current()
+        print(json.dumps({k: v for k, v in (current or {}).items() if k != "token"} or None, indent=1))
+        return EXIT_OK
+    expired = lease.expire(run_id=args.run_id)
+    if expired is None:
+        print(f"{args.output}: no lease (no run is writing)")
+    else:
+        print(
+            f"expired the lease of run {expired.get('holder')} (generation {expired.get('generation')}, host "
+            f"{expired.get('host')}, pid {expired.get('pid')}); a waiting attempt takes over now, and the old one, "
+            "if alive, stops at its next renewal"
+        )
+    return EXIT_OK
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from raypipe.api import report_dict
+    from raypipe.report import RunReport
+
+    data = report_dict(args.output, args.run_id)  # RunNotFoundError (a ConfigError): exit 2, naming the nearest
+    print(json.dumps(data, indent=1) if args.json else RunReport.from_dict(data).render())
+    return EXIT_OK
+
+
+def _check_upkeep(args: argparse.Namespace) -> None:
+    """`ConfigError` where compact or migrate has nothing to work on: an output without the
+    outcomes table (compact), or without runs of the earlier layout (migrate)."""
+    from raypipe.commit.table import OutcomeTable
+    from raypipe.commit.upkeep import LegacyLayout
+    from raypipe.config import check_run_id
+    from raypipe.errors import ConfigError
+    from raypipe.store import OutputStore
+
+    for run_id in getattr(args, "run_id", None) or []:
+        check_run_id(run_id, what="--run-id")
+    if args.command == "compact" and not OutcomeTable(args.output).exists():
+        raise ConfigError(f"output {args.output} holds no outcomes table: nothing to compact (check --output)")
+    if args.command == "migrate" and not LegacyLayout(OutputStore(args.output)).runs():
+        raise ConfigError(
+            f"output {args.output} holds no runs of the earlier layout (_raypipe/runs/): nothing to migrate "
+            "(check --output)"
+        )
+
+
+def _shards(args: argparse.Namespace) -> int:
+    from raypipe.commit.upkeep import quarantine
+    from raypipe.errors import ConfigError
+    from raypipe.store import OutputStore
+
+    store = OutputStore(args.output)
+    if not store.fs.exists(store.path()):  # a mistyped output must not be created by it
+        raise ConfigError(f"output {args.output} does not exist: give the output of the runs that read the shards")
+    release = args.shards_command == "release"
+    held = quarantine(args.output, args.shard, reason=getattr(args, "reason", ""), release=release)
+    print(json.dumps({"quarantined": held}))
+    return EXIT_OK
+
+
+def _maintain(args: argparse.Namespace) -> int:
+    from raypipe.commit import upkeep
+    from raypipe.errors import ConfigError
+
+    _check_upkeep(args)
+    if args.command == "compact":
+        try:
+            done = upkeep.compact(args.output, run_ids=args.run_id)
+        except ValueError as e:  # runs named that have not finished
+            raise ConfigError(f"compact: {e}; compact them once they finish") from None
+    elif args.command == "vacuum":
+        done = upkeep.vacuum(args.output, retention_hours=args.retention_hours, dry_run=args.dry_run, force=args.force)
+    else:
+        done = upkeep.migrate(args.output)
+    print(json.dumps(done))
+    return EXIT_OK
