@@ -23,13 +23,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from raypipe.config import ENV_PREFIX, PipelineConfig
+from raypipe.config import PipelineConfig
+from raypipe.config.load import ENV_PREFIX
 
 __all__ = ["BEGIN", "END", "Setting", "env_var", "main", "settings", "tables"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = Path("docs") / "configuration.md"
-BEGIN = "<!-- settings: `python -m raypipe.config_docs` writes them from raypipe/config.py; edits are overwritten -->"
+BEGIN = "<!-- settings: `python -m raypipe.config_docs` writes them from raypipe/config/; edits are overwritten -->"
 END = "<!-- end of settings -->"
 
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if new == text:
         return 0
     if args.check:
-        print(f"{PAGE}'s settings differ from raypipe/config.py: run `python -m raypipe.config_docs`", file=sys.stderr)
+        print(f"{PAGE}'s settings differ from raypipe/config/: run `python -m raypipe.config_docs`", file=sys.stderr)
         return 1
     path.write_text(new, encoding="utf-8")
     print(f"rewrote the settings of {PAGE}")
