@@ -8,6 +8,9 @@ already initialised in the process, else to `RAY_ADDRESS`, else start a local on
 (`input=` over the config's `input` section: `raypipe.config.run_input`) is kept apart from
 the rest of the config: only the checks and planning read it.
 
+The output is turned into its one owner object once per call (`raypipe.commit.output.Output`:
+its files and its table), and that object is what the checks and the run are given.
+
 Before any of that, `raypipe.run.preflight.check_run` checks the input, the output and the
 settings: a wrong one raises `ConfigError` or `InputError` before the model service is called,
 Ray is started or anything is written. The values are the CLI's: `since` takes an ISO time
@@ -27,6 +30,7 @@ from raypipe.errors import RunNotFoundError
 from raypipe.run.preflight import check_input_run, check_replay, check_watch, parse_since
 
 if TYPE_CHECKING:
+    from raypipe.commit.output import Output
     from raypipe.report import RunReport
     from raypipe.run.watch.report import WatchReport
 
@@ -110,6 +114,13 @@ def build_config(
     return load_config(config_file, overrides, environ=os.environ)
 
 
+def _output(config: PipelineConfig) -> Output:
+    """The run's output as its one owner object, built here once; building it reads and writes nothing."""
+    from raypipe.commit.output import Output
+
+    return Output.at(config.output.uri)
+
+
 def backfill(
     input: str | None = None,
     output: str | None = None,
@@ -122,10 +133,11 @@ def backfill(
     """Classifies every paragraph of `input` into `output`; the same `run_id` resumes it."""
     config = build_config(output=output, service=service, run_id=run_id, config_file=config_file, settings=settings)
     source = run_input(config, input, "backfill")  # only the checks and planning read the input
-    check_input_run(config, source, "backfill")
+    place = _output(config)  # the output's one owner, for the checks and the run
+    check_input_run(config, source, "backfill", place)
     from raypipe.run import modes  # after the checks: it brings Ray Data
 
-    return modes.backfill(config, source)
+    return modes.backfill(config, source, place)
 
 
 def daily(
@@ -144,10 +156,11 @@ def daily(
     after = parse_since(since)
     config = build_config(output=output, service=service, run_id=run_id, config_file=config_file, settings=settings)
     source = run_input(config, input, "daily")
-    check_input_run(config, source, "daily")
+    place = _output(config)
+    check_input_run(config, source, "daily", place)
     from raypipe.run import modes
 
-    return modes.daily(config, source, since=after)
+    return modes.daily(config, source, place, since=after)
 
 
 def replay(
@@ -162,10 +175,11 @@ def replay(
     """Re-infers the dead letters of run `run_id` and merges them into its results; `replay_id`
     names the replay (default: resume the latest unfinished `<run_id>.replay-<n>`, else a new one)."""
     config = build_config(output=output, service=service, run_id=replay_id, config_file=config_file, settings=settings)
-    check_replay(config, run_id)
+    place = _output(config)
+    check_replay(config, run_id, place)
     from raypipe.run import modes
 
-    return modes.replay(config, of_run=run_id)
+    return modes.replay(config, place, of_run=run_id)
 
 
 def watch(

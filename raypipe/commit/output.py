@@ -1,9 +1,11 @@
 """One output, as a run holds it: its files (`raypipe.store.OutputStore`) and its table
 (`raypipe.commit.table.OutcomeTable`), built once from the URI and passed down.
 
-A run builds one (`raypipe.run.modes`), and so does each maintenance command
-(`raypipe.commit.upkeep`); readers (`raypipe.read_outcomes`, `raypipe.latest`) build their own
-once per call. A process of its own (an actor) builds its own from the URI its fence names.
+A run's call builds one (`raypipe.api`, before its checks) and gives it to the checks
+(`raypipe.run.preflight`) and the run mode (`raypipe.run.modes`, whose `CommitProtocol` holds
+it); each maintenance command builds its own (`raypipe.commit.upkeep`); readers
+(`raypipe.read_outcomes`, `raypipe.latest`) build their own once per call. A process of its
+own (an actor) builds its own from the URI its fence names.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ that either happens or raises. A run (`raypipe.run.modes._run`, through the step
 `raypipe.run.steps`) calls it in this order; the modes and steps name the steps, the order
 of the protocol's calls is told here::
 
-    protocol = CommitProtocol(config.output, mode, run_id)
+    protocol = CommitProtocol(config.output, mode, run_id, place=place)  # place: the run's `Output`
     committed_report(protocol)       # a run id committed already: its report, done
                                      #   (`raypipe.run.steps`: rebuilt from the table if need be)
     protocol.setup_run(labels)       # the lease, the table made ready, the take-over: the fence
@@ -49,7 +49,7 @@ app transaction); the watermark is an app transaction of its own. An earlier rel
 `plan.json`, `files_seen.parquet`, `watermark.json` and `COMMITTED.json` are read where the
 table names nothing. What lives where under OUTPUT: `raypipe.store`.
 
-(Near 500 lines, kept whole on purpose: every step a run asks of its output, in the order it
+(About 580 lines, kept whole on purpose: every step a run asks of its output, in the order it
 asks, reads in one place; the mechanics of each commit are `raypipe.commit.fence`'s.)
 """
 

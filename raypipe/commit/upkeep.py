@@ -66,9 +66,9 @@ def quarantine(output: str | OutputConfig, shards: list[str], *, reason: str, re
         return protocol.set_quarantine(shards, reason=reason, release=release)
 
 
-def quarantined(output: str) -> frozenset[str]:
-    """The shards quarantined on the output (planning skips them and lists them)."""
-    place = Output.at(output)
+def quarantined(place: Output) -> frozenset[str]:
+    """The shards quarantined on the output `place` (planning skips them and lists them); read,
+    not held: the preflight's look before a run takes the output."""
     return frozenset(read_quarantine(place.store, place.table.pointer(QUARANTINE_APP)))
 
 

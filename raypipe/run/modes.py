@@ -2,9 +2,9 @@
 
 `_run` is the whole story of a run, a step at a time (`raypipe.run.steps`), each step given
 the part of the config it needs, over one `CommitProtocol` that owns the run's output (built
-over the run's one `Output`). The order of the protocol's calls is told in
-`raypipe.commit.protocol`; the fence that keeps every older holder of the output from landing
-anything, in `raypipe.commit.fence`. The steps:
+over the run's one `Output`, which the caller built once from the URI and passes in). The
+order of the protocol's calls is told in `raypipe.commit.protocol`; the fence that keeps every
+older holder of the output from landing anything, in `raypipe.commit.fence`. The steps:
 1. a run id already committed returns at once, with its report (`committed_report`: rebuilt
    from the table if a killed driver left none);
 2. `ModelService.ask`: the model service is checked (labels, version, limits) before any data is read;
@@ -69,21 +69,20 @@ def _run(
     config: PipelineConfig,
     mode: str,
     make_plan: Callable[[CommitProtocol], Plan],
+    place: Output,
     *,
     input: InputConfig | None = None,
-    place: Output | None = None,
 ) -> RunReport:
     # A default id names a new run: two runs started in the same second must not share one (the
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
-    # The run's one object for its output (files and table), built here once and passed down.
-    protocol = CommitProtocol(config.output, mode, run_id, place=place or Output.at(config.output.uri))
+    protocol = CommitProtocol(config.output, mode, run_id, place=place)
     done = committed_report(protocol)
     if done is not None:
         return done
     started_at = datetime.now(UTC)
     t0 = time.monotonic()
-    report = RunReport(run_id=run_id, mode=mode, output=config.output.uri, started_at=started_at.isoformat())
+    report = RunReport(run_id=run_id, mode=mode, output=place.uri, started_at=started_at.isoformat())
 
     model = ModelService.ask(config.service, config.client)
     report.labels, report.model_version = list(model.labels), model.version
@@ -116,17 +115,17 @@ def _run(
     return report
 
 
-def backfill(config: PipelineConfig, input: InputConfig) -> RunReport:
-    """Infers every row of the input; resumable by run id.
+def backfill(config: PipelineConfig, input: InputConfig, place: Output) -> RunReport:
+    """Infers every row of the input into `place`, the output of `config.output`; resumable by run id.
 
     Once complete, the files it read are recorded as seen (a daily after it reads only new and
     changed files) and the watermark moves to the point its input was read as of.
     """
-    return _run(config, "backfill", lambda protocol: plan_input(input, "backfill", protocol), input=input)
+    return _run(config, "backfill", lambda protocol: plan_input(input, "backfill", protocol), place, input=input)
 
 
-def daily(config: PipelineConfig, input: InputConfig, *, since: datetime | None = None) -> RunReport:
-    """Infers every row of the input files no run has read whole yet (new files, and files
+def daily(config: PipelineConfig, input: InputConfig, place: Output, *, since: datetime | None = None) -> RunReport:
+    """Infers into `place` every row of the input files no run has read whole yet (new files, and files
     whose size or ETag changed), whatever their `updated_at`: late files are not lost.
 
     `since` also re-reads the files already read, for their rows updated after it (a rerun
@@ -135,7 +134,7 @@ def daily(config: PipelineConfig, input: InputConfig, *, since: datetime | None 
     """
     if since is not None and since.tzinfo is None:
         raise ConfigError("daily: `since` must be timezone-aware")
-    return _run(config, "daily", lambda protocol: plan_input(input, "daily", protocol, since=since), input=input)
+    return _run(config, "daily", lambda protocol: plan_input(input, "daily", protocol, since=since), place, input=input)
 
 
 def replay_run_id(place: Output, of_run: str) -> str:
@@ -156,8 +155,8 @@ def replay_run_id(place: Output, of_run: str) -> str:
             return f"{prefix}{last + 1}"
 
 
-def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
-    """Re-infers run `of_run`'s committed dead letters; each unit's commit replaces them with
+def replay(config: PipelineConfig, place: Output, *, of_run: str) -> RunReport:
+    """Re-infers run `of_run`'s committed dead letters in `place`; each unit's commit replaces them with
     what they became (results, or dead letters again), so an id is never in both sets.
 
     Its run id defaults to `<of_run>.replay-<n>`: the latest unfinished replay of that run is
@@ -165,7 +164,6 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
     so rows already replayed are not sent again.
     """
     check_run_id(of_run, what="replayed run id")  # it names the replay's state folder too
-    place = Output.at(config.output.uri)
     if config.run_id is None:
         # model_copy skips the field's validator: the id is checked here, as the field would.
         replay_id = check_run_id(replay_run_id(place, of_run), what="replay id")
@@ -175,8 +173,8 @@ def replay(config: PipelineConfig, *, of_run: str) -> RunReport:
     def make_plan(protocol: CommitProtocol) -> Plan:
         found = protocol.dead_letters_of(of_run)
         if found is None and not protocol.store.exists(protocol.store.report_file(of_run)):
-            raise ConfigError(f"no run {of_run!r} at {config.output.uri}")
+            raise ConfigError(f"no run {of_run!r} at {place.uri}")
         version, dead_letters = found or (protocol.table.load().version(), Counter[str]())
-        return plan_replay(config.output.uri, of_run, dead_letters, table_version=version)
+        return plan_replay(place.uri, of_run, dead_letters, table_version=version)
 
-    return _run(config, "replay", make_plan, place=place)
+    return _run(config, "replay", make_plan, place)

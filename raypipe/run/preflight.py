@@ -37,11 +37,14 @@ import sys
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlparse
 
 from raypipe.config import InputConfig, PipelineConfig, check_run_id, run_input
 from raypipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raypipe.commit.output import Output
 
 __all__ = ["check_input_run", "check_ray_address", "check_replay", "check_run", "check_watch", "parse_since"]
 
@@ -75,19 +78,25 @@ def check_run(config: PipelineConfig, mode: Mode, *, of_run: str | None = None) 
     """Raises `ConfigError` or `InputError` if the run cannot start; reads, never writes.
 
     `of_run` is the run a replay re-infers; a backfill or a daily reads `config.input`."""
+    from raypipe.commit.output import Output
+
+    place = Output.at(config.output.uri)
     if mode == "replay":
-        check_replay(config, of_run)
+        check_replay(config, of_run, place)
     else:
-        check_input_run(config, run_input(config, None, mode), mode)
+        check_input_run(config, run_input(config, None, mode), mode, place)
 
 
-def check_input_run(config: PipelineConfig, input: InputConfig, mode: Literal["backfill", "daily"]) -> None:
-    """`check_run` of a backfill or a daily of `input` (`raypipe.config.run_input`): the
-    output, the input, the Ray address."""
-    _check_output(config.output.uri, input_uri=input.uri)
+def check_input_run(
+    config: PipelineConfig, input: InputConfig, mode: Literal["backfill", "daily"], place: Output
+) -> None:
+    """`check_run` of a backfill or a daily of `input` (`raypipe.config.run_input`) into
+    `place`, the run's output: the output, the input (its quarantined shards left out), the Ray
+    address."""
+    _check_output(place.uri, input_uri=input.uri)
     from raypipe.plan.planning import check_input
 
-    check_input(input, mode, quarantined=_quarantined(config.output.uri))
+    check_input(input, mode, quarantined=_quarantined(place))
     _check_ray()
 
 
@@ -107,17 +116,18 @@ def check_watch(config: PipelineConfig, input: InputConfig) -> None:
     _check_ray()
 
 
-def check_replay(config: PipelineConfig, of_run: str | None) -> None:
-    """`check_run` of a replay of run `of_run`: the output holds it, the Ray address."""
-    _check_output(config.output.uri)
+def check_replay(config: PipelineConfig, of_run: str | None, place: Output) -> None:
+    """`check_run` of a replay of run `of_run` on `place`, the run's output: the output holds
+    it, the Ray address."""
+    _check_output(place.uri)
     if of_run is None:
         raise ConfigError("a replay needs the run whose dead letters to replay: --run-id RUN")
     check_run_id(of_run, what="--run-id")
-    _check_replay(config.output.uri, of_run)
+    _check_replay(place, of_run)
     _check_ray()
 
 
-def _quarantined(output: str) -> frozenset[str]:
+def _quarantined(output: Output) -> frozenset[str]:
     """The shards quarantined on the output, which planning skips; none if it cannot be read
     (the output's own check reports an unreadable output)."""
     from raypipe.commit.upkeep import quarantined
@@ -246,20 +256,18 @@ def _comparable(uri: str) -> str | None:
 
 
 # -- replay -----------------------------------------------------------------------------------
-def _check_replay(output: str, of_run: str) -> None:
+def _check_replay(place: Output, of_run: str) -> None:
     from raypipe.commit.outcomes import read_outcomes
-    from raypipe.commit.table import OutcomeTable
-    from raypipe.store import OutputStore
 
-    if not OutcomeTable(output).exists():
+    output, store = place.uri, place.store
+    if not place.table.exists():
         raise ConfigError(
             f"output {output} holds no outcomes table: give --output of the run to replay "
             "(an output of the earlier layout needs `raypipe migrate` first)"
         )
-    store = OutputStore(output)
     if store.exists(store.report_file(of_run)):
         return
-    if read_outcomes(output, of_run, columns=["unit"]).num_rows:
+    if read_outcomes(place.table, of_run, columns=["unit"]).num_rows:
         return
     runs = [posixpath.basename(p)[: -len(".json")] for p in store.list_files(store.path("runs"), ".json")]
     runs = [r for r in runs if ".replay-" not in r]

@@ -19,6 +19,7 @@ import pytest
 
 import raypipe
 from raypipe.api import build_config
+from raypipe.commit.output import Output
 from raypipe.commit.table import OutcomeTable
 from raypipe.errors import ConfigError, ServiceTlsError
 from raypipe.run import modes
@@ -64,7 +65,7 @@ def test_backfill_through_tls_has_every_id_in_the_results(tmp_path, corpus, tls_
     before = len(tls_proxy.sessions)
 
     assert config.input is not None
-    report = modes.backfill(config, config.input)
+    report = modes.backfill(config, config.input, Output.at(config.output.uri))
 
     assert report.status == "completed", report.render()
     rows = raypipe.read_outcomes(out)

@@ -35,6 +35,7 @@ from raypipe.api import build_config
 from raypipe.commit import upkeep
 from raypipe.commit.fence import UnitCommitter
 from raypipe.commit.lease import Lease
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import PipelineConfig
 from raypipe.errors import SinkError
@@ -298,13 +299,13 @@ class World:
             try:
                 if mode == "backfill":
                     assert config.input is not None
-                    out.report = modes.backfill(config, config.input)
+                    out.report = modes.backfill(config, config.input, Output.at(config.output.uri))
                 elif mode == "daily":
                     assert config.input is not None
-                    out.report = modes.daily(config, config.input, since=since)
+                    out.report = modes.daily(config, config.input, Output.at(config.output.uri), since=since)
                 else:
                     assert of_run is not None
-                    out.report = modes.replay(config, of_run=of_run)
+                    out.report = modes.replay(config, Output.at(config.output.uri), of_run=of_run)
             except Killed:
                 out.killed = True
             except Exception as e:

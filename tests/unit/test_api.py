@@ -74,3 +74,33 @@ def test_every_error_a_caller_may_catch_is_exported():
     assert set(errors.__all__) - set(raypipe.__all__) == INTERNAL_ERRORS
     for name in set(errors.__all__) - INTERNAL_ERRORS:
         assert getattr(raypipe, name) is getattr(errors, name)
+
+
+@pytest.mark.parametrize("mode", ["backfill", "daily"])
+def test_a_run_call_builds_its_outputs_owner_once_and_gives_that_one_to_the_checks_and_the_run(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The output URI is turned into its `Output` (files + table) once per call; the preflight
+    (its quarantine look) and the run mode get that object, and neither builds another."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raypipe.commit.output import Output
+    from raypipe.run import modes
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), tmp_path / "in" / "part-0.parquet")
+    built: list[Output] = []
+    real_at = Output.at.__func__  # type: ignore[attr-defined]
+
+    def counting_at(cls: type[Output], uri: str) -> Output:
+        built.append(real_at(cls, uri))
+        return built[-1]
+
+    monkeypatch.setattr(Output, "at", classmethod(counting_at))
+    given: list[Output | None] = []
+    monkeypatch.setattr(modes, mode, lambda config, source, *place, **kw: given.extend(place or [None]) or "report")
+    run = getattr(raypipe, mode)
+
+    assert run(str(tmp_path / "in"), str(tmp_path / "out"), service="127.0.0.1:1") == "report"
+    assert len(built) == 1 and given == built

@@ -32,7 +32,7 @@ def config(tmp_path: Any, **settings: Any) -> PipelineConfig:
 
 def backfill(cfg: PipelineConfig) -> RunReport:
     assert cfg.input is not None
-    return modes.backfill(cfg, cfg.input)
+    return modes.backfill(cfg, cfg.input, Output.at(cfg.output.uri))
 
 
 class Story:
@@ -170,7 +170,8 @@ def test_a_daily_needs_an_aware_since(tmp_path):
     from datetime import datetime
 
     with pytest.raises(ConfigError, match="timezone-aware"):
-        modes.daily(config(tmp_path), InputConfig(uri=str(tmp_path / "in")), since=datetime(2026, 1, 1))
+        cfg = config(tmp_path)
+        modes.daily(cfg, InputConfig(uri=str(tmp_path / "in")), Output.at(cfg.output.uri), since=datetime(2026, 1, 1))
 
 
 # -- replay: its id and its plan, on a real table ---------------------------------------------------

@@ -374,10 +374,11 @@ def test_report_of_an_unknown_run_names_the_nearest_one(tmp_path):
 def test_check_run_takes_a_replay_to_its_checks_and_a_backfill_to_the_input_checks(tmp_path):
     """`check_run` is `check_replay` for a replay (its run named first) and `check_input_run`
     for a backfill or a daily (an input required): the same refusals either way in."""
+    from raypipe.commit.output import Output
     from raypipe.config import run_input
     from raypipe.run.preflight import check_replay
 
-    for check in (lambda c: check_run(c, "replay"), lambda c: check_replay(c, None)):
+    for check in (lambda c: check_run(c, "replay"), lambda c: check_replay(c, None, Output.at(c.output.uri))):
         with pytest.raises(ConfigError, match="needs the run whose dead letters to replay"):
             check(config(tmp_path))
     no_input = config(tmp_path).model_copy(update={"input": None})

@@ -34,6 +34,7 @@ def test_parquet_round_trips_and_a_pickled_store_opens_its_own_filesystem(tmp_pa
 
 def test_the_cli_sets_shards_aside_and_releases_them(tmp_path, capsys):
     from raypipe.cli import main
+    from raypipe.commit.output import Output
     from raypipe.commit.upkeep import quarantined
 
     out, shard = str(tmp_path / "out"), "s3://b/in/x.parquet"
@@ -43,7 +44,7 @@ def test_the_cli_sets_shards_aside_and_releases_them(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     assert main(["shards", "quarantine", "--output", out, shard, "--reason", "vendor broke it"]) == 0
     assert json.loads(capsys.readouterr().out) == {"quarantined": [shard]}
-    assert quarantined(out) == frozenset({shard})
+    assert quarantined(Output.at(out)) == frozenset({shard})
     assert main(["shards", "release", "--output", out, shard]) == 0
     assert json.loads(capsys.readouterr().out) == {"quarantined": []}
-    assert quarantined(out) == frozenset()
+    assert quarantined(Output.at(out)) == frozenset()

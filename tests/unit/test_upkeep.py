@@ -157,7 +157,7 @@ def test_the_quarantine_holds_what_an_operator_set_aside_until_released(tmp_path
     out = str(tmp_path)
     store = OutputStore(out)
     store.write_json(store.state("quarantine.json"), {"shards": {"s3://b/in/old.parquet": {"reason": "r", "at": "t"}}})
-    assert quarantined(out) == frozenset({"s3://b/in/old.parquet"})  # an earlier release's file
+    assert quarantined(Output.at(out)) == frozenset({"s3://b/in/old.parquet"})  # an earlier release's file
     assert quarantine(out, ["s3://b/in/x.parquet", "s3://b/in/y.parquet"], reason="vendor broke them") == [
         "s3://b/in/old.parquet",
         "s3://b/in/x.parquet",
@@ -166,7 +166,7 @@ def test_the_quarantine_holds_what_an_operator_set_aside_until_released(tmp_path
     assert quarantine(out, ["s3://b/in/x.parquet", "s3://b/in/old.parquet"], reason="", release=True) == [
         "s3://b/in/y.parquet"
     ]
-    assert quarantined(out) == frozenset({"s3://b/in/y.parquet"})
+    assert quarantined(Output.at(out)) == frozenset({"s3://b/in/y.parquet"})
     assert len(store.list_files(store.state("quarantine"), ".json")) == 2  # immutable files, the table names one
 
 
@@ -180,5 +180,5 @@ def test_the_quarantine_is_changed_holding_the_output(tmp_path):
             quarantine(out, ["s3://b/in/x.parquet"], reason="broken")
     finally:
         run.release()
-    assert quarantined(out) == frozenset()
+    assert quarantined(Output.at(out)) == frozenset()
     assert quarantine(out, ["s3://b/in/x.parquet"], reason="broken") == ["s3://b/in/x.parquet"]
