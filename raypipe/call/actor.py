@@ -2,7 +2,7 @@
 
 Ray Data hands the actor whole blocks, one per work unit (`raypipe.run.read`). For a unit the
 actor splits the sendable rows into length-sorted micro-batches and sends them all at once.
-Each micro-batch is one *call*, and a call goes through, in this order:
+Each micro-batch is one *call* (`raypipe.call.caller`), and a call goes through, in this order:
 
     limiter (one in-flight slot, held for the whole call, retries and backoff included)
       -> breaker (one permit per call; waits while the service is down)
@@ -41,13 +41,12 @@ calls over its finished and in-flight units and writes it to the output on a tim
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,12 +54,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.call.breaker import CircuitBreaker, Permit
+from raypipe.call.breaker import CircuitBreaker
+from raypipe.call.caller import Outcome, ServiceCaller
 from raypipe.call.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
 from raypipe.call.dedup import TextIndex
 from raypipe.call.limiter import AdaptiveLimiter, FixedLimiter, Limiter
 from raypipe.call.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
-from raypipe.call.retry import RetryPolicy, call_with_retries
 from raypipe.commit.fence import UnitCommitter
 from raypipe.commit.rows import Answers, DeadLetters, unit_rows
 from raypipe.commit.table import now_utc, text_hashes
@@ -86,15 +85,6 @@ __all__ = ["CALL_TEXT_BYTES", "SUMMARY_SCHEMA", "ActorSettings", "InferenceActor
 
 logger = logging.getLogger("raypipe")
 
-_OVERLOAD = frozenset({"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
-# The canary: a paragraph no model rejects, so its failure can only be the service's.
-_CANARY_ID = "raypipe-canary"
-_CANARY_TEXT = "The weather is fine today."
-
-
-# (latency, dropped, answer) of an attempt the limiter may learn from.
-_Sample = tuple[float, bool, BatchResult | None]
-
 
 #: The most text bytes one call carries, a quarter of the channel's message limit
 #: (`raypipe.call.channel`): a micro-batch of very long documents is cut short rather than
@@ -118,13 +108,13 @@ def micro_batches(order: np.ndarray, nbytes: np.ndarray, size: int, max_bytes: i
     return batches
 
 
-def _within(rows: np.ndarray, nbytes: np.ndarray, max_bytes: int) -> tuple[np.ndarray, list[_Outcome]]:
+def _within(rows: np.ndarray, nbytes: np.ndarray, max_bytes: int) -> tuple[np.ndarray, list[Outcome]]:
     """(the rows whose text is at most `max_bytes`, a `too_large` dead letter for each other one)."""
     over = nbytes[rows] > max_bytes
     if not over.any():
         return rows, []
     dead = [
-        _Outcome(
+        Outcome(
             np.array([i], np.int64),
             error=TextTooLargeError(
                 f"too large: a text of {int(nbytes[i]):,} bytes is over client.max_text_bytes ({max_bytes:,}); "
@@ -156,7 +146,7 @@ def _duplicates_by_first(rows: np.ndarray, first_of: np.ndarray) -> dict[int, np
     return {int(rows[f]): rows[group] for f, group in zip(firsts, np.split(later, starts[1:]), strict=True)}
 
 
-def _share_answers(sent: list[_Outcome], duplicates: dict[int, np.ndarray]) -> list[_Outcome]:
+def _share_answers(sent: list[Outcome], duplicates: dict[int, np.ndarray]) -> list[Outcome]:
     """The fates of rows that shared a text with a row sent: the same answer, or the same error."""
     if not duplicates:
         return []
@@ -167,7 +157,7 @@ def _share_answers(sent: list[_Outcome], duplicates: dict[int, np.ndarray]) -> l
             if dups is None:
                 continue
             if o.result is None:
-                shared.append(_Outcome(dups, error=o.error, attempts=o.attempts))
+                shared.append(Outcome(dups, error=o.error, attempts=o.attempts))
                 continue
             r = o.result
             answer = BatchResult(
@@ -176,20 +166,8 @@ def _share_answers(sent: list[_Outcome], duplicates: dict[int, np.ndarray]) -> l
                 probabilities=np.repeat(r.probabilities[pos : pos + 1], len(dups), axis=0),
                 truncated=np.repeat(r.truncated[pos : pos + 1], len(dups)),
             )
-            shared.append(_Outcome(dups, result=answer))
+            shared.append(Outcome(dups, result=answer))
     return shared
-
-
-class _StalePermit(Exception):
-    """The breaker opened after this call's permit was issued: the attempt must not go out."""
-
-
-class _RowsSuspect(Exception):
-    """A call failed while a canary under its permit passed: its rows, not the service, are at fault."""
-
-    def __init__(self, error: ModelServiceError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 SUMMARY_SCHEMA = pa.schema(
@@ -226,16 +204,6 @@ class ActorSettings:
     """Where the actor's metrics go (calls by status, latency, breaker, in-flight limit)."""
 
 
-@dataclass
-class _Outcome:
-    """The fate of some rows of a unit: probabilities, or the error that ended them."""
-
-    rows: np.ndarray  # indices into the unit's table
-    result: BatchResult | None = None
-    error: BaseException | None = None
-    attempts: int = 0
-
-
 class InferenceActor:
     """A Ray Data callable class (`map_batches(InferenceActor, ...)`), async."""
 
@@ -247,6 +215,7 @@ class InferenceActor:
         self._client: ModelClient | None = None
         self._breaker: CircuitBreaker | None = None
         self._limiter: Limiter | None = None
+        self._caller: ServiceCaller | None = None
         self._seq = 0
         self._metrics: Metrics = NullMetrics()
         self._gauges: ActorGauges | None = None
@@ -300,8 +269,15 @@ class InferenceActor:
                     self._metrics, self._breaker, self._limiter, actor=self._actor_id, interval_s=spec.gauge_interval_s
                 )
                 self._gauges.start()
+            self._caller = ServiceCaller(self._client, self._breaker, self._limiter, c.retry)
         assert self._breaker is not None and self._limiter is not None
         return self._client, self._breaker, self._limiter
+
+    def _service_caller(self) -> ServiceCaller:
+        """The actor's `ServiceCaller`, over its client, breaker and limiter (made on first use)."""
+        self._components()
+        assert self._caller is not None
+        return self._caller
 
     async def __call__(self, block: pa.Table) -> pa.Table:
         loop = asyncio.get_running_loop()
@@ -377,7 +353,7 @@ class InferenceActor:
         ids = rows.column("id").to_pylist()
         stats.rows = len(ids)
         bad = rows.column("_bad").to_pylist()
-        refused = [_Outcome(np.array([i], np.int64), error=_bad_row(bad[i], ids[i])) for i in range(len(ids))
+        refused = [Outcome(np.array([i], np.int64), error=_bad_row(bad[i], ids[i])) for i in range(len(ids))
                    if bad[i] is not None or not ids[i]]  # fmt: skip
         unsendable = {int(o.rows[0]) for o in refused}
         sendable = np.array(
@@ -396,7 +372,7 @@ class InferenceActor:
         # A TaskGroup: when one batch raises (the service stayed down), the others are cancelled.
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._classify(b, ids, texts, stats)) for b in batches]
+                tasks = [group.create_task(self._service_caller().classify(b, ids, texts, stats)) for b in batches]
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
         sent = [o for t in tasks for o in t.result()]
@@ -419,7 +395,7 @@ class InferenceActor:
             inferred_at=now_utc(),
         )
 
-    def _fates(self, outcomes: list[_Outcome], stats: UnitStats) -> tuple[list[Answers], list[DeadLetters]]:
+    def _fates(self, outcomes: list[Outcome], stats: UnitStats) -> tuple[list[Answers], list[DeadLetters]]:
         """The outcomes as the table's answers and dead letters, counted in the unit's stats."""
         labels = self._settings.labels
         answers, dead_letters = [], []
@@ -440,14 +416,14 @@ class InferenceActor:
 
     async def _reuse_answers(
         self, sendable: np.ndarray, hashes: np.ndarray, stats: UnitStats
-    ) -> tuple[list[_Outcome], np.ndarray, dict[int, np.ndarray]]:
+    ) -> tuple[list[Outcome], np.ndarray, dict[int, np.ndarray]]:
         """Rows whose text already has a committed answer of this model (`raypipe.call.dedup`), and
         rows whose text another row of the unit sends: (answered rows, rows still to send,
         {row sent: the rows that share its text}). `hashes` are the unit's text hashes."""
         if not len(sendable):
             return [], sendable, {}
         hashes = hashes[sendable]
-        copied: list[_Outcome] = []
+        copied: list[Outcome] = []
         index = await self._text_index()
         if index is not None:
             pos = index.lookup(hashes)
@@ -459,7 +435,7 @@ class InferenceActor:
                     probabilities=index.probabilities[pos[hit]],
                     truncated=index.truncated[pos[hit]],
                 )
-                copied.append(_Outcome(sendable[hit], result=answer))
+                copied.append(Outcome(sendable[hit], result=answer))
                 stats.copied += int(hit.sum())
                 sendable, hashes = sendable[~hit], hashes[~hit]
         _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
@@ -476,164 +452,6 @@ class InferenceActor:
 
             self._index = await asyncio.to_thread(ray.get, ref)
         return self._index
-
-    async def _classify(
-        self, batch: np.ndarray, ids: Sequence[str], texts: Sequence[str], stats: UnitStats
-    ) -> list[_Outcome]:
-        """Classifies a micro-batch until it is answered, or its rows are proven at fault.
-
-        `CircuitOpenError` (the service stayed down) propagates: the unit is not committed.
-        """
-        batch_ids = [ids[i] for i in batch]
-        batch_texts = [texts[i] for i in batch]
-        attempts = 0
-        failed_calls = 0
-        max_calls = self._settings.client.retry.max_attempts
-        while True:
-            try:
-                result = await self._call(batch_ids, batch_texts, stats)
-                return [_Outcome(batch, result=result)]
-            except _RowsSuspect as suspect:
-                error: ModelServiceError = suspect.error  # the canary passed: these rows are at fault
-                attempts += error.attempts
-            except ModelServiceError as e:
-                attempts += e.attempts
-                failed_calls += 1
-                if not e.service_fault or failed_calls < max_calls:
-                    stats.retries += 1  # the service is down, slow, or fails every call alike: send again
-                    continue
-                # Service codes on this batch, call after call: does the service answer others?
-                if not await self._service_answers(stats):
-                    continue
-                error = e
-            if len(batch) > 1:
-                mid = len(batch) // 2
-                left, right = await asyncio.gather(
-                    self._classify(batch[:mid], ids, texts, stats),
-                    self._classify(batch[mid:], ids, texts, stats),
-                )
-                return left + right
-            return [_Outcome(batch, error=error, attempts=attempts)]
-
-    async def _service_answers(self, stats: UnitStats) -> bool:
-        """A canary call of its own: does the service answer a call that cannot be at fault?"""
-        stats.canaries += 1
-        try:
-            await self._call([_CANARY_ID], [_CANARY_TEXT], stats, canary=True)
-        except (ModelServiceError, _RowsSuspect):
-            return False
-        return True
-
-    async def _canary(self, stats: UnitStats, permit: Permit) -> bool:
-        """The canary under a failed call's own permit (so a half-open probe can be attributed too)."""
-        stats.canaries += 1
-        try:
-            await call_with_retries(
-                functools.partial(self._attempt, [_CANARY_ID], [_CANARY_TEXT], stats, permit, []),
-                self._retry_policy(),
-            )
-        except (ModelServiceError, _StalePermit):
-            return False
-        return True
-
-    def _retry_policy(self) -> RetryPolicy:
-        r = self._settings.client.retry
-        return RetryPolicy(
-            max_attempts=r.max_attempts, initial_backoff_s=r.initial_backoff_s, max_backoff_s=r.max_backoff_s
-        )
-
-    async def _call(self, ids: list[str], texts: list[str], stats: UnitStats, *, canary: bool = False) -> BatchResult:
-        """One call: an in-flight slot, a breaker permit, then attempts until it succeeds or fails for good.
-
-        The limiter's slot is held for the whole call, retries and backoff included, so an
-        outage costs at most `limit` calls' attempts before the breaker opens. The breaker
-        records the call's outcome once. A failure on a code that may be the rows' fault is
-        attributed first, by a canary under the same permit: if the canary passes, the service
-        is fine (a success for the breaker) and `_RowsSuspect` tells the caller to isolate rows.
-        """
-        _, breaker, limiter = self._components()
-        last: list[_Sample] = []
-
-        def on_retry(attempt_number: int, exc: BaseException) -> None:
-            stats.retries += 1
-
-        await limiter.acquire()
-        try:
-            while True:
-                permit = await breaker.acquire()
-                success = False
-                try:
-                    result = await call_with_retries(
-                        functools.partial(self._attempt, ids, texts, stats, permit, last),
-                        self._retry_policy(),
-                        on_retry=on_retry,
-                    )
-                    success = True
-                    return result
-                except _StalePermit:
-                    continue  # the breaker opened while this call waited: wait on it again
-                except ModelServiceError as e:
-                    if not e.service_fault and not canary and await self._canary(stats, permit):
-                        success = True
-                        raise _RowsSuspect(e) from e
-                    raise
-                finally:
-                    breaker.record(permit, success=success)
-        finally:
-            self._release(limiter, last[-1] if last else None)
-
-    async def _attempt(
-        self, ids: list[str], texts: list[str], stats: UnitStats, permit: Permit, samples: list[_Sample]
-    ) -> BatchResult:
-        """One attempt: check the breaker still admits the call, call the service, note what it said.
-
-        The breaker is checked right before the RPC, so an attempt admitted while it was
-        closed cannot go out after it opened: only the attempts already in flight fail when the
-        service goes away. The limiter learns only from answers (with the replica's report of
-        its queue) and overload signals; other failures say nothing about load (`samples` gets
-        an entry only for those).
-        """
-        client, breaker, _ = self._components()
-        if not breaker.admits(permit):
-            raise _StalePermit()
-        started = time.monotonic()
-        if stats.first_call_at is None:
-            stats.first_call_at = time.time()
-        try:
-            result = await client.classify(ids, texts)
-        except ModelServiceError as e:
-            latency = time.monotonic() - started
-            if e.status_code in _OVERLOAD:
-                samples.append((latency, True, None))
-            self._count_call(stats, e.status_code, latency)
-            raise
-        latency = time.monotonic() - started
-        samples.append((latency, False, result))
-        self._count_call(stats, "OK", latency)
-        if result.server is not None:
-            stats.model_cpu_s += result.server.model_cpu_s
-        return result
-
-    @staticmethod
-    def _release(limiter: Limiter, sample: _Sample | None) -> None:
-        """Frees the call's slot, teaching the limiter from the call's last answer or overload signal."""
-        if sample is None:
-            limiter.release_ignored()
-            return
-        latency, dropped, answer = sample
-        server = answer.server if answer is not None else None
-        limiter.release(
-            latency_s=latency,
-            dropped=dropped,
-            replica_s=server.replica_s if server else None,
-            batches_ahead=server.batches_ahead if server else None,
-        )
-
-    @staticmethod
-    def _count_call(stats: UnitStats, status: str, latency_s: float) -> None:
-        stats.calls += 1
-        stats.status_counts[status] += 1
-        stats.latency.add(latency_s)
 
     def _actor_snapshot(self) -> dict[str, Any]:
         """The actor's breaker and limiter figures, and its call tally over every unit it worked
