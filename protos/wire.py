@@ -9,7 +9,7 @@ APPLICATION_KEY = "application"
 
 MAX_MESSAGE_BYTES = 32 * 2**20
 """Largest gRPC message either side accepts: a call's texts are cut at 16 MiB (the client's call
-cap, `raypipe.call.actor.CALL_TEXT_BYTES`); twice that leaves room for ids and framing, and a
+cap, `raypipe.call.batches.CALL_TEXT_BYTES`); twice that leaves room for ids and framing, and a
 bigger message is refused before it is read whole (Serve's own limit is 2 GiB)."""
 
 SERVICER_FUNCTION = "protos.raypipe.v1.emotion_pb2_grpc.add_EmotionClassifierServicer_to_server"

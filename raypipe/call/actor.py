@@ -54,6 +54,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypipe.call.batches import (
+    CALL_TEXT_BYTES,
+    bad_row,
+    duplicates_by_first,
+    micro_batches,
+    share_answers,
+    within_bytes,
+)
 from raypipe.call.breaker import CircuitBreaker
 from raypipe.call.caller import Outcome, ServiceCaller
 from raypipe.call.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
@@ -65,109 +73,19 @@ from raypipe.commit.rows import Answers, DeadLetters, unit_rows
 from raypipe.commit.table import now_utc, text_hashes
 from raypipe.config import ClientConfig, ServiceConfig
 from raypipe.errors import (
-    BadRowError,
     CircuitOpenError,
     ConfigError,
-    InvalidIdError,
-    InvalidRowError,
-    InvalidTextError,
     LeaseLostError,
-    MissingIdError,
     ModelServiceError,
     SinkError,
-    TextTooLargeError,
 )
 from raypipe.report import UnitStats
 from raypipe.store import OutputStore
 from raypipe.tally import WRITE_INTERVAL_S, CallTally, tally_path
 
-__all__ = ["CALL_TEXT_BYTES", "SUMMARY_SCHEMA", "ActorSettings", "InferenceActor", "micro_batches"]
+__all__ = ["SUMMARY_SCHEMA", "ActorSettings", "InferenceActor"]
 
 logger = logging.getLogger("raypipe")
-
-
-#: The most text bytes one call carries, a quarter of the channel's message limit
-#: (`raypipe.call.channel`): a micro-batch of very long documents is cut short rather than
-#: refused by gRPC (the model reads only its first tokens of each anyway).
-CALL_TEXT_BYTES = 16 * 2**20
-
-
-def micro_batches(order: np.ndarray, nbytes: np.ndarray, size: int, max_bytes: int) -> list[np.ndarray]:
-    """`order` cut into runs of at most `size` rows and `max_bytes` of text (`nbytes`, in the
-    same order), a longer text alone in its run."""
-    starts = np.arange(0, len(order), size)
-    if not len(order) or (np.add.reduceat(nbytes, starts) <= max_bytes).all():
-        return [order[i : i + size] for i in starts]
-    batches, start, total = [], 0, 0
-    for i, n in enumerate(nbytes.tolist()):
-        if i > start and (i - start == size or total + n > max_bytes):
-            batches.append(order[start:i])
-            start, total = i, 0
-        total += n
-    batches.append(order[start:])
-    return batches
-
-
-def _within(rows: np.ndarray, nbytes: np.ndarray, max_bytes: int) -> tuple[np.ndarray, list[Outcome]]:
-    """(the rows whose text is at most `max_bytes`, a `too_large` dead letter for each other one)."""
-    over = nbytes[rows] > max_bytes
-    if not over.any():
-        return rows, []
-    dead = [
-        Outcome(
-            np.array([i], np.int64),
-            error=TextTooLargeError(
-                f"too large: a text of {int(nbytes[i]):,} bytes is over client.max_text_bytes ({max_bytes:,}); "
-                "it was not sent (shorten it: the model reads only its first tokens)"
-            ),
-        )
-        for i in rows[over].tolist()
-    ]
-    return rows[~over], dead
-
-
-def _bad_row(reason: str | None, row_id: str | None) -> BadRowError:
-    """The dead letter's error for a row that is never sent (`reason` from `raypipe.run.read`)."""
-    if reason is None:
-        return MissingIdError("the id is null or empty: the row cannot be told apart; see source and row")
-    kind, _, detail = reason.partition(": ")
-    error = {cls.kind: cls for cls in (InvalidIdError, InvalidRowError, InvalidTextError)}.get(kind, InvalidTextError)
-    return error(f"{kind.replace('_', ' ')}: {detail}")
-
-
-def _duplicates_by_first(rows: np.ndarray, first_of: np.ndarray) -> dict[int, np.ndarray]:
-    """{row sent: the later rows with its text}, in row order, from each position's first
-    position with the same text (`first_of`); sorted once, not one mask per distinct text."""
-    later = np.flatnonzero(first_of != np.arange(len(rows)))
-    if not len(later):
-        return {}
-    later = later[np.argsort(first_of[later], kind="stable")]
-    firsts, starts = np.unique(first_of[later], return_index=True)
-    return {int(rows[f]): rows[group] for f, group in zip(firsts, np.split(later, starts[1:]), strict=True)}
-
-
-def _share_answers(sent: list[Outcome], duplicates: dict[int, np.ndarray]) -> list[Outcome]:
-    """The fates of rows that shared a text with a row sent: the same answer, or the same error."""
-    if not duplicates:
-        return []
-    shared = []
-    for o in sent:
-        for pos, row in enumerate(o.rows.tolist()):
-            dups = duplicates.get(row)
-            if dups is None:
-                continue
-            if o.result is None:
-                shared.append(Outcome(dups, error=o.error, attempts=o.attempts))
-                continue
-            r = o.result
-            answer = BatchResult(
-                labels=r.labels,
-                model_version=r.model_version,
-                probabilities=np.repeat(r.probabilities[pos : pos + 1], len(dups), axis=0),
-                truncated=np.repeat(r.truncated[pos : pos + 1], len(dups)),
-            )
-            shared.append(Outcome(dups, result=answer))
-    return shared
 
 
 SUMMARY_SCHEMA = pa.schema(
@@ -353,7 +271,7 @@ class InferenceActor:
         ids = rows.column("id").to_pylist()
         stats.rows = len(ids)
         bad = rows.column("_bad").to_pylist()
-        refused = [Outcome(np.array([i], np.int64), error=_bad_row(bad[i], ids[i])) for i in range(len(ids))
+        refused = [Outcome(np.array([i], np.int64), error=bad_row(bad[i], ids[i])) for i in range(len(ids))
                    if bad[i] is not None or not ids[i]]  # fmt: skip
         unsendable = {int(o.rows[0]) for o in refused}
         sendable = np.array(
@@ -366,7 +284,7 @@ class InferenceActor:
         copied, sendable, duplicates = await self._reuse_answers(sendable, hashes, stats)
         # Length-sorted micro-batches: neighbours pad to the same bucket on the server.
         lengths = pc.binary_length(rows.column("text")).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-        sendable, too_large = _within(sendable, lengths, self._settings.client.max_text_bytes)
+        sendable, too_large = within_bytes(sendable, lengths, self._settings.client.max_text_bytes)
         order = sendable[np.argsort(lengths[sendable], kind="stable")]
         batches = micro_batches(order, lengths[order], self._settings.client.micro_batch_size, CALL_TEXT_BYTES)
         # A TaskGroup: when one batch raises (the service stayed down), the others are cancelled.
@@ -380,7 +298,7 @@ class InferenceActor:
             if o.result is not None:
                 stats.answered_by[o.result.setting or "unknown"] += len(o.rows)
         # A text too large is refused once; the rows that repeat it share its dead letter.
-        outcomes = refused + copied + too_large + sent + _share_answers(too_large + sent, duplicates)
+        outcomes = refused + copied + too_large + sent + share_answers(too_large + sent, duplicates)
         answers, dead_letters = self._fates(outcomes, stats)
         stats.empty_text = len(empty)
         return unit_rows(
@@ -439,7 +357,7 @@ class InferenceActor:
                 stats.copied += int(hit.sum())
                 sendable, hashes = sendable[~hit], hashes[~hit]
         _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-        duplicates = _duplicates_by_first(sendable, first[inverse.ravel()])
+        duplicates = duplicates_by_first(sendable, first[inverse.ravel()])
         stats.copied += sum(len(d) for d in duplicates.values())
         return copied, np.sort(sendable[first]), duplicates
 

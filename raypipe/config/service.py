@@ -207,7 +207,7 @@ class ClientConfig(Frozen):
     messages over 32 MiB); the model reads only its first `max_sequence_length` tokens anyway."""
     micro_batch_size: int = Field(128, ge=1, le=4096)
     """Most paragraphs per Classify call (1: one call per paragraph); a call also stops at
-    16 MiB of text (`raypipe.call.actor.CALL_TEXT_BYTES`), so long documents go in smaller
+    16 MiB of text (`raypipe.call.batches.CALL_TEXT_BYTES`), so long documents go in smaller
     calls. A call costs the actor, Serve's proxy and the replica a fixed share besides its rows, and a
     call of many length-sorted rows splits into forward passes that pad little and spread
     evenly over the replica's model threads (docs/performance.md, "What a bigger call buys",

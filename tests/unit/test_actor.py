@@ -12,7 +12,8 @@ import pyarrow.compute
 import pyarrow.parquet as pq
 import pytest
 
-from raypipe.call.actor import CALL_TEXT_BYTES, ActorSettings, InferenceActor, micro_batches
+from raypipe.call.actor import ActorSettings, InferenceActor
+from raypipe.call.batches import CALL_TEXT_BYTES, micro_batches
 from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.table import OutcomeTable
@@ -333,12 +334,12 @@ def test_an_actor_with_metrics_tells_its_gauges_of_each_committed_unit(tmp_path,
 
 
 def test_rows_sharing_a_text_are_grouped_under_the_first_in_row_order():
-    from raypipe.call.actor import _duplicates_by_first
+    from raypipe.call.batches import duplicates_by_first
 
     rows = np.array([3, 5, 8, 9, 12, 20], np.int64)
     # Positions 0, 2 and 5 share a text; 1 and 4 another; 3 is alone.
     first_of = np.array([0, 1, 0, 3, 1, 0])
-    groups = _duplicates_by_first(rows, first_of)
+    groups = duplicates_by_first(rows, first_of)
     assert sorted(groups) == [3, 5]
     assert groups[3].tolist() == [8, 20] and groups[5].tolist() == [12]
-    assert _duplicates_by_first(rows, np.arange(6)) == {}
+    assert duplicates_by_first(rows, np.arange(6)) == {}
