@@ -7,8 +7,7 @@ are kept in DDSketches (bounded memory, mergeable, every quantile within a state
 error of the exact one), so summaries from many actors and attempts merge into one.
 """
 
-from raypipe.report.render import render_cost, render_startup
-from raypipe.report.run import RunReport
+from raypipe.report.run import RunReport, render_cost, render_startup
 from raypipe.report.stats import LATENCY_RELATIVE_ERROR, AttemptStats, CallTally, LatencySketch, UnitStats
 
 __all__ = [

@@ -1,15 +1,31 @@
 """`RunReport`: what happened to every row and call of a run, built from its committed units'
-summaries and the table's row counts."""
+summaries and the table's row counts, and rendered as the summary a run prints (text, or an
+HTML table in Jupyter)."""
 
 from __future__ import annotations
 
+import html
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from raypipe.report.render import render_html, render_text
 from raypipe.report.stats import LATENCY_RELATIVE_ERROR, AttemptStats, LatencySketch
+
+
+def render_startup(startup: dict[str, float]) -> str:
+    """The report's start-up line: seconds from the attempt's start to each step reached."""
+    steps = (("ray_s", "Ray ready"), ("first_call_s", "first call"), ("first_unit_s", "first unit done"))
+    return " | ".join(f"{label} {startup[key]:,.1f} s" for key, label in steps if startup.get(key) is not None)
+
+
+def render_cost(cost: dict[str, Any]) -> str:
+    """The report's cost line from `raypipe.run.cost.Cost.to_dict`."""
+    return (
+        f"{cost['cpu_s_per_1k']:,.2f} CPU-s per 1,000 paragraphs (model {cost['model_share']:.0%})"
+        f" | ${cost['usd_per_million']:,.3f} per million at ${cost['core_hour_usd']:g}/core-hour"
+        f" | {cost['cores_busy']:.2f} cores busy on {cost['nodes']} node(s)"
+    )
 
 
 @dataclass
@@ -142,9 +158,85 @@ class RunReport:
         return d
 
     def render(self) -> str:
-        """A human-readable summary, as printed at the end of a run (`render_text`)."""
-        return render_text(self)
+        """A human-readable summary, as printed at the end of a run."""
+        lines = [
+            f"run {self.run_id} ({self.mode}): {self.status.upper()}" + (f" - {self.error}" if self.error else ""),
+            f"  output        {self.output}",
+            f"  model         {self.model_version}"
+            + (
+                " (rows answered by " + ", ".join(f"{v} {n:,}" for v, n in self.model_versions.items()) + ")"
+                if len(self.model_versions) > 1
+                else ""
+            ),
+            f"  rows          in {self.rows_in:,} | results {self.rows_results:,} "
+            f"(ok {self.rows_ok:,}, empty text {self.rows_empty_text:,}) | dead letters {self.rows_dead_letters:,}",
+            f"  units         {self.units_committed:,}/{self.units_total:,} committed"
+            f" | skipped as committed {self.units_skipped_committed:,} ({self.rows_skipped_committed:,} rows)",
+            f"  throughput    {self.throughput_rows_per_s:,.1f} rows/s over {self.wall_s:,.1f} s"
+            f" ({self.rows_this_attempt:,} rows this attempt) | commits {self.commit_s:,.1f} s",
+            f"  calls         {self.calls:,} (retries {self.retries:,}; rows answered without a call"
+            f" {self.rows_copied:,}) | latency ms p50 {self.latency_ms.get('p50')}"
+            f" p95 {self.latency_ms.get('p95')} p99 {self.latency_ms.get('p99')} max {self.latency_ms.get('max')}"
+            f" (quantiles ±{self.latency_relative_error:.0%})",
+            f"  breaker       openings {self.breaker_openings} | open {self.breaker_time_open_s:.1f} s"
+            f" | probes {self.breaker_probes}",
+        ]
+        if self.limiter:
+            lines.append(
+                f"  in-flight     limit min {self.limiter['min']} max {self.limiter['max']}"
+                f" final {self.limiter['final']} ({self.limiter['actors']} actor(s))"
+            )
+        if self.status_counts:
+            lines.append("  gRPC status   " + " | ".join(f"{k} {v:,}" for k, v in sorted(self.status_counts.items())))
+        if self.answered_by:
+            lines.append(
+                "  answered by   "
+                + " | ".join(f"{k} {v:,} rows" for k, v in sorted(self.answered_by.items(), key=lambda kv: -kv[1]))
+                + f" | without a call {self.rows_copied:,}"
+            )
+        if self.startup:
+            lines.append("  start-up      " + render_startup(self.startup))
+        if self.cost:
+            lines.append("  cost          " + render_cost(self.cost))
+        if self.dead_letter_kinds:
+            lines.append(
+                "  dead letters  " + " | ".join(f"{k} {v:,}" for k, v in sorted(self.dead_letter_kinds.items()))
+            )
+        if self.window:
+            lines.append(f"  window        updated_at in ({self.window.get('after')}, {self.window.get('until')}]")
+        files = (self.planning or {}).get("files")
+        if files:
+            lines.append(
+                f"  input files   new {files.get('new', 0):,} | changed {files.get('changed', 0):,}"
+                f" | read before {files.get('unchanged', 0):,} | skipped {len(self.skipped_files):,}"
+            )
+        planned = self.planning or {}
+        whole = planned.get("whole_files")
+        if whole:
+            lines.append(
+                f"  planning      {planned.get('footers_read', 0):,} footers read | {whole:,} small files "
+                "planned whole from their listed size (checked when read)"
+            )
+        future = (self.planning or {}).get("future_row_groups")
+        if future:
+            lines.append(
+                f"  future dates  {future:,} row group(s) with updated_at beyond now + skew (watermark unmoved)"
+            )
+        for skipped in self.skipped_files[:20]:
+            lines.append(f"  SKIPPED       {skipped['path']}: {skipped['reason']}")
+        if len(self.skipped_files) > 20:
+            lines.append(f"  SKIPPED       ... and {len(self.skipped_files) - 20:,} more (in the JSON report)")
+        for bad in self.bad_shards:
+            lines.append(f"  BAD SHARD     {bad['shard']}: {bad['error']}")
+        return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         """The same summary as `render`, as an HTML table (Jupyter shows it for a bare `report`)."""
-        return render_html(self)
+        title, *rows = self.render().split("\n")
+        colour = {"completed": "#1a7f37", "incomplete": "#9a6700"}.get(self.status, "#cf222e")
+        cells = "".join(
+            f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(line[2:16].strip())}</th>"
+            f"<td style='text-align:left'>{html.escape(line[16:])}</td></tr>"
+            for line in rows
+        )
+        return f"<div><p style='font-weight:bold;color:{colour}'>{html.escape(title)}</p><table>{cells}</table></div>"
