@@ -1,10 +1,14 @@
 """The precisions between OpenVINO fp32 and bf16, on every model the bench knows, through the gate.
 
-    python -m bench.precision [--models real-weights-minilm,bert-base] [--rounds 5] [--lock FILE] [--int8]
+    python -m bench.precision [--models real-weights-minilm,trained-bert-base] [--rounds 5] [--lock FILE]
+                              [--int8-max-reverts 3 | --no-int8]
 
 For each model, every OpenVINO precision this CPU supports (`serve_app.runtimes.supported_settings`:
 ``bf16`` and the candidates between it and fp32, `serve_app.compiled.BF16_PRECISIONS`, need native
-bf16) and int8 where its build exists (``--int8`` builds it: `serve_app.optimize.build_int8`):
+bf16) and int8. The int8 build is the one ``raypipe model optimize`` makes (`ensure_int8`: the fp32
+IR, then `serve_app.optimize.build_int8` calibrated on the default sample's calibration texts, at
+most ``--int8-max-reverts`` accuracy-control reverts); a current build is reused, a missing or
+stale one is built first (minutes), ``--no-int8`` leaves it out:
 
 1. **Agreement** of the top label with TensorFlow fp32, in domain (the held-out part of
    `serve_app.optimize.default_sample`, what ``raypipe model export`` measures) and out of domain
@@ -19,9 +23,10 @@ bf16) and int8 where its build exists (``--int8`` builds it: `serve_app.optimize
 3. **What the gate serves**: the fastest candidate that passes it.
 
 The real-weights MiniLM (`bench.models.ensure_real_weights_model`: pretrained MiniLM-L6 with a
-trained emotion head) is the model whose agreement means something; bert-base is the bench's
-random-weights model of bert-base's shape (`bench.models.SHAPES`): its speed is bert-base's, its
-agreement that of a model which predicts nothing in particular. Results go to
+trained emotion head) and trained-bert-base (`bench.models.ensure_trained_model`: bert-base's
+shape trained here, not the published checkpoint) are models whose agreement means something;
+bert-base is the bench's random-weights model of bert-base's shape (`bench.models.SHAPES`): its
+speed is bert-base's, its agreement that of a model which predicts nothing in particular. Results go to
 ``bench/results/precision-<UTC stamp>.json`` (and ``.md``); `render` turns the newest into the
 block of docs/performance.md that ``python -m bench.docs`` writes.
 """
@@ -38,7 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BEGIN", "END", "measure_model", "newest", "render", "rewrite_docs"]
+__all__ = ["BEGIN", "END", "ensure_int8", "measure_model", "newest", "render", "rewrite_docs"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -48,15 +53,33 @@ BEGIN = (
 )
 END = "<!-- end of precision candidates -->"
 #: Held-out texts each round times (the speed is per paragraph; agreement uses every text).
-SPEED_TEXTS = {"real-weights-minilm": 400, "bert-base": 120}
+SPEED_TEXTS = {"real-weights-minilm": 400, "bert-base": 120, "trained-bert-base": 120}
 #: At most this many texts in and out of domain for agreement (bert-base's random weights make its
 #: agreement a sanity check, not a figure the gate would decide on; its speed costs the time).
-AGREEMENT_TEXTS = {"bert-base": 300}
+AGREEMENT_TEXTS = {"bert-base": 300, "trained-bert-base": 300}
 MIN_AGREEMENT = 0.99
 
 
+def ensure_int8(model_dir: Path, model: Any, calibration: Any, *, max_reverts: int) -> str:
+    """What the current int8 build of ``model_dir`` did, building it first when it is missing or
+    stale, the way ``raypipe model optimize`` does (fp32 IR, then `build_int8` with the gate's
+    drop); "" with the reason when NNCF could not build one."""
+    from serve_app.compiled import OPENVINO_DIR, OpenVinoError, export_ir
+    from serve_app.optimize import build_int8, int8_ir
+
+    try:
+        int8_ir(model_dir)
+    except OpenVinoError:
+        export_ir(model_dir)
+        info = build_int8(model_dir, model, calibration, max_drop=1 - MIN_AGREEMENT, max_reverts=max_reverts)
+        if "error" in info:
+            return f"not measured: NNCF could not build it: {info['error']}"
+    meta = json.loads((model_dir / OPENVINO_DIR / "int8.json").read_text(encoding="utf-8"))
+    return f"NNCF accuracy control: {meta.get('accuracy_control', '?')} (built in {meta.get('seconds', '?')} s)"
+
+
 def measure_model(
-    label: str, model_dir: Path, *, threads: int, rounds: int, int8: bool, lock: str | None
+    label: str, model_dir: Path, *, threads: int, rounds: int, int8_max_reverts: int | None, lock: str | None
 ) -> dict[str, Any]:
     """Steps 1-3 of the module docstring for one model directory."""
     import numpy as np
@@ -65,7 +88,7 @@ def measure_model(
     from serve_app.compiled import load_openvino_runner
     from serve_app.gate_texts import out_of_domain
     from serve_app.model import EmotionModel, Tokenized, cpu_flags
-    from serve_app.optimize import build_int8, default_sample, int8_ir, split_sample
+    from serve_app.optimize import default_sample, int8_ir, split_sample
     from serve_app.runtimes import Measurement, agreement_lower_bound, supported_settings
 
     flags = cpu_flags()
@@ -76,15 +99,15 @@ def measure_model(
     held = model.tokenize(sample.held_out[:cap])
     outside = model.tokenize(out_of_domain()[:cap])
     precisions = [p for r, p in supported_settings(flags, openvino=True) if r == "openvino" and p != "int8"]
-    int8_note = ""
-    if int8:
-        info = build_int8(model_dir, model, model.tokenize(sample.calibration), max_drop=0.01, max_reverts=3)
-        int8_note = str(info.get("accuracy_control") or info.get("error", ""))
-    try:
-        int8_ir(model_dir)
-        precisions.append("int8")
-    except Exception as e:  # no (current) int8 build: the table says why
-        int8_note = int8_note or f"not measured: {e}"
+    if int8_max_reverts is None:
+        int8_note = "not measured (--no-int8)"
+    else:
+        int8_note = ensure_int8(model_dir, model, model.tokenize(sample.calibration), max_reverts=int8_max_reverts)
+        try:
+            int8_ir(model_dir)
+            precisions.append("int8")
+        except Exception as e:  # no (current) int8 build: the table says why
+            int8_note = f"not measured: {e}"
     runners = {
         p: load_openvino_runner(model_dir, n_labels=n_labels, precision=p, threads=threads, flags=flags)
         for p in precisions
@@ -166,6 +189,17 @@ def measure_model(
     }
 
 
+def trained_note(card: dict[str, Any]) -> str:
+    """What a trained bench model is, in words: bert-base's shape trained here, with its quality."""
+    q = card.get("trained", {})
+    return (
+        f"{card.get('note', 'trained here')}. Accuracy against the generator's labels on"
+        f" {q.get('in_domain_texts', '?')} held-out in-domain texts: {q.get('in_domain_accuracy', 0):.1%} (chance"
+        f" {1 / len(card['labels']):.1%}); median top-label margin (top probability less the second)"
+        f" {q.get('median_margin_in', 0):.3f} in domain, {q.get('median_margin_out', 0):.3f} out of domain."
+    )
+
+
 def _shape(model_dir: Path) -> str:
     config = json.loads((model_dir / "model.json").read_text(encoding="utf-8"))
     parameters = config.get("parameters")
@@ -231,11 +265,17 @@ def rewrite_docs(text: str, results_dir: Path = RESULTS) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="real-weights-minilm,bert-base")
+    p.add_argument("--models", default="real-weights-minilm,trained-bert-base")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lock", default=None, help="flock this file while measuring (shared machines)")
-    p.add_argument("--int8", action="store_true", help="build int8 with accuracy control first (minutes)")
+    p.add_argument(
+        "--int8-max-reverts",
+        type=int,
+        default=3,
+        help="when int8 is missing or stale, build it with at most this many accuracy-control reverts (minutes each)",
+    )
+    p.add_argument("--no-int8", action="store_true", help="leave int8 out")
     p.add_argument("--models-cache", default=".cache/bench-models")
     p.add_argument("--out", type=Path, default=None, help="results file (default: a new one in bench/results)")
     args = p.parse_args(argv)
@@ -268,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, results: dict[str, Any], out: Path, cache: Path) -> None:
-    from bench.models import SHAPES, ensure_model, ensure_real_weights_model
+    from bench.models import SHAPES, ensure_model, ensure_real_weights_model, ensure_trained_model
     from serve_app.demo_model import build_demo_model, default_demo_model_dir
 
     for label in args.models.split(","):
@@ -277,12 +317,20 @@ def _run(args: argparse.Namespace, results: dict[str, Any], out: Path, cache: Pa
             if model_dir is None:
                 print("bench: no real-weights MiniLM (its weights package is not installed)", file=sys.stderr)
                 continue
+        elif label == "trained-bert-base":
+            demo = build_demo_model(default_demo_model_dir())
+            model_dir = ensure_trained_model(SHAPES["bert-base"], demo_model_dir=demo, cache=cache)
         else:
             model_dir = ensure_model(
                 SHAPES[label], demo_model_dir=build_demo_model(default_demo_model_dir()), cache=cache
             )
         print(f"bench: precision {label}", flush=True)
-        entry = measure_model(label, model_dir, threads=args.threads, rounds=args.rounds, int8=args.int8, lock=None)
+        reverts = None if args.no_int8 else args.int8_max_reverts
+        entry = measure_model(
+            label, model_dir, threads=args.threads, rounds=args.rounds, int8_max_reverts=reverts, lock=None
+        )
+        if label == "trained-bert-base":
+            entry["note"] = trained_note(json.loads((model_dir / "model.json").read_text(encoding="utf-8")))
         if label == "bert-base":
             entry["note"] = (
                 "Random weights of bert-base's shape: the speed is bert-base's, the agreement is not a trained model's."

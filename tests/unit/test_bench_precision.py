@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from bench import precision
 
@@ -64,3 +67,71 @@ def test_the_docs_block_is_rewritten_from_the_newest_results_file(tmp_path: Path
     assert "old figures" not in new and new.endswith(f"{precision.END}\nafter\n")
     assert "precision-20260102T000000Z.md" in new and "bf16-recheck" in new
     assert precision.rewrite_docs("no block here", results) == "no block here"
+
+
+def _int8_dir(tmp_path: Path, meta: dict[str, object]) -> Path:
+    (tmp_path / "openvino").mkdir()
+    (tmp_path / "openvino" / "int8.json").write_text(json.dumps(meta))
+    return tmp_path
+
+
+def test_a_missing_int8_build_is_built_the_way_optimize_builds_it(tmp_path: Path, monkeypatch: Any) -> None:
+    from serve_app import compiled, optimize
+
+    model_dir = tmp_path
+    calls: list[tuple[str, object]] = []
+
+    def no_build(path: Path) -> Path:
+        raise compiled.OpenVinoError(path, "no int8 build")
+
+    def build(
+        path: Path, model: object, calibration: object, *, max_drop: float, max_reverts: int
+    ) -> dict[str, object]:
+        calls.append(("build", (max_drop, max_reverts)))
+        _int8_dir(path, {"accuracy_control": "2 reverts", "seconds": 12})
+        return {"accuracy_control": "2 reverts"}
+
+    monkeypatch.setattr(optimize, "int8_ir", no_build)
+    monkeypatch.setattr(compiled, "export_ir", lambda path: calls.append(("ir", path)))
+    monkeypatch.setattr(optimize, "build_int8", build)
+    note = precision.ensure_int8(model_dir, object(), object(), max_reverts=3)
+    assert calls == [("ir", model_dir), ("build", (pytest.approx(1 - precision.MIN_AGREEMENT), 3))]
+    assert "2 reverts" in note and "12 s" in note
+
+
+def test_a_current_int8_build_is_reused(tmp_path: Path, monkeypatch: Any) -> None:
+    from serve_app import optimize
+
+    model_dir = _int8_dir(tmp_path, {"accuracy_control": "no revert needed", "seconds": 5})
+    monkeypatch.setattr(optimize, "int8_ir", lambda path: path / "openvino" / "int8.xml")
+    monkeypatch.setattr(optimize, "build_int8", lambda *a, **k: pytest.fail("rebuilt a current int8 build"))
+    assert "no revert needed" in precision.ensure_int8(model_dir, object(), object(), max_reverts=3)
+
+
+def test_an_int8_build_nncf_refuses_is_reported_not_measured(tmp_path: Path, monkeypatch: Any) -> None:
+    from serve_app import compiled, optimize
+
+    def no_build(path: Path) -> Path:
+        raise compiled.OpenVinoError(path, "no int8 build")
+
+    monkeypatch.setattr(optimize, "int8_ir", no_build)
+    monkeypatch.setattr(compiled, "export_ir", lambda path: path)
+    monkeypatch.setattr(optimize, "build_int8", lambda *a, **k: {"error": "no quantizable op"})
+    note = precision.ensure_int8(tmp_path, object(), object(), max_reverts=3)
+    assert note.startswith("not measured") and "no quantizable op" in note
+
+
+def test_the_trained_models_note_says_what_it_is_and_how_well_it_answers() -> None:
+    card = {
+        "labels": ["a", "b", "c", "d", "e", "f"],
+        "note": "bert-base's shape trained here on generated text, not the published checkpoint",
+        "trained": {
+            "in_domain_accuracy": 0.8,
+            "in_domain_texts": 300,
+            "median_margin_in": 0.5,
+            "median_margin_out": 0.2,
+        },
+    }
+    note = precision.trained_note(card)
+    assert "not the published checkpoint" in note
+    assert "80.0% (chance 16.7%)" in note and "0.500 in domain, 0.200 out of domain" in note
