@@ -252,14 +252,24 @@ def render(results: dict[str, Any], *, file: str) -> list[str]:
 
 
 def rewrite_docs(text: str, results_dir: Path = RESULTS) -> str:
-    """``text`` (docs/performance.md) with its precision block rendered from the newest results."""
+    """``text`` (docs/performance.md) with its precision block rendered from the newest results of each model."""
     found = newest(results_dir)
     if found is None or BEGIN not in text:
         return text
-    path, results = found
     lines = text.split("\n")
     begin, end = lines.index(BEGIN), lines.index(END)
-    block = render(results, file=str(path.with_suffix(".md").relative_to(results_dir.parent.parent)))
+    # The newest file, then each older one for the models no newer file measured (a run of one
+    # model leaves the others' figures standing), each under its own CPU line and file name.
+    block: list[str] = []
+    seen: set[str] = set()
+    for path in sorted(results_dir.glob("precision-*.json"), reverse=True):
+        results = json.loads(path.read_text(encoding="utf-8"))
+        models = {k: v for k, v in results.get("models", {}).items() if k not in seen}
+        if models:
+            seen |= set(models)
+            block += render(
+                {**results, "models": models}, file=str(path.with_suffix(".md").relative_to(results_dir.parent.parent))
+            )
     return "\n".join([*lines[: begin + 1], *block, *lines[end:]])
 
 

@@ -135,3 +135,15 @@ def test_the_trained_models_note_says_what_it_is_and_how_well_it_answers() -> No
     note = precision.trained_note(card)
     assert "not the published checkpoint" in note
     assert "80.0% (chance 16.7%)" in note and "0.500 in domain, 0.200 out of domain" in note
+
+
+def test_a_model_the_newest_run_left_out_keeps_its_figures_from_an_older_file(tmp_path: Path) -> None:
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    (results / "precision-20260101T000000Z.json").write_text(json.dumps(RESULTS))
+    newer = {**RESULTS, "models": {"trained-bert-base": {**RESULTS["models"]["real-weights-minilm"], "served": "fp32"}}}
+    (results / "precision-20260102T000000Z.json").write_text(json.dumps(newer))
+    new = precision.rewrite_docs(f"{precision.BEGIN}\n{precision.END}\n", results)
+    assert "**trained-bert-base**" in new and "**real-weights-minilm**" in new
+    assert new.index("precision-20260102T000000Z.md") < new.index("precision-20260101T000000Z.md")
+    assert new.count("**real-weights-minilm**") == 1
