@@ -24,6 +24,7 @@ the `ci` profile (`HYPOTHESIS_PROFILE=ci`) is derandomized and prints the failin
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -33,13 +34,14 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from raypipe.commit.outcomes import latest, read_outcomes
+from raypipe.commit.outcomes import LATEST_SQL, latest, read_outcomes
 from raypipe.commit.output import Output
 from raypipe.commit.table import OutcomeTable, text_hashes
 from raypipe.errors import (
@@ -87,14 +89,48 @@ FAULTS = st.sampled_from(
 """About half the runs without a fault (shrinking goes to the first: no fault)."""
 PRODUCER = ("add_file", "rewrite_in_place", "overwrite_fixed_key", "id_in_two_files", "delete_file")
 RUNS = ("daily", "backfill", "daily_since", "resume", "replay")
-OTHERS = ("rejecting", "compact", "vacuum", "expire_lease", "quarantine", "new_model_version", "zombie_wakes")
+OTHERS = (
+    "rejecting",
+    "compact",
+    "vacuum",
+    "expire_lease",
+    "quarantine",
+    "new_model_version",
+    "zombie_wakes",
+    "user_reads_latest",
+)
+TEXT_HASHES = dict(zip(TEXTS, text_hashes(list(TEXTS)).to_pylist(), strict=True))
+
+SCRATCH = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+"""Where each example's input and output live: memory where the machine has it. The output
+store syncs every state file it writes (`OutputStore.write_bytes`), and on a loaded disk those
+syncs, not the checks, set an example's pace; the same calls on tmpfs return at once."""
+
+
+@functools.cache
+def _duckdb() -> duckdb.DuckDBPyConnection:
+    """One connection for the checks' `LATEST_SQL`: opening one costs more than the query over
+    an example's table (`latest` opens its own; the `user_reads_latest` rule holds the two alike)."""
+    return duckdb.connect()
+
+
+def latest_in(outcomes: pa.Table) -> pa.Table:
+    """`LATEST_SQL` over rows already read, as `raypipe.commit.outcomes.latest_of` runs it."""
+    con = _duckdb()
+    con.register("outcomes", outcomes)
+    try:
+        return con.sql(LATEST_SQL).to_arrow_table()
+    finally:
+        con.unregister("outcomes")
 
 
 class LossSearch(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.root = Path(tempfile.mkdtemp(prefix="raypipe-mbt-"))
+        self.root = Path(tempfile.mkdtemp(prefix="raypipe-mbt-", dir=SCRATCH))
         self.world = World(self.root)
+        self.table = OutcomeTable(str(self.world.output))
+        """The checks' view of the output, brought up to date by each read (`load`)."""
         self.ref = Reference()
         self.ids = itertools.count()
         self.clock = itertools.count()
@@ -242,7 +278,7 @@ class LossSearch(RuleBasedStateMachine):
             )
         )
         hashes = set(ok.column("text_hash").to_pylist())
-        return {t for t, h in zip(TEXTS, text_hashes(list(TEXTS)).to_pylist(), strict=True) if h in hashes}
+        return {t for t, h in TEXT_HASHES.items() if h in hashes}
 
     def seen_now(self) -> set[Version]:
         return {v for v in self.ref.current() if v[0] not in self.ref.quarantined}
@@ -287,7 +323,7 @@ class LossSearch(RuleBasedStateMachine):
         if locked_out and isinstance(out.error, OutputLockedError) and not isinstance(out.error, LeaseLostError):
             return out  # the dead attempt's lease keeps every other run id out until it lapses or is expired
         run["seen"].append(self.seen_now())
-        committed = OutcomeTable(str(self.world.output)).is_committed(run_id)
+        committed = self.table.is_committed(run_id)
         if force and (out.report is not None or out.killed or out.error is not None):
             self.dead_holder = None  # taken over
         if out.killed:
@@ -375,6 +411,14 @@ class LossSearch(RuleBasedStateMachine):
     def new_model_version(self, data: st.DataObject) -> None:
         self.world.client.version = f"fake-{next(self.versions)}"
 
+    def user_reads_latest(self, data: st.DataObject) -> None:
+        """A user reads `raypipe.latest` (which the checks' `latest` stands for): the same rows."""
+        expected = self.latest()
+        if expected is None:
+            return
+        got = latest(str(self.world.output))
+        assert got.sort_by("id").equals(expected.sort_by("id")), "raypipe.latest differs from LATEST_SQL over the rows"
+
     def zombie_wakes(self, data: st.DataObject) -> None:
         """A stalled actor of a killed attempt commits its unit now."""
         z = self.world.zombies.pop(0)
@@ -422,21 +466,27 @@ class LossSearch(RuleBasedStateMachine):
         log = self.world.output / "outcomes" / "_delta_log"
         return tuple(sorted(os.listdir(log))) if log.exists() else None
 
-    def _cached(self, what: str, read: Callable[[str], pa.Table]) -> pa.Table | None:
+    def _cached(self, what: str, read: Callable[[], pa.Table]) -> pa.Table | None:
         log = self._log()
         if log is None:
             return None
         key = (what, log)
         if key not in self._reads:
             self._reads = {k: v for k, v in self._reads.items() if k[1] == log}
-            self._reads[key] = read(str(self.world.output))
+            self._reads[key] = read()
         return self._reads[key]
 
     def outcomes(self) -> pa.Table | None:
-        return self._cached("outcomes", read_outcomes)
+        return self._cached("outcomes", lambda: read_outcomes(self.table))
 
     def latest(self) -> pa.Table | None:
-        return self._cached("latest", latest)
+        """`LATEST_SQL` over the rows `outcomes` read: one read of the table per version."""
+        return self._cached("latest", self._latest)
+
+    def _latest(self) -> pa.Table:
+        rows = self.outcomes()
+        assert rows is not None
+        return latest_in(rows)
 
     # -- invariants --------------------------------------------------------------------------
 
