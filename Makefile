@@ -38,7 +38,7 @@ find_python = $(strip $(if $(PYTHON),\
     $(lastword $(sort $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/$(v).*/bin/python$(v))))))))
 NEED_PYTHON := raypipe needs Python 3.11, 3.12 or 3.13: python3.13, python3.12 or python3.11 on PATH, or PYTHON=/path/to/python3.X
 
-.PHONY: venv protos demo-model demo notebooks lab test unit integration lint typecheck checkov clean bench bench-quick
+.PHONY: venv protos demo-model demo notebooks lab test unit integration lint typecheck checkov clean bench bench-quick bench-mbt
 
 $(UV):
 	PIP_ROOT_USER_ACTION=ignore $(or $(call find_python),$(if $(VENV_OK),$(PY),$(error $(NEED_PYTHON)))) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv==$(UV_VERSION)
@@ -138,6 +138,9 @@ bench: $(STAMP)  ## speed, throughput, memory, precision and the peers against t
 
 bench-quick: $(STAMP)  ## smoke run of the benchmark: MiniLM only, small counts
 	$(PY) -m bench.run --quick $(BENCH_ARGS)
+
+bench-mbt: $(STAMP)  ## the model-based test for 20,000 examples, in chunks; MBT_ARGS="--out <its file>" resumes a run
+	$(PY) -m bench.modelcheck $(MBT_ARGS)
 
 clean:
 	rm -rf demo-output .pytest_cache .mypy_cache .ruff_cache

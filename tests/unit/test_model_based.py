@@ -17,8 +17,8 @@ a real local Delta table, with no Ray and a fake model client (`tests.modelcheck
 
 `PENDING` switches off a clause or rule whose contract the code does not hold yet, each with its
 reason; a fix empties its entry (its regression test is in `test_model_based_regressions.py`).
-`RAYPIPE_MODELCHECK_EXAMPLES` sets the number of examples (`bench/modelcheck.py` runs 20,000);
-the `ci` profile (`HYPOTHESIS_PROFILE=ci`) is derandomized and prints the failing blob.
+`RAYPIPE_MODELCHECK_EXAMPLES` sets the number of examples (500 by default; `bench/modelcheck.py`
+runs 20,000 in seeded chunks); the `ci` profile (`HYPOTHESIS_PROFILE=ci`) is derandomized and prints the failing blob.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def on(name: str) -> bool:
     return name not in PENDING
 
 
-EXAMPLES = int(os.environ.get("RAYPIPE_MODELCHECK_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("RAYPIPE_MODELCHECK_EXAMPLES", "500"))
 settings.register_profile("ci", derandomize=True, print_blob=True)
 PROFILE = "ci" if os.environ.get("CI") or os.environ.get("HYPOTHESIS_PROFILE") == "ci" else "default"
 
