@@ -4,7 +4,9 @@ before they reach moto), one that refuses our credentials on writes (403 AccessD
 that holds writes (a stalled PUT, a partition) while `holding` is set, until `release` is set,
 and one that carries out a conditional PUT and then loses its answer (the connection drops, as
 real S3 does under load): the first conditional PUT of each key containing `drop_key` (any if
-empty), `drop_answers` of them in all; `dropped` lists the keys whose answer was lost."""
+empty), `drop_answers` of them in all; `dropped` lists the keys whose answer was lost; and one
+under load that answers 503 SlowDown, without carrying it out, to every `slowdown_every`-th
+request (`slowed` counts them; `requests` lists each request's method and path)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import urlparse
 
-Mode = Literal["strip_conditions", "deny_writes", "hold_writes", "drop_answer"]
+Mode = Literal["strip_conditions", "deny_writes", "hold_writes", "drop_answer", "slowdown"]
 
 _DENIED = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+)
+_SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
 )
 
 
@@ -40,11 +46,10 @@ class S3Proxy:
                     proxy.held += 1
                     proxy.release.wait(120)
                 if proxy.mode == "deny_writes" and self.command in ("PUT", "POST", "DELETE"):
-                    self.send_response(403)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_DENIED)))
-                    self.end_headers()
-                    self.wfile.write(_DENIED)
+                    self._refuse(403, _DENIED)
+                    return
+                if proxy.mode == "slowdown" and proxy._slow_down(self.command, self.path):
+                    self._refuse(503, _SLOW_DOWN)
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host",)}
                 if proxy.mode == "strip_conditions":
@@ -81,6 +86,14 @@ class S3Proxy:
                 finally:
                     conn.close()
 
+            def _refuse(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         self.mode = mode
@@ -90,9 +103,20 @@ class S3Proxy:
         self.drop_answers = 0
         self.drop_key = ""
         self.dropped: list[str] = []
+        self.slowdown_every = 5
+        self.slowed = 0
+        self.requests: list[tuple[str, str]] = []
+        self._count = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _slow_down(self, method: str, path: str) -> bool:
+        with self._count:
+            self.requests.append((method, path))
+            slow = len(self.requests) % self.slowdown_every == 0
+            self.slowed += slow
+            return slow
 
     def __enter__(self) -> S3Proxy:
         self._thread.start()
