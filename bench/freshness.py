@@ -4,16 +4,24 @@ On a cluster of its own (`LocalNodes`: its processes are marked by its temp dir 
 the end; no `ray stop`, which would stop every cluster of the host), with the real-weights
 MiniLM served by `raypipe serve --detach`:
 
-1. idle: `raypipe watch` started on an empty input; the cluster's CPU over `--idle-s` seconds
+1. daily: the rows the producer will write, as the same files, read by one `raypipe daily`
+   into an output of its own: its CPU per 1,000 paragraphs, the comparison's side (first, so
+   the ratio is written whenever the watch's figures are);
+2. idle: `raypipe watch` started on an empty input; the cluster's CPU over `--idle-s` seconds
    with nothing arriving, against the same cluster idle without the watcher (the ticks' cost);
-2. load: a producer writes a file every `--file-every` seconds at `--rate` paragraphs a second
+3. load: a producer writes a file every `--file-every` seconds at `--rate` paragraphs a second
    for `--minutes` minutes (each file written aside and renamed in, whole, as an S3 PUT
    lands); the watcher commits them; the cluster's CPU while it does;
-3. the watcher is stopped with SIGTERM (exit 0, its report written): freshness p50/p95 over
-   every unit (arrival = the file's mtime, to its unit's commit);
-4. one `raypipe daily` over the same files into a fresh output: its CPU, for the ratio.
+4. the watcher is stopped with SIGTERM (exit 0, its report written): freshness p50/p95 over
+   every unit (arrival = the file's mtime, to its unit's commit).
+
+With `--events` the input is a bucket of moto's S3 server on 127.0.0.1 (its own process, whose
+CPU is not counted: it stands for S3), its notifications sent to a queue of the same server's
+SQS by `raypipe.plan.events.configure_bucket_notifications`; the producer PUTs each file, and
+the watcher reads the queue (`--events-queue`) instead of listing: arrival = the event's time.
 
     python -m bench.freshness --rate 7 --minutes 4 --every 60s --model DIR
+    python -m bench.freshness --events --rate 7 --minutes 3 --every 5s --max-wait 10s --model DIR
 
 writes `bench/results/freshness-<UTC stamp>.json`. Run it under the shared heavy lock.
 """
@@ -21,6 +29,7 @@ writes `bench/results/freshness-<UTC stamp>.json`. Run it under the shared heavy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +45,7 @@ from typing import Any
 __all__ = ["run_freshness"]
 
 ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "fresh"
 
 
 def _texts(n: int, start: int) -> list[str]:
@@ -44,14 +54,65 @@ def _texts(n: int, start: int) -> list[str]:
     return corpus.paragraphs(n, seed=start)
 
 
-def _write(folder: Path, name: str, start: int, n: int) -> None:
+def _parquet(start: int, n: int) -> bytes:
+    import io
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    ids = [f"p{start + i:09d}" for i in range(n)]
-    tmp = folder / f".{name}.tmp"
-    pq.write_table(pa.table({"id": ids, "text": _texts(n, start)}), tmp)
-    os.replace(tmp, folder / f"{name}.parquet")
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": [f"p{start + i:09d}" for i in range(n)], "text": _texts(n, start)}), buf)
+    return buf.getvalue()
+
+
+class _Folder:
+    """The input as a local folder: a file written aside, then renamed in, whole."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.uri = folder, str(folder)
+
+    def write(self, name: str, start: int, n: int) -> None:
+        tmp = self.folder / f".{name}.tmp"
+        tmp.write_bytes(_parquet(start, n))
+        os.replace(tmp, self.folder / f"{name}.parquet")
+
+
+class _Bucket:
+    """The input as a prefix of a bucket of moto's S3 server: a file is one PUT."""
+
+    def __init__(self, client: Any, bucket: str, prefix: str) -> None:
+        self.client, self.bucket, self.prefix = client, bucket, prefix
+        self.uri = f"s3://{bucket}/{prefix}"
+
+    def write(self, name: str, start: int, n: int) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=f"{self.prefix}{name}.parquet", Body=_parquet(start, n))
+
+
+def _s3_with_events(stack: contextlib.ExitStack) -> tuple[dict[str, str], Any, str]:
+    """moto's server on 127.0.0.1 (closed with `stack`), a bucket whose `in/` notifications go to
+    a queue: (the environment that reaches it, an S3 client, the queue's URL)."""
+    import botocore.session
+
+    from bench.s3server import MotoServer
+    from raypipe.plan.events import configure_bucket_notifications
+
+    server = MotoServer().start()
+    stack.callback(server.stop)
+    env = {
+        "AWS_ENDPOINT_URL": server.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    os.environ.update(env)  # this process's clients (the producer's, the notifications') reach it too
+    session = botocore.session.get_session()
+    s3, sqs = session.create_client("s3"), session.create_client("sqs")
+    s3.create_bucket(Bucket=BUCKET)
+    queue = sqs.create_queue(QueueName="arrivals")["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    configure_bucket_notifications(BUCKET, arn, "in/")
+    return env, s3, queue
 
 
 def _cpu(marker: str, seconds: float, roots: tuple[int, ...] = ()) -> float:
@@ -75,6 +136,7 @@ def run_freshness(
     max_wait: str,
     file_every_s: float,
     idle_s: float,
+    events: bool = False,
     out: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The figures, filled into `out` as they are measured (a run stopped early keeps them)."""
@@ -84,14 +146,27 @@ def run_freshness(
     work = Path(tempfile.mkdtemp(prefix="rpfresh-"))
     root = Path(f"/tmp/rpfresh-{os.getpid()}")
     grpc_port, http_port = free_port(), free_port()
-    base_env = bench_env()
-    base_env.pop("RAY_ADDRESS", None)  # bench_env's names the shared bench cluster: this one has its own
-    nodes = LocalNodes(root, port=free_port(), dashboard_port=free_port(), env=base_env, head_cpus=2, multi_node=False)
     out = {} if out is None else out
     out |= {"rate_per_s": rate, "minutes": minutes, "every": every, "max_wait": max_wait,
-                           "file_every_s": file_every_s, "model": str(model)}  # fmt: skip
+            "file_every_s": file_every_s, "model": str(model),
+            "arrivals": "events" if events else "listing"}  # fmt: skip
+    per_file = max(1, round(rate * file_every_s))
+    n_files = max(1, round(minutes * 60 / file_every_s))
     try:
-        with nodes:
+        with contextlib.ExitStack() as stack:
+            base_env = bench_env()
+            base_env.pop("RAY_ADDRESS", None)  # bench_env's names the shared bench cluster: this one has its own
+            queue = ""
+            if events:
+                s3_env, s3, queue = _s3_with_events(stack)
+                base_env |= s3_env  # the cluster's workers read the input there
+                source: _Folder | _Bucket = _Bucket(s3, BUCKET, "in/")
+                daily_source: _Folder | _Bucket = _Bucket(s3, BUCKET, "daily/")  # no notifications
+            else:
+                source, daily_source = _Folder(work / "in"), _Folder(work / "daily-in")
+            nodes = LocalNodes(root, port=free_port(), dashboard_port=free_port(), env=base_env,
+                               head_cpus=2, multi_node=False)  # fmt: skip
+            stack.enter_context(nodes)
             env = {**nodes.env, "RAY_ADDRESS": nodes.address}
             marker = str(root)
             raypipe = [sys.executable, "-m", "raypipe"]
@@ -101,13 +176,28 @@ def run_freshness(
                 serve, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
             service = f"127.0.0.1:{grpc_port}"
-            in_dir, output = work / "in", work / "out"
-            in_dir.mkdir()
+            output = work / "out"
             out["idle_cluster_cpu_per_s"] = round(_cpu(marker, idle_s) / idle_s, 4)
 
+            # The comparison first: the same rows, as the same files, in one daily.
+            for i in range(n_files):
+                daily_source.write(f"f{i:05d}", i * per_file, per_file)
+            cmd = [*raypipe, "daily", "--input", daily_source.uri, "--output", str(work / "daily-out"),
+                   "--service", service]  # fmt: skip
+            wall, usage, code = run_measured(cmd, env=env, marker=marker, timeout_s=900, log=work / "daily.log")
+            if code != 0:
+                raise RuntimeError(f"the daily failed (exit {code}); see {work / 'daily.log'}")
+            out["daily_paragraphs"] = n_files * per_file
+            out["daily_wall_s"] = round(wall, 1)
+            out["daily_cpu_s_per_1000"] = round(
+                (usage.cpu_s - out["idle_cluster_cpu_per_s"] * wall) / (n_files * per_file) * 1000, 3
+            )
+
             log = (work / "watch.log").open("w")
-            cmd = [*raypipe, "watch", "--input", str(in_dir), "--output", str(output), "--service", service,
+            cmd = [*raypipe, "watch", "--input", source.uri, "--output", str(output), "--service", service,
                    "--every", every, "--max-wait", max_wait, "--set", "watch.report_every_s=100000"]  # fmt: skip
+            if queue:
+                cmd += ["--events-queue", queue]
             watcher = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 reports = output / "_raypipe" / "watch"
@@ -122,14 +212,13 @@ def run_freshness(
                 out["idle_ticks_share_of_a_core"] = round(
                     out["idle_with_watcher_cpu_per_s"] - out["idle_cluster_cpu_per_s"], 4
                 )
-                per_file = max(1, round(rate * file_every_s))
                 files, written = 0, 0
                 load = ProcessSampler(marker=marker)
                 load.add_root(watcher.pid)
                 with load:
                     started = time.monotonic()
-                    while time.monotonic() - started < minutes * 60:
-                        _write(in_dir, f"f{files:05d}", written, per_file)
+                    while files < n_files:
+                        source.write(f"f{files:05d}", written, per_file)
                         files, written = files + 1, written + per_file
                         time.sleep(max(0.0, started + files * file_every_s - time.monotonic()))
                     from raypipe.commit.outcomes import read_outcomes
@@ -148,6 +237,7 @@ def run_freshness(
                 out["watch_cpu_s_per_1000"] = round(
                     (load.usage().cpu_s - out["idle_cluster_cpu_per_s"] * load_wall) / written * 1000, 3
                 )
+                out["cpu_ratio_watch_over_daily"] = round(out["watch_cpu_s_per_1000"] / out["daily_cpu_s_per_1000"], 3)
             finally:
                 watcher.send_signal(signal.SIGTERM)
                 out["watch_exit"] = watcher.wait(timeout=120)
@@ -155,17 +245,6 @@ def run_freshness(
             report = json.loads(next((output / "_raypipe" / "watch").glob("*.json")).read_text())
             out["report"] = report
             out["freshness_p50_s"], out["freshness_p95_s"] = report["freshness_p50_s"], report["freshness_p95_s"]
-
-            daily_out = work / "daily-out"
-            cmd = [*raypipe, "daily", "--input", str(in_dir), "--output", str(daily_out), "--service", service]
-            wall, usage, code = run_measured(cmd, env=env, marker=marker, timeout_s=900, log=work / "daily.log")
-            if code != 0:
-                raise RuntimeError(f"the daily failed (exit {code}); see {work / 'daily.log'}")
-            out["daily_wall_s"] = round(wall, 1)
-            out["daily_cpu_s_per_1000"] = round(
-                (usage.cpu_s - out["idle_cluster_cpu_per_s"] * wall) / written * 1000, 3
-            )
-            out["cpu_ratio_watch_over_daily"] = round(out["watch_cpu_s_per_1000"] / out["daily_cpu_s_per_1000"], 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
@@ -181,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wait", default="60s")
     p.add_argument("--file-every-s", type=float, default=5.0)
     p.add_argument("--idle-s", type=float, default=60.0)
+    p.add_argument("--events", action="store_true", help="the input a bucket of moto's S3, read through its events")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     figures: dict[str, Any] = {"complete": False}
@@ -193,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             max_wait=args.max_wait,
             file_every_s=args.file_every_s,
             idle_s=args.idle_s,
+            events=args.events,
             out=figures,
         )
         figures["complete"] = True
