@@ -109,13 +109,12 @@ class Pool:
         self.on_service(code)
 
     def replicas(self, app: str) -> list[str]:
-        """Node ids of the alive replicas of `app`."""
-        code = (
-            "from ray.util.state import list_actors\n"
-            f"out = sorted(a.node_id for a in list_actors(filters=[('state', '=', 'ALIVE')], limit=1000)"
-            f" if (a.class_name or '').startswith('ServeReplica:{app}:'))"
-        )
-        return list(self.on_service(code))  # type: ignore[call-overload]
+        """Node ids of the alive replicas of `app`, from the service's dashboard (a question over
+        HTTP, not a driver process starting Python and `ray.init` at every poll)."""
+        from ray.util.state import list_actors
+
+        alive = list_actors(address=self.service.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
+        return sorted(str(a.node_id) for a in alive if (a.class_name or "").startswith(f"ServeReplica:{app}:"))
 
     def backfill(self, corpus_uri: str, out: str, run_id: str, app: str, *extra: str) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "raypipe", "backfill", "--input", corpus_uri, "--output", out]
@@ -187,7 +186,7 @@ def commit_times(out: str) -> list[float]:
 
 
 @pytest.mark.timeout(600)
-def test_replicas_only_on_pool_nodes_and_the_readme_job_submit_reaches_them_from_a_fresh_shell(pool, corpus, s3):
+def test_replicas_only_on_pool_nodes_and_the_readme_job_submit_reaches_them_from_a_fresh_shell(pool, s3):
     """Placement as in the manifests, and the README's `ray job submit`, typed in a shell without
     the virtualenv activated against a cluster started the same way: the entrypoint must not
     depend on what `python` means on PATH. A healthy service: no retry, no dead letter."""
@@ -205,6 +204,11 @@ def test_replicas_only_on_pool_nodes_and_the_readme_job_submit_reaches_them_from
 
     words = readme_job_submit()
     assert words[:3] == ["ray", "job", "submit"], words
+    # What the job proves (it starts, reaches the service and completes without a retry) does not
+    # depend on the corpus's size: a small one of its own, not the node-loss tests' long run.
+    corpus = write_sample_corpus(
+        f"{s3.bucket('multinode')}/in-job", rows=300, parquet_shards=3, jsonl_shards=0, bad_fraction=0.0
+    )
     out = f"{s3.bucket('multinode')}/out-job"
     values = {
         "http://HEAD:8265": pool.jobs.dashboard_url,
@@ -229,7 +233,8 @@ def test_a_pool_node_lost_mid_run_loses_nothing(pool, corpus, s3):
     pool.serve("fixed")  # already there from the first test, or deployed now
     out = f"{s3.bucket('multinode')}/out-pool-loss"
     run = pool.backfill(corpus.uri, out, "mn-pool-loss", "fixed")
-    wait_for(lambda: _commits(s3, out) >= 2, 300, "the first committed units")
+    seen: dict[str, bool] = {}
+    wait_for(lambda: _commits(s3, out, seen) >= 2, 300, "the first committed units")
     killed_at = time.time()
     assert pool.service.kill_node("pool-b") > 0
     try:
@@ -293,7 +298,8 @@ def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(p
     # busy cores, the run was once over before the state API answered (no ALIVE actor left).
     wait_for(one_host, 300, "the inference actor to start")
     (name,) = [n for n, node in pool.jobs.nodes.items() if node.node_id in hosts]
-    wait_for(lambda: _commits(s3, out) >= 1, 300, "the first committed unit")
+    seen: dict[str, bool] = {}
+    wait_for(lambda: _commits(s3, out, seen) >= 1, 300, "the first committed unit")
     assert run.poll() is None, "the run ended before its actor's node could be lost: " + pool.log("mn-actor-loss")
     killed_at = time.time()
     assert pool.jobs.kill_node(name) > 0
@@ -310,15 +316,20 @@ def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(p
         pool.jobs.add_node(name, num_cpus=2)  # back for the tests after this one, pass or fail
 
 
-def _commits(s3: S3, out: str) -> int:
+def _commits(s3: S3, out: str, seen: dict[str, bool]) -> int:
     """Unit commits in the outcomes table's log so far: entries that add a data file (the run's
-    set-up, take-over and plan are commits too, with no rows)."""
+    set-up, take-over and plan are commits too, with no rows). `seen` (the caller's, one per
+    table) keeps what each entry held: an entry never changes once written, so each is read
+    once, not at every poll (five a second)."""
     fs = s3.fs()
     try:
         entries = [p for p in fs.ls(f"{out}/outcomes/_delta_log") if p.endswith(".json")]
     except FileNotFoundError:
         return 0
-    return sum(1 for p in entries if '"add"' in fs.cat_file(p).decode())
+    for p in entries:
+        if p not in seen:
+            seen[p] = '"add"' in fs.cat_file(p).decode()
+    return sum(seen[p] for p in entries)
 
 
 @pytest.mark.timeout(600)
