@@ -185,9 +185,10 @@ class LossSearch(RuleBasedStateMachine):
 
     def write(self, name: str, rows: list[Row], ns: bool) -> None:
         if not on("changed_file_read_whole") and name in self.written:
-            rows = self.newer_than_before(name, rows)
-            if rows is None:
+            newer = self.newer_than_before(name, rows)
+            if newer is None:
                 return
+            rows = newer
         self.written[name] = max([self.written.get(name, order(None)), *(order(r.stamp) for r in rows)])
         stamps = any(r.stamp is not None for r in rows) or not ns  # ns on an all-null file: no column
         if stamps:
