@@ -114,15 +114,7 @@ def take_over(
             raise  # a unit commit of the older holder landed first: our snapshot is stale. Again.
         return TableFence(table.output_uri, run_id, generation)
 
-    return retry_commit(
-        attempt,
-        tries=20,
-        wait=jitter(0.01, 0.1),
-        sleep=sleep,
-        failure=lambda: SinkError(
-            f"could not take over run {run_id}: the table kept changing under us", path=table.uri
-        ),
-    )
+    return _until_settled(attempt, sleep, f"take over run {run_id}", table)
 
 
 def retire(table: OutcomeTable, fence: TableFence, *, sleep: Callable[[float], None] = time.sleep) -> bool:
@@ -139,15 +131,7 @@ def retire(table: OutcomeTable, fence: TableFence, *, sleep: Callable[[float], N
         commit_once(dt, slots, metadata)  # a conflict (a commit of ours or a take-over) looks again
         return True
 
-    return retry_commit(
-        attempt,
-        tries=20,
-        wait=jitter(0.01, 0.1),
-        sleep=sleep,
-        failure=lambda: SinkError(
-            f"could not abort run {fence.run_id}: the table kept changing under us", path=table.uri
-        ),
-    )
+    return _until_settled(attempt, sleep, f"abort run {fence.run_id}", table)
 
 
 def fence_transactions(fence: TableFence) -> list[Any]:
@@ -396,3 +380,16 @@ class UnitCommitter:
                     f"unit {unit}: gave up after {max_tries} conflicting commits", path=self._table.uri
                 ),
             )
+
+
+def _until_settled(
+    attempt: Callable[[int], Any], sleep: Callable[[float], None], what: str, table: OutcomeTable
+) -> Any:
+    """`attempt` again on a conflict, as a take-over and an abort both retry: 20 tries, short jitter."""
+    return retry_commit(
+        attempt,
+        tries=20,
+        wait=jitter(0.01, 0.1),
+        sleep=sleep,
+        failure=lambda: SinkError(f"could not {what}: the table kept changing under us", path=table.uri),
+    )
