@@ -6,7 +6,7 @@ each daily it records the size of the table's log (`outcomes/_delta_log`), of ra
 beside it (`_raypipe/`), the number of files in each, what opening a snapshot reads (the log
 entries after the last checkpoint, the checkpoint's bytes), the daily's planning and wall time,
 and what its reuse index read (the stored index's rows, and the table's files and log entries
-committed since: `raypipe.call.dedup.StoredIndex`) and the stored index's size on disk.
+committed since: `raypipe.call.reuse.StoredIndex`) and the stored index's size on disk.
 The runs go through the real run path (modes, protocol, Delta table on a local disk) with the
 model-based test's seams: units inferred in this process by a fake model client, no Ray, so
 the figures are the bookkeeping's, not the model's.

@@ -5,7 +5,7 @@
 For each N, writes a Delta table of N distinct committed results (synthetic hashes: a bijection
 of 0..N-1, so distinct by construction; random probabilities) under a temporary directory,
 then, in a fresh child process of its own (so its peak RSS is the build's alone), starts a local Ray
-cluster and builds the index with `raypipe.call.dedup.build_index` as a run's driver does (Ray
+cluster and builds the index with `raypipe.call.reuse.build_index` as a run's driver does (Ray
 tasks; the shards in the object store). It reports the driver's peak RSS (`VmHWM`) and
 its RSS before the build, the index's bytes in the object store, the build's seconds, and in
 an actor (a separate process that maps the shards, as the inference actors do) the lookup
@@ -89,7 +89,7 @@ def _build_child(output: str, n: int, labels: tuple[str, ...], queue: Any) -> No
     """The run's driver: a local Ray cluster, `build_index`, and one actor's lookups."""
     import ray
 
-    from raypipe.call.dedup import build_index
+    from raypipe.call.reuse import build_index
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     try:

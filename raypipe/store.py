@@ -6,7 +6,7 @@
       _raypipe/lease.json                         who runs here now (raypipe.commit.lease; liveness only)
       _raypipe/files_seen/<n>.parquet             files read whole: deltas over a full copy; the table names the last
       _raypipe/quarantine/<n>.json                shards set aside (raypipe.commit.upkeep); the table names n
-      _raypipe/reuse_index/<key>/                 the reuse index and the table version it covers (call.dedup)
+      _raypipe/reuse_index/<key>/                 the reuse index and the table version it covers (call.reuse)
       _raypipe/runs/<run_id>/plan/<n>.json        the run's units; the table names the current n
       _raypipe/runs/<run_id>/attempts/<a>.json    each attempt's call statistics
       _raypipe/runs/<run_id>/attempts/<a>/actors/*.json   its actors' call tallies (raypipe.tally)

@@ -10,7 +10,7 @@ picks from it, if that is another: only a win beyond the spread switches (`serve
 ``ServerSettings.measure_unrecorded: false`` turns it off.
 
 Why only equal-answer settings: the model version (`serve_app.runtimes.served_version`) names
-what changes answers, and answer reuse (`raypipe.call.dedup`) keys on it. A replica that moved
+what changes answers, and answer reuse (`raypipe.call.reuse`) keys on it. A replica that moved
 to bf16 by itself would answer under another version in the middle of a run, beside replicas
 that did not; fp32 on either runtime answers alike, so a switch between them changes neither
 the version nor a reuse key. Settings that change answers are measured through the gate by

@@ -65,9 +65,9 @@ from raypipe.call.batches import (
 from raypipe.call.breaker import CircuitBreaker
 from raypipe.call.caller import Outcome, ServiceCaller
 from raypipe.call.client import BatchResult, ChannelSecurity, GrpcModelClient, ModelClient
-from raypipe.call.dedup import TextIndex
 from raypipe.call.limiter import AdaptiveLimiter, FixedLimiter, Limiter
 from raypipe.call.metrics import ActorGauges, Metrics, MetricsInterceptor, MetricsSpec, NullMetrics
+from raypipe.call.reuse import TextIndex
 from raypipe.commit.fence import UnitCommitter
 from raypipe.commit.rows import Answers, DeadLetters, unit_rows
 from raypipe.commit.table import now_utc, text_hashes
@@ -117,7 +117,7 @@ class ActorSettings:
     replay: bool = False
     """Units re-infer committed dead letters: their commit replaces those rows."""
     text_index: Any = None
-    """Committed answers by text hash (`raypipe.call.dedup.TextIndex`, or a Ray object ref to one)."""
+    """Committed answers by text hash (`raypipe.call.reuse.TextIndex`, or a Ray object ref to one)."""
     metrics: MetricsSpec | None = None
     """Where the actor's metrics go (calls by status, latency, breaker, in-flight limit)."""
 
@@ -335,7 +335,7 @@ class InferenceActor:
     async def _reuse_answers(
         self, sendable: np.ndarray, hashes: np.ndarray, stats: UnitStats
     ) -> tuple[list[Outcome], np.ndarray, dict[int, np.ndarray]]:
-        """Rows whose text already has a committed answer of this model (`raypipe.call.dedup`), and
+        """Rows whose text already has a committed answer of this model (`raypipe.call.reuse`), and
         rows whose text another row of the unit sends: (answered rows, rows still to send,
         {row sent: the rows that share its text}). `hashes` are the unit's text hashes."""
         if not len(sendable):

@@ -151,7 +151,7 @@ def outcome_schema(labels: tuple[str, ...] | list[str]) -> pa.Schema:
 
 def text_hashes(texts: pa.Array | pa.ChunkedArray | list[str | None]) -> pa.Array:
     """A 64-bit BLAKE2b of each text's UTF-8 bytes, as a signed int64 (null for a null text):
-    the key `raypipe.call.dedup` reuses answers by."""
+    the key `raypipe.call.reuse` reuses answers by."""
     values = texts if isinstance(texts, list) else texts.to_pylist()
     return pa.array(
         [

@@ -121,7 +121,7 @@ def default_max_actors(cluster_cpus: float) -> int:
 
 
 class DedupConfig(Frozen):
-    """Answers reused by text hash (`raypipe.call.dedup`)."""
+    """Answers reused by text hash (`raypipe.call.reuse`)."""
 
     enabled: bool = True
     """Rows whose text already has a committed answer of the same model version cost no call."""
@@ -130,7 +130,7 @@ class DedupConfig(Frozen):
     6 labels, in Ray's object store: 3.3 GB at the default, which a 95M-text corpus fits; the
     driver holds only references), however many rows share them. With more, the index keeps
     this many (the smallest hashes) and the run infers the others again; the log says so and the
-    report's `reuse_index` shows `capped` (`raypipe.call.dedup`)."""
+    report's `reuse_index` shows `capped` (`raypipe.call.reuse`)."""
 
 
 class ActorPoolConfig(Frozen):

@@ -31,8 +31,8 @@ from typing import Any
 
 from raypipe.call.actor import ActorSettings
 from raypipe.call.client import ChannelSecurity, check_service
-from raypipe.call.dedup import build_index
 from raypipe.call.metrics import RunMetrics
+from raypipe.call.reuse import build_index
 from raypipe.commit.outcomes import Ledger, answered_versions
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig

@@ -298,7 +298,7 @@ def test_a_unit_of_long_documents_is_sent_in_calls_under_the_byte_cap(tmp_path):
 def test_a_text_with_a_committed_answer_costs_no_call_and_duplicates_are_sent_once(tmp_path):
     """Rows whose text has an answer of this model in the index are copied, under their own ids;
     rows of the unit sharing a text are sent once."""
-    from raypipe.call.dedup import TextIndex, hash_texts
+    from raypipe.call.reuse import TextIndex, hash_texts
 
     known = "already answered"
     probs = np.array([fake_probs(known)], np.float32)

@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pyarrow as pa
 
-from raypipe.call.dedup import IndexShard, TextIndex, build_index, hash_texts, shard_bounds
+from raypipe.call.reuse import IndexShard, TextIndex, build_index, hash_texts, shard_bounds
 from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.table import OutcomeTable, label_column, text_hashes
 from tests.fakes import LABELS, fake_probs

@@ -1,4 +1,4 @@
-"""The stored reuse index (`raypipe.call.dedup.StoredIndex`) on a real (local) Delta table: a run
+"""The stored reuse index (`raypipe.call.reuse.StoredIndex`) on a real (local) Delta table: a run
 reads what was committed since the index, and brought up to date it holds what a full read of
 the table holds, whatever the table went through (no Ray)."""
 
@@ -14,7 +14,7 @@ import pyarrow as pa
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from raypipe.call.dedup import INDEX_DIR, TextIndex, build_index, hash_texts
+from raypipe.call.reuse import INDEX_DIR, TextIndex, build_index, hash_texts
 from raypipe.commit.fence import UnitCommitter, mark_committed, take_over
 from raypipe.commit.table import OutcomeTable, label_column, text_hashes
 from raypipe.commit.upkeep import compact, vacuum

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypipe.api import build_config
-from raypipe.call import dedup
-from raypipe.call.dedup import TextIndex, hash_texts
+from raypipe.call import reuse
+from raypipe.call.reuse import TextIndex, hash_texts
 from raypipe.commit.outcomes import read_outcomes
 from raypipe.commit.table import label_column, text_hashes
 from raypipe.config import ClientConfig, run_input
@@ -46,13 +46,13 @@ def test_a_text_committed_at_one_tick_is_reused_at_the_next_and_the_index_is_bui
     client.classify = classify  # type: ignore[method-assign]
     monkeypatch.setattr(steps.ModelService, "ask", classmethod(lambda cls, s, c: cls(LABELS, "fake-1", ClientConfig())))
     builds: list[int] = []
-    build = dedup.build_index
+    build = reuse.build_index
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         builds.append(1)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(dedup, "build_index", counting)
+    monkeypatch.setattr(reuse, "build_index", counting)
     cfg = build_config(output=str(tmp_path / "out"), settings={"watch": {"every_s": 0.01, "max_wait_s": 0}})
     write(tmp_path / "in", "a", {"a1": "the same paragraph"})
     report = watch(

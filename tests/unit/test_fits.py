@@ -39,8 +39,8 @@ SETTINGS = {"actors.num_cpus": ActorPoolConfig().num_cpus}
 
 #: Launch sites known today: the scan must find at least these (a scan finding nothing passes nothing).
 KNOWN = {
-    ("call/dedup.py", "_split"),
-    ("call/dedup.py", "_merge_fresh"),
+    ("call/reuse/scan.py", "_split"),
+    ("call/reuse/scan.py", "_merge_fresh"),
     ("run/pipeline.py", "read_datasource"),
     ("run/pipeline.py", "map_batches"),
     ("run/cost.py", "sweep_node"),

@@ -74,7 +74,7 @@ def test_the_state_beside_the_table_does_not_grow_with_the_dailies(world: World)
     """A completed run's plans and attempt statistics go once its report is written (the report
     stays); files seen are a chain of deltas that a full copy replaces every `FILES_SEEN_CHAIN`
     (the stored reuse index has a test of its own, below)."""
-    from raypipe.call.dedup import INDEX_DIR
+    from raypipe.call.reuse import INDEX_DIR
     from raypipe.commit.protocol import FILES_SEEN_CHAIN
 
     for day in range(1, 6):
@@ -94,11 +94,12 @@ def test_a_daily_reads_the_stored_reuse_index_and_what_was_committed_since(
     """Each daily's reuse index reads the table's files committed since the run before (not the
     history's) and the log entries since; the stored index stays a bounded number of files (`STORED_FILES_MAX`, here 2,
     then compacted into one, its replaced files and log entries deleted)."""
-    from raypipe.call import dedup
+    from raypipe.call import reuse
+    from raypipe.call.reuse import stored as stored_index
 
-    monkeypatch.setattr(dedup, "STORED_FILES_MAX", 2)
-    built: list[dedup.IndexStats] = []
-    build = dedup.build_index
+    monkeypatch.setattr(stored_index, "STORED_FILES_MAX", 2)
+    built: list[reuse.IndexStats] = []
+    build = reuse.build_index
 
     def recording(*args: object, **kwargs: object) -> object:
         out = build(*args, **kwargs)  # type: ignore[arg-type]
@@ -113,6 +114,6 @@ def test_a_daily_reads_the_stored_reuse_index_and_what_was_committed_since(
     # The first daily reads the backfill's four units; each next one, the daily before's two.
     assert [s.table_files_read for s in built] == [4] + [2] * 6, built
     assert len({s.log_entries_read for s in built[1:]}) == 1, [s.log_entries_read for s in built]  # flat
-    (stored,) = (world.output / "_raypipe" / dedup.INDEX_DIR).iterdir()
+    (stored,) = (world.output / "_raypipe" / reuse.INDEX_DIR).iterdir()
     assert len(list(stored.glob("*.parquet"))) <= 3
     assert len(list((stored / "_delta_log").glob("*.json"))) <= 4

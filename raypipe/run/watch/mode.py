@@ -180,7 +180,7 @@ def _text_index(
     commits afterwards (`TextIndex.add_committed`), so no tick builds it again."""
     if not config.dedup.enabled:
         return None
-    from raypipe.call.dedup import TextIndex, build_index
+    from raypipe.call.reuse import TextIndex, build_index
 
     index, _ = build_index(protocol.table, version, labels, max_rows=config.dedup.max_index_rows, use_ray=in_ray)
     index = index or TextIndex.empty(version, labels)  # its own commits are added to it
