@@ -36,6 +36,10 @@ All of one actor's concurrent units share its breaker, limiter and channel, all 
 lazily inside Ray Data's event loop for the actor. The actor also keeps a running tally of its
 calls over its finished and in-flight units and writes it to the output on a timer
 (`raypipe.tally`), so a run stopped with every unit in flight still reports its calls.
+
+Over ~400 lines on purpose: one job (a unit through the actor), whose docstring above is the
+call path's map; the stages it drives live in their own modules (`batches`, `caller`, `limiter`,
+`breaker`, `retry`, `client`).
 """
 
 from __future__ import annotations

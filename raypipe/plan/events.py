@@ -25,6 +25,10 @@ Credentials come as for every other S3 call of raypipe: `storage_options` (s3fs'
 `AWS_*` environment, a profile, an instance role). The queue's endpoint is `endpoint_url`, else
 botocore's (`AWS_ENDPOINT_URL_SQS`, `AWS_ENDPOINT_URL`): the S3 endpoint of `storage_options` is
 not used for SQS, which may live elsewhere. No credential is kept where `repr` or a log shows it.
+
+Over ~400 lines on purpose: one concept, S3 event notifications, from the bucket's set-up
+(`configure_bucket_notifications`) through the queue's messages to the arrivals a watcher plans
+with; the message parsing and the SQS calls share its credentials and error handling.
 """
 
 from __future__ import annotations
