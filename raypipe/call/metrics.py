@@ -112,27 +112,26 @@ logger = logging.getLogger("raypipe.metrics")
 _STATUSES = tuple(code.name for code in grpc.StatusCode)
 _RPCS = ("Classify", "ModelInfo")
 """The EmotionClassifier's RPCs (protos/raypipe/v1/emotion.proto): the calls the interceptor sees."""
+_PER_ATTEMPT = (("method", "status"), (("method", _RPCS), ("status", _STATUSES)))
+"""The interceptor's per-attempt metrics: their tags, and each tag's values."""
 
 CLIENT_CALLS = MetricDef(
     "client.calls",
     "count",
     "one per call attempt, as the run report's status table counts them",
-    ("method", "status"),
-    (("method", _RPCS), ("status", _STATUSES)),
+    *_PER_ATTEMPT,
 )
 CLIENT_LATENCY_MS = MetricDef(
     "client.latency_ms",
     "distribution",
     "an attempt's time from the channel's view, ms",
-    ("method", "status"),
-    (("method", _RPCS), ("status", _STATUSES)),
+    *_PER_ATTEMPT,
 )
 CLIENT_PARAGRAPHS = MetricDef(
     "client.paragraphs",
     "count",
     "paragraphs sent per attempt",
-    ("method", "status"),
-    (("method", _RPCS), ("status", _STATUSES)),
+    *_PER_ATTEMPT,
 )
 CLIENT_RETRIES = MetricDef("client.retries", "count", "attempts retried (per committed unit)")
 CLIENT_CANARIES = MetricDef(

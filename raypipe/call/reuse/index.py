@@ -18,7 +18,16 @@ import pyarrow.compute as pc
 
 from raypipe.commit.table import OUTCOME_RESULT, RESULT_STATUS_OK, label_column, text_hashes
 
-__all__ = ["SHARD_ROWS", "IndexShard", "TextIndex", "hash_texts", "merge_slices", "shard_bounds"]
+__all__ = [
+    "SHARD_ROWS",
+    "IndexShard",
+    "TextIndex",
+    "answer_columns",
+    "answered",
+    "hash_texts",
+    "merge_slices",
+    "shard_bounds",
+]
 
 #: Committed rows (copies of a text included) per shard and per reading task: a task's
 #: memory is a small multiple of this times ~33 bytes, whatever the corpus.
@@ -28,6 +37,32 @@ SHARD_ROWS = 1 << 22
 def hash_texts(texts: list[str | None]) -> np.ndarray:
     """The `text_hash` of each text (int64; 0 for a null text)."""
     return text_hashes(texts).fill_null(0).to_numpy()
+
+
+def answered(model_version: str) -> pc.Expression:
+    """Outcome rows that are committed answers of `model_version`: ok results with a text hash.
+
+    Files a MERGE rewrote (a replay's) store their strings as string_view, the others as string;
+    comparing a column cast to string holds for both (a plain comparison has no kernel for a view)."""
+    return (
+        (pc.field("model_version").cast(pa.string()) == model_version)
+        & (pc.field("outcome").cast(pa.string()) == OUTCOME_RESULT)
+        & (pc.field("status").cast(pa.string()) == RESULT_STATUS_OK)
+        & pc.field("text_hash").is_valid()
+    )
+
+
+def answer_columns(
+    rows: pa.Table | pa.RecordBatch, labels: tuple[str, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The answers `rows` hold, in their order: hashes (int64), probabilities (float32 [rows,
+    labels]) and the truncation flag (a null one read as False)."""
+    hashes = rows.column("text_hash").to_numpy()
+    probs = np.column_stack([rows.column(label_column(x)).to_numpy(zero_copy_only=False) for x in labels]).astype(
+        np.float32
+    )
+    truncated = rows.column("truncated").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    return hashes, probs, truncated
 
 
 def shard_bounds(shards: int) -> np.ndarray:
@@ -168,23 +203,13 @@ class TextIndex:
         needed = {"outcome", "status", "model_version", "text_hash", "truncated", *map(label_column, self.labels)}
         if not rows.num_rows or not needed <= names:
             return 0
-        ok = (
-            (pc.field("outcome").cast(pa.string()) == OUTCOME_RESULT)
-            & (pc.field("status").cast(pa.string()) == RESULT_STATUS_OK)
-            & (pc.field("model_version").cast(pa.string()) == self.model_version)
-            & pc.field("text_hash").is_valid()
-        )
-        rows = rows.filter(ok)
+        rows = rows.filter(answered(self.model_version))
         if not rows.num_rows:
             return 0
-        hashes = rows.column("text_hash").to_numpy()
+        hashes, probs, truncated = answer_columns(rows, self.labels)
         new = self.lookup(hashes) < 0
         if not new.any():
             return 0
-        probs = np.column_stack(
-            [rows.column(label_column(x)).to_numpy(zero_copy_only=False) for x in self.labels]
-        ).astype(np.float32)
-        truncated = rows.column("truncated").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
         before = len(self._added.hashes)
         self._added = merge_slices(self._added, IndexShard(hashes[new], probs[new], truncated[new]))
         return len(self._added.hashes) - before

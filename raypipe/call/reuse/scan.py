@@ -19,12 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.call.reuse.index import SHARD_ROWS, IndexShard, TextIndex, merge_slices, shard_bounds
+from raypipe.call.reuse.index import (
+    SHARD_ROWS,
+    IndexShard,
+    TextIndex,
+    answer_columns,
+    answered,
+    merge_slices,
+    shard_bounds,
+)
 from raypipe.call.reuse.stored import Fresh, Since, Source, StoredIndex, committed_rows
-from raypipe.commit.table import OUTCOME_RESULT, RESULT_STATUS_OK, OutcomeTable, label_column
+from raypipe.commit.table import OutcomeTable, label_column
 
 __all__ = ["TASK_CPUS", "IndexStats", "build_index"]
 
@@ -287,17 +294,8 @@ def _split(
 
     schema, fmt, filesystem = source
     ds = pds.FileSystemDataset(fragments, schema, fmt, filesystem)
-    # Files a MERGE rewrote (a replay's) store their strings as string_view, the others as string;
-    # comparing a column cast to string holds for both (a plain comparison has no kernel for a
-    # view). `build_index` pruned the files by the log's statistics already (`scan_where`).
-    flt = (
-        (pc.field("model_version").cast(pa.string()) == model_version)
-        & (pc.field("outcome").cast(pa.string()) == OUTCOME_RESULT)
-        & (pc.field("status").cast(pa.string()) == RESULT_STATUS_OK)
-        & pc.field("text_hash").is_valid()
-        if table
-        else None
-    )
+    # `build_index` pruned the files by the log's statistics already (`scan_where`).
+    flt = answered(model_version) if table else None
     columns = ["text_hash", "truncated", *[label_column(x) for x in labels]]
     shards = len(bounds) + 1
     parts: list[list[_Slice]] = [[] for _ in range(shards)]
@@ -306,11 +304,7 @@ def _split(
         if batch.num_rows == 0:
             continue
         rows_read += batch.num_rows
-        hashes = batch.column("text_hash").to_numpy()
-        probs = np.column_stack([batch.column(label_column(x)).to_numpy(zero_copy_only=False) for x in labels]).astype(
-            np.float32
-        )
-        truncated = batch.column("truncated").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+        hashes, probs, truncated = answer_columns(batch, labels)
         which = np.searchsorted(bounds, hashes, side="right")
         order = np.argsort(which, kind="stable")
         cuts = np.searchsorted(which[order], np.arange(shards + 1))
