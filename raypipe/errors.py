@@ -70,6 +70,7 @@ __all__ = [
     "ServiceTimeout",
     "ServiceTlsError",
     "ServiceUnavailable",
+    "ServiceWrongModel",
     "ShardChangedError",
     "SinkError",
     "TextTooLargeError",
@@ -189,6 +190,17 @@ class ServiceTimeout(ModelServiceError):
 
 class ServiceOverloaded(ModelServiceError):
     kind = "resource_exhausted"
+    transient = True
+
+
+class ServiceWrongModel(ModelServiceError):
+    """The service answered, but as another model (version or labels) than the run's. Ray
+    Serve's gRPC proxy sends a call naming an application that is not deployed (deleted, being
+    redeployed, misspelt) to the only one left, so a service that is gone can answer as another
+    model. The service's fault, sent again like an outage: the breaker waits for the run's model
+    to come back, and past `breaker.max_wait_s` the run stops with its rows still to do."""
+
+    kind = "wrong_model"
     transient = True
 
 

@@ -118,6 +118,9 @@ class ActorSettings:
     service: ServiceConfig
     client: ClientConfig
     labels: tuple[str, ...]
+    model_version: str = ""
+    """The run's model version: an answer as another version is the service's failure, never a
+    result (`raypipe.errors.ServiceWrongModel`); "" takes any."""
     replay: bool = False
     """Units re-infer committed dead letters: their commit replaces those rows."""
     text_index: Any = None
@@ -191,7 +194,14 @@ class InferenceActor:
                     self._metrics, self._breaker, self._limiter, actor=self._actor_id, interval_s=spec.gauge_interval_s
                 )
                 self._gauges.start()
-            self._caller = ServiceCaller(self._client, self._breaker, self._limiter, c.retry)
+            self._caller = ServiceCaller(
+                self._client,
+                self._breaker,
+                self._limiter,
+                c.retry,
+                model_version=self._settings.model_version,
+                labels=self._settings.labels,
+            )
         assert self._breaker is not None and self._limiter is not None
         return self._client, self._breaker, self._limiter
 
@@ -216,8 +226,10 @@ class InferenceActor:
             try:
                 error = await self._process_unit(unit, rows, stats)
             except CircuitOpenError as e:
+                last = self._caller.last_failure if self._caller is not None else None
+                message = str(e) if last is None else f"{e}; the last failure: {last}"
                 fatal = json.dumps(
-                    {"kind": e.kind, "message": str(e), "waited_s": e.waited_s, "retry_after_s": e.retry_after_s}
+                    {"kind": e.kind, "message": message, "waited_s": e.waited_s, "retry_after_s": e.retry_after_s}
                 )
             except LeaseLostError as e:
                 fatal = json.dumps({"kind": "lease_lost", "message": str(e)})
@@ -319,12 +331,9 @@ class InferenceActor:
 
     def _fates(self, outcomes: list[Outcome], stats: UnitStats) -> tuple[list[Answers], list[DeadLetters]]:
         """The outcomes as the table's answers and dead letters, counted in the unit's stats."""
-        labels = self._settings.labels
         answers, dead_letters = [], []
         for o in outcomes:
-            if o.result is not None:
-                if o.result.labels != labels:
-                    raise SinkError(f"the service answered labels {o.result.labels}, the run expects {labels}")
+            if o.result is not None:  # as the run's model: the caller refuses any other
                 answers.append(Answers(o.rows, o.result.probabilities, o.result.truncated, o.result.model_version))
                 stats.ok += len(o.rows)
                 continue

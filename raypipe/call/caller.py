@@ -26,7 +26,7 @@ from raypipe.call.client import BatchResult, ModelClient
 from raypipe.call.limiter import Limiter
 from raypipe.call.retry import RetryPolicy, call_with_retries
 from raypipe.config import RetryConfig
-from raypipe.errors import ModelServiceError
+from raypipe.errors import ModelServiceError, ServiceWrongModel
 from raypipe.report import UnitStats
 
 __all__ = ["Outcome", "ServiceCaller"]
@@ -66,11 +66,26 @@ class _RowsSuspect(Exception):
 class ServiceCaller:
     """Classifies micro-batches through one actor's client, breaker and limiter."""
 
-    def __init__(self, client: ModelClient, breaker: CircuitBreaker, limiter: Limiter, retry: RetryConfig) -> None:
+    def __init__(
+        self,
+        client: ModelClient,
+        breaker: CircuitBreaker,
+        limiter: Limiter,
+        retry: RetryConfig,
+        *,
+        model_version: str = "",
+        labels: tuple[str, ...] = (),
+    ) -> None:
+        """`model_version` and `labels`: the run's model; an answer as another one is the
+        service's failure (`ServiceWrongModel`), never a result ("" and (): any)."""
         self._client = client
         self._breaker = breaker
         self._limiter = limiter
         self._retry = retry
+        self._model_version = model_version
+        self._labels = tuple(labels)
+        self.last_failure: str | None = None
+        """The last failed attempt's error, for the message of a run the breaker stops."""
 
     async def classify(
         self, batch: np.ndarray, ids: Sequence[str], texts: Sequence[str], stats: UnitStats
@@ -201,13 +216,32 @@ class ServiceCaller:
             if e.status_code in _OVERLOAD:
                 samples.append((latency, True, None))
             self._count_call(stats, e.status_code, latency)
+            self.last_failure = str(e)
             raise
         latency = time.monotonic() - started
+        wrong = self._wrong_model(result)
+        if wrong is not None:
+            self._count_call(stats, "WRONG_MODEL", latency)
+            self.last_failure = wrong
+            raise ServiceWrongModel(wrong, status_code="OK", address=getattr(client, "address", None))
         samples.append((latency, False, result))
         self._count_call(stats, "OK", latency)
         if result.server is not None:
             stats.model_cpu_s += result.server.model_cpu_s
         return result
+
+    def _wrong_model(self, result: BatchResult) -> str | None:
+        """What is wrong when `result` comes from another model than the run's; None if nothing."""
+        if self._model_version and result.model_version != self._model_version:
+            what = f"model version {result.model_version!r}, the run's is {self._model_version!r}"
+        elif self._labels and result.labels != self._labels:
+            what = f"labels {list(result.labels)}, the run's are {list(self._labels)}"
+        else:
+            return None
+        return (
+            f"the model service answered as {what}: is the run's application deployed? (Ray Serve "
+            "sends a call naming an application it does not have to the only one it has)"
+        )
 
     @staticmethod
     def _release(limiter: Limiter, sample: _Sample | None) -> None:

@@ -215,6 +215,7 @@ class ExecuteRun:
             service=self.settings.service,
             client=model.client,
             labels=model.labels,
+            model_version=model.version,
             replay=plan.mode == "replay",
             metrics=self.metrics.spec,
         )

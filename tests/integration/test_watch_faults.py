@@ -4,7 +4,12 @@ model, local files or moto's S3 behind a misbehaving proxy):
 - a Serve replica killed while a unit's calls are on it: the watcher goes on (the calls are
   sent again to the replica Serve starts in its place) and commits every id once;
 - S3 answering 503 SlowDown to one request in five (the driver's and the actors' requests
-  alike): every id once.
+  alike): every id once;
+- the model service gone (its Serve application deleted) longer than `breaker.max_wait_s`: Ray
+  Serve sends the calls to the application left, another model's, whose answers are refused; the
+  watcher stops, failed, naming the open circuit and the other model, with its lease released
+  and the rows it could not answer uncommitted; a successor started once the service is back
+  commits every id once.
 
 The watcher SIGKILLed mid-batch and a daily started on a watched output are `test_watch.py`'s.
 """
@@ -26,6 +31,8 @@ import pytest
 import ray
 from ray import serve
 
+from raypipe.errors import CircuitOpenError
+from raypipe.store import OutputStore
 from serve_app.settings import FaultInjection, ServerSettings
 from tests.integration.conftest import S3, wait_for
 from tests.integration.helpers import assert_nothing_lost, ids, results
@@ -149,3 +156,42 @@ def test_s3_answering_slowdown_to_a_share_of_requests_every_id_is_committed_once
     assert report["status"] == "stopped" and report["rows"] == 180 and report["files"] == 2
     assert proxy.slowed >= 10 and writes, "the watcher's S3 traffic did not go through the proxy"
     assert_nothing_lost(out, expected)
+
+
+@pytest.mark.timeout(420)
+def test_the_service_gone_past_the_breakers_wait_stops_the_watcher_and_a_successor_loses_nothing(
+    tmp_path: Path, serve_address: str, deploy_app: Any
+) -> None:
+    # Another version than the session's application (the one left when this one goes): the
+    # same weights served at another length.
+    other = ServerSettings(max_sequence_length=64)
+    app = deploy_app("watch-gone", other)
+    in_dir, out = tmp_path / "in", tmp_path / "out"
+    gone = {"breaker": {"failure_threshold": 1, "reset_timeout_s": 0.2, "max_wait_s": 3.0}}
+    settings = _settings(app, **gone)
+    settings["service"]["timeout_s"] = 2
+    expected = _arrive(in_dir, "first", 60)
+    watcher = Watching(in_dir, out, serve_address, **settings)
+    wait_for(lambda: _committed(out) >= 60, 120, "the first file committed")
+    serve.delete(app)
+    expected += _arrive(in_dir, "second", 40)  # arrives while nothing answers
+    watcher.thread.join(120)
+    alive = watcher.thread.is_alive()
+    watcher.stop.set()
+    watcher.thread.join(60)
+    assert not alive, "the watcher did not stop with its service gone past breaker.max_wait_s"
+    assert isinstance(watcher.error, CircuitOpenError), watcher.error
+    assert "model version" in str(watcher.error), "the message says the answers came from another model"
+    store = OutputStore(str(out))
+    assert not store.exists(store.state("lease.json")), "the lease is released"
+    assert _committed(out) == 60, "nothing of the unanswered file is committed"
+
+    deploy_app(app, other)  # the service is back: a successor under the same watch id
+    successor = Watching(in_dir, out, serve_address, **_settings(app))
+    try:
+        wait_for(lambda: _committed(out) >= 100, 120, "the successor committed the rest")
+    finally:
+        report = successor.finish()
+    assert report.rows == 40 and report.files == 1
+    _, dead = assert_nothing_lost(out, expected)
+    assert dead == [], "a service that was down is no fault of the rows"

@@ -343,3 +343,37 @@ def test_rows_sharing_a_text_are_grouped_under_the_first_in_row_order():
     assert sorted(groups) == [3, 5]
     assert groups[3].tolist() == [8, 20] and groups[5].tolist() == [12]
     assert duplicates_by_first(rows, np.arange(6)) == {}
+
+
+@pytest.mark.parametrize("answer_as", ["version", "labels"])
+def test_answers_as_another_model_are_never_committed_and_stop_the_unit_like_an_outage(tmp_path, answer_as):
+    """Ray Serve's gRPC proxy sends a call naming an application it does not have (deleted,
+    redeploying) to the only one left: the answers come back as another model. They are the
+    service's failure, not results: the unit commits nothing and stops once the breaker has waited
+    its `max_wait_s`, the message saying why."""
+    _, block, actor, client = _down_actor(tmp_path, None)
+    client.errors = []
+    settings = actor._settings
+    if answer_as == "version":
+        actor._settings = ActorSettings(**{**settings.__dict__, "model_version": "the-runs-model-2"})
+    else:
+        actor._settings = ActorSettings(**{**settings.__dict__, "labels": (*LABELS[1:], LABELS[0])})
+    summary = asyncio.run(actor(block)).to_pylist()[0]
+    fatal = json.loads(summary["fatal"])
+    assert fatal["kind"] == CircuitOpenError.kind
+    assert ("model version 'fake-1'" if answer_as == "version" else "labels") in fatal["message"]
+    stats = json.loads(summary["summary"])
+    assert stats["committed"] is False and stats["status_counts"].get("WRONG_MODEL", 0) > 0
+    assert outcomes(tmp_path) == (None, None)
+
+
+def test_answers_as_the_runs_model_are_committed(tmp_path):
+    cfg = settings(tmp_path)
+    _, block = make_unit(tmp_path, ["a joyful day", "a sad day"])
+    actor = InferenceActor(
+        ActorSettings(**{**cfg.__dict__, "model_version": "fake-1"}), client_factory=lambda: ScriptedClient()
+    )
+    summary = asyncio.run(actor(block)).to_pylist()[0]
+    assert summary["fatal"] is None
+    results, dead = outcomes(tmp_path)
+    assert results.num_rows == 2 and dead is None

@@ -65,6 +65,7 @@ INTERNAL_ERRORS = {
     "ServiceInternal",
     "ServiceOverloaded",
     "ServiceTimeout",
+    "ServiceWrongModel",
     "ShardChangedError",
     "TextTooLargeError",
 }

@@ -216,6 +216,7 @@ def test_sigterm_finishes_the_unit_in_flight_releases_the_lease_and_a_successor_
     service.on_call = None
     report = run_watch(tmp_path, service, ticks=1)
     assert report.resumed_units == 2, "the successor finishes the stored batch first"
+    assert report.files == 2 and report.rows == 4, "the files it finished are its files, as their rows are"
     assert committed_ids(tmp_path) == ["a1", "a2", "b1", "b2", "c1", "c2"]
 
 

@@ -120,6 +120,7 @@ def watch(
                 service=config.service,
                 client=model.client,
                 labels=model.labels,
+                model_version=model.version,
                 metrics=run_metrics.spec,
             )
             units = runner(settings) if runner is not None else WarmActors(settings, config.actors)

@@ -128,6 +128,11 @@ class Watcher:
                 logger.info("watch %s: finishing %d units an earlier watcher left", protocol.run_id, len(todo))
             committed = self._execute(plan, todo, arrived={})
             self.report.resumed_units += len(committed)
+            # its files finished now count as this watcher's, as its rows do
+            finished = {u.shard for u in plan.units if u.key in committed}
+            self.report.files += sum(
+                all(u.key in done or u.key in committed for u in plan.units if u.shard == shard) for shard in finished
+            )
             protocol.record_files_seen(plan, done | committed)
         self._known = {uri: fp for uri, (fp, _) in protocol.files_seen().items()}
 
