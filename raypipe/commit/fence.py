@@ -97,14 +97,14 @@ def take_over(
     from deltalake import Transaction
 
     def attempt(_: int) -> TableFence:
-        dt = table.load()
+        dt = table.refresh()  # the next generation of the latest, not of what the run read earlier
         generation = generation_of(dt) + 1
         metadata = {"raypipe.operation": "take-over", "raypipe.run_id": run_id, "holder": holder}
         slots = [Transaction(slot_app(s), generation) for s in range(SLOTS)]
         try:
             commit_once(dt, slots, metadata)
         except commit_failed():
-            if table.generation() >= generation:
+            if generation_of(table.refresh()) >= generation:
                 raise LeaseLostError(
                     f"run {run_id}: another holder took over {table.uri} at the same moment (generation "
                     f"{generation}); this one stops",
@@ -123,7 +123,7 @@ def retire(table: OutcomeTable, fence: TableFence, *, sleep: Callable[[float], N
     from deltalake import Transaction
 
     def attempt(_: int) -> bool:
-        dt = table.load()
+        dt = table.refresh()
         if generation_of(dt) != fence.generation:
             return False  # a newer holder took over: the output is its, leave it be
         slots = [Transaction(slot_app(s), fence.generation + 1) for s in range(SLOTS)]
@@ -166,18 +166,20 @@ def fenced_commit(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """One commit of no rows that sets the app transaction `mark(snapshot)` names, with the
-    output's slots at `fence`'s generation, on a fresh snapshot where they still hold it.
+    output's slots at `fence`'s generation, on a snapshot where they still hold it: the run's
+    own as it stands (moved after its own commits) first, a fresh one after a conflict.
 
     A conflicting commit makes it look again (`mark` runs again on the new snapshot); once a
     newer holder took over, `LeaseLostError`. Returns the version the app was set to."""
 
-    def attempt(_: int) -> int:
-        dt = table.load()
+    def attempt(n: int) -> int:
+        # The first try commits from the run's snapshot as it stands (the protocol moved it after
+        # its own commits); any commit after it that set the same transactions (a take-over, a
+        # pointer of another holder, a unit of this one) makes this one conflict, and the next
+        # try reads the log again.
+        dt = table.refresh() if n else table.load()
         check_fence(dt, fence)
         app, version = mark(dt)
-        # `dt` is the table's one snapshot: a `load` inside `mark` moves it on. The commit is
-        # built on it as it is now, so the fence is checked on it as it is now.
-        check_fence(dt, fence)
         commit_once(dt, [*fence_transactions(fence), _transaction(app, version, clock)], metadata)
         return version
 
@@ -204,7 +206,7 @@ def set_pointer(
 ) -> int:
     """Points `app` at a new state file (or value), fenced like a unit commit.
 
-    `write(current)` gets the number `app` holds on a fresh snapshot, writes a new immutable
+    `write(current)` gets the number `app` holds on the snapshot the commit is built on, writes a new immutable
     file (under a name no other writer uses) from it and returns that file's number; one
     commit then sets `app` to it, with the output's slots at `fence`'s generation. A
     concurrent pointer change is a conflict: `write` runs again on the new state. Once a newer
@@ -296,10 +298,7 @@ class UnitCommitter:
         self.__init__(state["fence"])  # type: ignore[misc]
 
     def _fresh(self) -> Any:
-        if self._dt is None:
-            self._dt = self._table.load()
-        else:
-            self._dt.update_incremental()
+        self._dt = self._table.refresh()
         return self._dt
 
     def _conform(self, rows: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -20,7 +20,17 @@ import pyarrow.compute as pc
 
 from raypipe.commit.table import OUTCOME_DEAD_LETTER, OUTCOME_RESULT, OutcomeTable
 
-__all__ = ["LATEST_SQL", "Ledger", "answered_versions", "latest", "latest_of", "ledger", "ledger_of", "read_outcomes"]
+__all__ = [
+    "LATEST_SQL",
+    "Ledger",
+    "answered_versions",
+    "latest",
+    "latest_of",
+    "ledger",
+    "ledger_of",
+    "read_outcomes",
+    "versions_of",
+]
 
 LATEST_SQL = """
 WITH runs AS (
@@ -71,9 +81,10 @@ per `updated_at`. `EXCLUDE` is DuckDB's; other engines list the columns."""
 def _dataset(output: str | OutcomeTable, run_id: str | None = None) -> Any:
     """The committed files as a pyarrow dataset; of one run's partition only with `run_id`
     (pruned by the log, so a run's reads do not walk every file the table's history holds)."""
-    table = output if isinstance(output, OutcomeTable) else OutcomeTable(output)
+    # A table passed in is brought up to date: every committed row, not those of its snapshot.
+    dt = output.refresh() if isinstance(output, OutcomeTable) else OutcomeTable(output).load()
     partitions = None if run_id is None else [("run_id", "=", run_id)]
-    return table.load().to_pyarrow_dataset(partitions=partitions)
+    return dt.to_pyarrow_dataset(partitions=partitions)
 
 
 def read_outcomes(
@@ -115,7 +126,11 @@ def answered_versions(output: str | OutcomeTable, run_id: str) -> dict[str, int]
     (more than one only when a resume was allowed to change model)."""
     if not (output if isinstance(output, OutcomeTable) else OutcomeTable(output)).exists():
         return {}
-    rows = read_outcomes(output, run_id, columns=["model_version"])
+    return versions_of(read_outcomes(output, run_id, columns=["model_version"]))
+
+
+def versions_of(rows: pa.Table) -> dict[str, int]:
+    """Results (rows with a `model_version`) counted by the model version, most first."""
     counts = rows.group_by("model_version").aggregate([([], "count_all")]).to_pylist()
     return {
         r["model_version"]: int(r["count_all"])

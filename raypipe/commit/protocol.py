@@ -16,6 +16,7 @@ of the protocol's calls is told here::
     protocol.save_plan(plan)         # a resumed plan brought up to date with its input (fenced)
     ...                              # the actors commit each unit with the `UnitCommitter`
                                      #   `protocol.unit_committer()` hands out (fenced)
+    protocol.units_landed()          # the run's snapshot moves past its actors' unit commits
     protocol.record_files_seen(...)  # the files every unit of which is committed (fenced)
     protocol.commit_run(plan)        # the table holds every unit: the run is committed (fenced)
     protocol.advance_watermark(...)  # informational, never backwards (fenced)
@@ -69,7 +70,7 @@ import pyarrow.compute as pc
 
 from raypipe.commit.fence import TableFence, UnitCommitter, mark_committed, retire, set_pointer, take_over
 from raypipe.commit.lease import Lease
-from raypipe.commit.outcomes import Ledger, ledger, ledger_of
+from raypipe.commit.outcomes import Ledger, ledger_of, read_outcomes, versions_of
 from raypipe.commit.output import Output
 from raypipe.commit.table import (
     FILES_SEEN_APP,
@@ -252,11 +253,11 @@ class CommitProtocol:
 
     # -- units ---------------------------------------------------------------------------------
     def committed_units(self, plan: Plan) -> set[str]:
-        """The run's units committed already (read after `setup_run`, so final for them): one
-        read of the table per call. A backfill's or daily's are listed from the log's file
-        statistics (no data read): every unit the run committed, so units a resumed plan adds
-        are answered too. A replay's rows land in the run it replays, so its plan's units are
-        found by their own transactions."""
+        """The run's units committed in the run's snapshot (read after `setup_run`, so final
+        for earlier attempts' units; `units_landed` first for this attempt's). A backfill's or
+        daily's are listed from the log's file statistics (no data read): every unit the run
+        committed, so units a resumed plan adds are answered too. A replay's rows land in the
+        run it replays, so its plan's units are found by their own transactions."""
         if plan.mode == "replay":
             return self.table.units_with_transaction(self.run_id, [u.key for u in plan.units])
         return self.table.committed_units(self.run_id)
@@ -279,8 +280,18 @@ class CommitProtocol:
         return UnitCommitter(self.fence, sleep=self._sleep, clock=self._clock)
 
     def commit_unit(self, unit: str, rows: pa.Table, *, replace_dead_letters: bool = False) -> bool:
-        """Commits one unit's rows in one Delta commit; False if this attempt had already."""
-        return self.unit_committer().commit(unit, rows, replace_dead_letters=replace_dead_letters)
+        """Commits one unit's rows in one Delta commit, and moves the run's snapshot past it;
+        False if this attempt had already. (The run's actors commit with `unit_committer`s of
+        their own; `units_landed` moves the snapshot past theirs.)"""
+        done = self.unit_committer().commit(unit, rows, replace_dead_letters=replace_dead_letters)
+        self.units_landed()
+        return done
+
+    def units_landed(self) -> None:
+        """Moves the run's snapshot of the table past the units its actors committed (this run's
+        own commits, made from snapshots of their own): the step after the units, before the
+        files seen and the run commit are read and committed from it."""
+        self.table.refresh()
 
     # -- files seen ----------------------------------------------------------------------------
     def quarantined(self) -> frozenset[str]:
@@ -372,6 +383,7 @@ class CommitProtocol:
         """Commits the run, fenced, once the table holds every unit of `plan` committed: read
         here from the table, never taken from the driver's tally. Raises `SinkError` naming
         the units the table does not hold (the run stays uncommitted; a resume does them)."""
+        self.units_landed()  # every unit committed so far, by this driver or its actors
         planned = {u.key for u in plan.units}
         missing = planned - self.committed_units(plan)
         # A unit committed with no rows has no file to list: its own transaction says so.
@@ -422,9 +434,13 @@ class CommitProtocol:
         logger.info("watermark advanced to %s", to.isoformat())
 
     # -- what the report counts ----------------------------------------------------------------
-    def ledger(self) -> Ledger:
-        """The run's committed rows by outcome (the report's row counts)."""
-        return ledger(self.table, self.run_id)
+    def ledger(self) -> tuple[Ledger, dict[str, int]]:
+        """The run's committed rows by outcome (the report's row counts), and its results by
+        the model version that answered them: one read of the run's rows."""
+        if not self.table.exists():
+            return Ledger(), {}
+        rows = read_outcomes(self.table, self.run_id, columns=["outcome", "status", "error_kind", "model_version"])
+        return ledger_of(rows), versions_of(rows)
 
     def replay_ledger(self, plan: Plan) -> Ledger | None:
         """What a replay's committed units made of the dead letters it was planned on, from the

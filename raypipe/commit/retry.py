@@ -4,7 +4,7 @@
   a commit is a conditional PUT of the next log entry; when S3 carries it out and the answer
   is lost, delta-rs raises `CommitFailedError` for a commit that happened. The log after the
   snapshot is read back for the token (`landed`): ours is a success, anything else a conflict.
-- `retry_commit`: runs an attempt (one commit on a fresh snapshot) until it returns; a
+- `retry_commit`: runs an attempt (one commit; a retry's on a fresh snapshot) until it returns; a
   conflict looks again after a jittered wait, with an injectable sleep (tenacity, as the
   model-service call's retry layer is), and a conflict that never clears ends in the caller's
   error after its tries.
@@ -81,7 +81,7 @@ def retry_commit(
     sleep: Callable[[float], None] = time.sleep,
     failure: Callable[[], Exception],
 ) -> T:
-    """Runs `attempt(n)` (n = 0, 1, ...: one commit on a fresh snapshot) until it returns.
+    """Runs `attempt(n)` (n = 0, 1, ...: one commit, a retry's on a fresh snapshot) until it returns.
 
     A `CommitFailedError` it raises is a conflict with a commit not ours (it has checked
     `landed` first): after `sleep(wait(n + 1))` it runs again, at most `tries` times in all,
@@ -103,8 +103,11 @@ def retry_commit(
 
 
 def empty_commit(dt: Any, props: Any) -> None:
-    """A commit of no rows that carries `props` (app transactions, metadata)."""
+    """A commit of no rows that carries `props` (app transactions, metadata); `dt` moves past it
+    (as `write_deltalake` moves the table it writes to; `create_write_transaction` does not), so
+    the holder's next commit from `dt` does not conflict with this one."""
     dt.create_write_transaction([], mode="append", schema=dt.schema(), partition_by=["run_id"], commit_properties=props)
+    dt.update_incremental()
 
 
 def commit_once(

@@ -238,9 +238,10 @@ def as_sink_error(e: Exception, uri: str) -> Exception:
 class OutcomeTable:
     """The Delta table under `OUTPUT/outcomes/`: creation and readers of its rows and log.
 
-    One object holds one snapshot (`load`), opened once and then brought up to date from the
-    log's new entries only, so a run that asks the table a dozen questions reads its log from
-    the last checkpoint once, not a dozen times. A run builds one (`raypipe.commit.output.Output`)
+    One object holds one snapshot (`load`), opened once and brought up to date from the log's
+    new entries only where the commit protocol says the table moved (`refresh`), so a run that
+    asks the table a dozen questions reads its log from the last checkpoint once, not a dozen
+    times. A run builds one (`raypipe.commit.output.Output`)
     and passes it down; a process of its own (an actor's committer) builds its own."""
 
     def __init__(self, output_uri: str) -> None:
@@ -265,27 +266,40 @@ class OutcomeTable:
         return bool(DeltaTable.is_deltatable(self.uri, storage_options=self._options))
 
     def load(self) -> Any:
-        """The table at its latest version (`deltalake.DeltaTable`): this object's one snapshot,
-        brought up to date (`update_incremental` reads only the log entries after it).
+        """This object's snapshot of the table (`deltalake.DeltaTable`): opened at the latest
+        version on first use, and not moved by reading it. Every caller gets the same object.
 
-        Every caller gets the same object, so a caller that holds it across another `load`
-        sees it move to the latest version; the fence's commits check the generation on the
-        snapshot they commit from, right before the commit (`raypipe.commit.fence`)."""
+        The commit protocol moves it (`refresh`) where the table changed under it: after this
+        run's own commits (a take-over, a pointer, the run commit, its actors' units) and after a
+        commit that conflicted. Readers of the snapshot (`pointer`, `committed_units`, ...) so
+        answer from one read of the log per step, not one per question."""
+        with self._lock:
+            if self._dt is None:
+                self._open()
+            return self._dt
+
+    def refresh(self) -> Any:
+        """The snapshot brought up to the table's latest version (`update_incremental` reads only
+        the log entries after it; the first call opens it)."""
+        with self._lock:
+            if self._dt is None:
+                self._open()
+            else:
+                try:
+                    self._dt.update_incremental()
+                except Exception as e:  # the store's errors, from delta-rs
+                    raise as_sink_error(e, self.uri) from e
+            return self._dt
+
+    def _open(self) -> None:
         from deltalake import DeltaTable
 
-        with self._lock:
-            try:
-                if self._dt is None:
-                    self._dt = DeltaTable(self.uri, storage_options=self._options)
-                else:
-                    self._dt.update_incremental()
-            except Exception as e:  # TableNotFoundError and the store's errors, all from delta-rs
-                if self._dt is None and not self.exists():
-                    raise SinkError(
-                        f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri
-                    ) from e
-                raise as_sink_error(e, self.uri) from e
-            return self._dt
+        try:
+            self._dt = DeltaTable(self.uri, storage_options=self._options)
+        except Exception as e:  # TableNotFoundError and the store's errors, all from delta-rs
+            if not self.exists():
+                raise SinkError(f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri) from e
+            raise as_sink_error(e, self.uri) from e
 
     def load_version(self, version: int) -> Any:
         """The table as it was at `version` (time travel; the log keeps it for its retention)."""
@@ -327,7 +341,8 @@ class OutcomeTable:
         return pa.schema(self.load().schema().to_arrow())
 
     def generation(self) -> int:
-        """The output's generation: how many take-overs (and aborts) its fence has seen."""
+        """The output's generation in the snapshot: how many take-overs (and aborts) its fence
+        had seen when the snapshot was last moved (`refresh` first for the latest)."""
         return generation_of(self.load())
 
     def pointer(self, app: str) -> int | None:

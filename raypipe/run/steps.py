@@ -33,7 +33,7 @@ from raypipe.call.actor import ActorSettings
 from raypipe.call.client import ChannelSecurity, check_service
 from raypipe.call.metrics import RunMetrics
 from raypipe.call.reuse import build_index
-from raypipe.commit.outcomes import Ledger, answered_versions
+from raypipe.commit.outcomes import Ledger
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import ActorPoolConfig, ClientConfig, DedupConfig, InputConfig, ServiceConfig
 from raypipe.errors import CircuitOpenError, ConfigError, LeaseLostError, RaypipeError
@@ -324,6 +324,7 @@ class CommitRun:
         report.units_committed = len(done_units)
         complete = len(done_units) == len(plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
+        protocol.units_landed()
         if plan.mode != "replay":
             protocol.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:
@@ -407,8 +408,8 @@ def fold_report(
             replayed = Ledger(counts)
         report.apply_ledger(dict(replayed))
     else:
-        report.apply_ledger(protocol.ledger())
-        report.model_versions = answered_versions(protocol.table, protocol.run_id)
+        committed, report.model_versions = protocol.ledger()
+        report.apply_ledger(committed)
     report.rows_skipped_committed = max(0, report.rows_in - report.rows_this_attempt)
     return attempt
 

@@ -8,9 +8,12 @@ after N dailies. The runs go through the real run path with the model-based test
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import deltalake
 import pytest
@@ -68,6 +71,47 @@ def test_a_daily_opens_the_table_once_for_the_driver_and_once_per_committer(
     # The driver's one `OutcomeTable` is brought up to date from the log's new entries; the
     # in-process actor's committer has its own (as an actor in a process of its own would).
     assert len(opened) == 2, opened
+
+
+@contextlib.contextmanager
+def _log_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """How often the outcomes table's log is read meanwhile: snapshots opened (from the last
+    checkpoint) and snapshots brought up to date (the log entries after them), and datasets of
+    its files built."""
+    reads: Counter[str] = Counter()
+    methods = {"open": "__init__", "refresh": "update_incremental", "dataset": "to_pyarrow_dataset"}
+
+    def counting(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: deltalake.DeltaTable, *args: Any, **kwargs: Any) -> Any:
+            with warnings.catch_warnings():  # a deprecation raypipe's call site allows would point here
+                warnings.simplefilter("ignore", DeprecationWarning)
+                out = method(self, *args, **kwargs)
+            if self.table_uri.rstrip("/").endswith(f"/{TABLE_DIR}"):
+                reads[kind] += 1
+            return out
+
+        return wrapped
+
+    with monkeypatch.context() as m:
+        for kind, name in methods.items():
+            m.setattr(deltalake.DeltaTable, name, counting(kind, getattr(deltalake.DeltaTable, name)))
+        yield reads
+
+
+def test_a_daily_reads_the_table_log_a_bounded_number_of_times(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's snapshot is opened once and moved only where the table changed under it:
+    to take the output over (1), after each of its own five commits (take-over, plan, files
+    seen, run commit, watermark), past its actors' units before the files seen and again as the
+    run commit checks every unit (2), and once to read the run's committed rows for the report
+    (ledger and model versions in one read): 9. The committer (in process here) opens its own
+    and brings it up to date before each unit commit but its first: two units, 1. Before,
+    every question to the table moved the snapshot (17)."""
+    _daily(world, 1)
+    with _log_reads(monkeypatch) as reads:
+        _daily(world, 2)
+    assert reads["open"] <= 2, reads  # the driver's and the committer's
+    assert reads["refresh"] <= 10, reads
+    assert reads["dataset"] <= 2, reads  # the report's committed rows, the reuse index's new files
 
 
 def test_the_state_beside_the_table_does_not_grow_with_the_dailies(world: World) -> None:

@@ -324,6 +324,7 @@ class LossSearch(RuleBasedStateMachine):
         if locked_out and isinstance(out.error, OutputLockedError) and not isinstance(out.error, LeaseLostError):
             return out  # the dead attempt's lease keeps every other run id out until it lapses or is expired
         run["seen"].append(self.seen_now())
+        self.table.refresh()  # a reader held across runs reads what they committed
         committed = self.table.is_committed(run_id)
         if force and (out.report is not None or out.killed or out.error is not None):
             self.dead_holder = None  # taken over

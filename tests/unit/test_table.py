@@ -106,6 +106,7 @@ def test_a_stalled_commit_of_a_fenced_off_attempt_never_becomes_visible(tmp_path
     thread.join(30)
     assert len(outcome) == 1 and isinstance(outcome[0], LeaseLostError), outcome
     assert visible(tmp_path / "out") == Counter({(i, o, "model-B"): 1 for i, o in new.items()})
+    table.refresh()  # its snapshot, past the committers' commits
     assert table.committed_units("r1") == {UNIT}
 
 
@@ -114,7 +115,7 @@ def test_results_and_dead_letters_become_visible_in_the_same_commit(tmp_path):
     committer = UnitCommitter(take_over(table, "r1"))
     before = table.load().version()
     committer.commit(UNIT, rows({"A": "result", "B": "dead_letter"}, version="m"))
-    dt = table.load()
+    dt = table.refresh()
     assert dt.version() == before + 1
     assert visible(tmp_path / "out") == Counter({("A", "result", "m"): 1, ("B", "dead_letter", "m"): 1})
     dt.load_as_version(before)
@@ -166,6 +167,7 @@ def test_two_processes_taking_over_at_once_never_share_a_generation(tmp_path):
     got = [results.get(timeout=5) for _ in procs]
     generations = [g for kind, g in got if kind == "won"]
     assert generations and len(set(generations)) == len(generations), got
+    table.refresh()  # past the other processes' take-overs
     assert table.generation() == max(generations)
 
 
@@ -184,6 +186,7 @@ def test_each_units_latest_updated_at_comes_from_the_logs_statistics_never_round
         t = rows({"A": "result", "B": "dead_letter"}, version="m")
         t = t.set_column(t.schema.get_field_index("unit"), "unit", pa.array([unit, unit]))
         committer.commit(unit, t.append_column("updated_at", pa.array(ts, pa.timestamp("us", tz="UTC"))))
+    table.refresh()  # past the committer's commits
     latest = table.max_updated_at_by_unit("r1")
     assert latest == {
         "u-a": datetime(2026, 1, 1, 0, 0, 0, 999_000, tzinfo=UTC),
@@ -203,7 +206,7 @@ def test_unit_transactions_carry_last_updated_so_the_table_retention_prunes_them
     assert UnitCommitter(fence).commit(
         recent, rows({"B": "result"}, version="m").set_column(2, "unit", pa.array([recent]))
     )
-    dt = table.load()
+    dt = table.refresh()
     assert dt.transaction_version(f"raypipe/r1/unit/{UNIT}") is None  # expired: pruned
     assert dt.transaction_version(f"raypipe/r1/unit/{recent}") == fence.generation
     assert table.generation() == fence.generation
