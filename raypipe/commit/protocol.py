@@ -129,8 +129,8 @@ class CommitProtocol:
         mode: str,
         run_id: str,
         *,
+        place: Output,
         attempt: str | None = None,
-        place: Output | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -138,7 +138,7 @@ class CommitProtocol:
         self.mode = mode
         self.run_id = run_id
         self.attempt = attempt or uuid.uuid4().hex[:8]
-        self.place = place or Output.at(output.uri)  # a run passes the one it built
+        self.place = place  # the one the entry (api, cli, the watch, a maintenance command) built
         self.store, self.table = self.place.store, self.place.table
         self._lease: Lease | None = None
         self._clock = clock
@@ -498,7 +498,7 @@ class CommitProtocol:
 
 @contextlib.contextmanager
 def holding(
-    output: OutputConfig, operation: str, *, labels: tuple[str, ...] | None = None, place: Output | None = None
+    output: OutputConfig, operation: str, *, place: Output, labels: tuple[str, ...] | None = None
 ) -> Iterator[CommitProtocol]:
     """Maintenance as a holder of the output (`raypipe.commit.upkeep`): the lease (a live run
     refuses it, `OutputLockedError`), then a take-over, so every older holder, of any run id,

@@ -62,7 +62,8 @@ def quarantine(output: str | OutputConfig, shards: list[str], *, reason: str, re
     the output (refused while a run is live: it planned without them); returns the shards it
     holds now. A shard that stays bad stops making every run incomplete once an operator has
     decided so."""
-    with holding(_config(output), "quarantine", labels=()) as protocol:
+    config = _config(output)
+    with holding(config, "quarantine", labels=(), place=Output.at(config.uri)) as protocol:
         return protocol.set_quarantine(shards, reason=reason, release=release)
 
 
@@ -197,7 +198,7 @@ def vacuum(
             "of a unit a live run has written but not committed yet; pass --force if no run writes to this output"
         )
     config = _config(output)
-    with holding(config, "vacuum") as protocol:
+    with holding(config, "vacuum", place=Output.at(config.uri)) as protocol:
         dt = protocol.table.load()
         files = dt.vacuum(
             retention_hours=math.ceil(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True

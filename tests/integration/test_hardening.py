@@ -308,6 +308,7 @@ def _lost_answers_attempt(output: str, endpoint: str, results) -> None:
     """One attempt of run `lost` through the protocol's steps (no Ray), its S3 traffic through
     `endpoint`: lease, take-over, a unit commit, the files seen, the run commit."""
     os.environ["AWS_ENDPOINT_URL"] = endpoint
+    from raypipe.commit.output import Output
     from raypipe.commit.protocol import CommitProtocol
     from raypipe.config import OutputConfig
     from raypipe.plan.planning import Plan
@@ -315,7 +316,9 @@ def _lost_answers_attempt(output: str, endpoint: str, results) -> None:
     from tests.fakes import LABELS
     from tests.unit.test_table import rows
 
-    protocol = CommitProtocol(OutputConfig(uri=output, lease_s=60, lease_wait_s=5), "backfill", "lost")
+    protocol = CommitProtocol(
+        OutputConfig(uri=output, lease_s=60, lease_wait_s=5), "backfill", "lost", place=Output.at(output)
+    )
     try:
         protocol.setup_run(LABELS)
         plan = Plan("backfill", "/in", [WorkUnit("/in/a.parquet", "parquet", 0, None, fingerprint="fp-a")], [])

@@ -16,6 +16,7 @@ import pytest
 
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.commit.upkeep import compact, finished_runs, vacuum
 from raypipe.config import OutputConfig
@@ -44,7 +45,7 @@ def attempts():
 def protocol(tmp_path, attempts, attempt: str, **kwargs) -> CommitProtocol:
     """An attempt of run r1; a later one takes the lease over at once (`--force`)."""
     output = OutputConfig(uri=str(tmp_path / "out"), take_over_lease=True, require_conditional_writes=False)
-    p = CommitProtocol(output, "backfill", "r1", attempt=attempt, **kwargs)
+    p = CommitProtocol(output, "backfill", "r1", attempt=attempt, **kwargs, place=Output.at(output.uri))
     attempts.append(p)
     return p
 
@@ -215,7 +216,7 @@ def test_a_run_resumes_under_another_model_version_only_when_asked(tmp_path, att
     output = OutputConfig(
         uri=str(tmp_path / "out"), take_over_lease=True, require_conditional_writes=False, allow_model_change=True
     )
-    allowed = CommitProtocol(output, "backfill", "r1", attempt="a2")
+    allowed = CommitProtocol(output, "backfill", "r1", attempt="a2", place=Output.at(output.uri))
     attempts.append(allowed)
     allowed.setup_run(LABELS)
     resumed_plan, resumed = allowed.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="bert-bbb")
@@ -228,7 +229,7 @@ def test_a_run_resumes_under_another_model_version_only_when_asked(tmp_path, att
 def other_run(tmp_path, attempts, run_id: str) -> CommitProtocol:
     """A daily of its own run id on the same output; it waits for no lease it does not hold."""
     output = OutputConfig(uri=str(tmp_path / "out"), require_conditional_writes=False)
-    p = CommitProtocol(output, "daily", run_id, attempt=run_id)
+    p = CommitProtocol(output, "daily", run_id, attempt=run_id, place=Output.at(output.uri))
     attempts.append(p)
     return p
 

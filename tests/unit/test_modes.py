@@ -208,7 +208,7 @@ def test_a_replay_resumes_its_latest_unfinished_attempt_else_starts_the_next(tmp
 def test_a_replay_plans_a_unit_per_unit_holding_dead_letters(tmp_path):
     out = str(tmp_path / "out")
     committed_run(out, "b1", {"a": "result", "b": "dead_letter", "c": "dead_letter"})
-    protocol = CommitProtocol(config(tmp_path).output, "replay", "b1.replay-1")
+    protocol = CommitProtocol(config(tmp_path).output, "replay", "b1.replay-1", place=Output.at(out))
     version, dead = protocol.dead_letters_of("b1") or (None, None)
     assert dead == {"u1": 2} and version == OutcomeTable(out).load().version()
     assert protocol.dead_letters_of("nobody") is None

@@ -72,10 +72,11 @@ def test_replays_of_different_units_do_not_conflict(tmp_path):
 
 def replay_protocol(out):
     from raypipe.api import build_config
+    from raypipe.commit.output import Output
     from raypipe.commit.protocol import CommitProtocol
 
     cfg = build_config(output=str(out), service="127.0.0.1:1", run_id=REPLAY)
-    return CommitProtocol(cfg.output, "replay", REPLAY)
+    return CommitProtocol(cfg.output, "replay", REPLAY, place=Output.at(cfg.output.uri))
 
 
 def replay_plan(out, units: list[str]):

@@ -293,13 +293,14 @@ def test_the_lease_is_released_even_when_the_metrics_fail():
 def test_a_driver_killed_after_the_run_commit_leaves_a_report_rebuilt_from_the_table(tmp_path, left):
     """Killed between `commit_run` and its report: the rerun finds the run committed and
     answers with its rows counted from the table, never a bare "completed" with zero counts."""
+    from raypipe.commit.output import Output
     from raypipe.commit.protocol import CommitProtocol
     from raypipe.config import OutputConfig
     from tests.fakes import LABELS
     from tests.unit.test_table import UNIT, rows
 
     output = OutputConfig(uri=str(tmp_path / "out"), require_conditional_writes=False)
-    killed = CommitProtocol(output, "backfill", "r1", attempt="a1")
+    killed = CommitProtocol(output, "backfill", "r1", attempt="a1", place=Output.at(output.uri))
     killed.setup_run(LABELS)
     plan = Plan("backfill", "/in", [WorkUnit("/in/a.parquet", "parquet", 0, None, name=UNIT)], [])
     killed.plan(lambda: plan, input_uri="/in", model_version="m")
@@ -309,8 +310,8 @@ def test_a_driver_killed_after_the_run_commit_leaves_a_report_rebuilt_from_the_t
     killed.commit_run(plan)
     killed.release()  # SIGKILL here: no report of this attempt
 
-    report = steps.committed_report(CommitProtocol(output, "backfill", "r1", attempt="a2"))
+    report = steps.committed_report(CommitProtocol(output, "backfill", "r1", attempt="a2", place=Output.at(output.uri)))
     assert report is not None and report.status == "completed"
     assert (report.rows_ok, report.rows_dead_letters, report.units_total) == (2, 1, 1)
-    stored = CommitProtocol(output, "backfill", "r1").stored_report()
+    stored = CommitProtocol(output, "backfill", "r1", place=Output.at(output.uri)).stored_report()
     assert stored is not None and (stored.status, stored.rows_ok, stored.rows_dead_letters) == ("completed", 2, 1)

@@ -9,6 +9,7 @@ import hashlib
 import pyarrow as pa
 import pytest
 
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import OutputConfig
 from raypipe.plan.planning import Plan
@@ -59,7 +60,7 @@ def test_a_resume_lists_the_committed_units_of_a_non_ascii_shard(tmp_path, name)
     output = OutputConfig(uri=str(tmp_path / "out"), take_over_lease=True, require_conditional_writes=False)
     units = [WorkUnit(f"/in/{name}.parquet", "parquet", start, start + 10, fingerprint="1:2") for start in (0, 10)]
     plan = Plan("backfill", "/in", units, [])
-    first = CommitProtocol(output, "backfill", "r1", attempt="a1")
+    first = CommitProtocol(output, "backfill", "r1", attempt="a1", place=Output.at(output.uri))
     try:
         first.setup_run(LABELS)
         for unit in units:
@@ -70,7 +71,7 @@ def test_a_resume_lists_the_committed_units_of_a_non_ascii_shard(tmp_path, name)
             assert first.commit_unit(unit.key, block)
     finally:
         first.release()
-    again = CommitProtocol(output, "backfill", "r1", attempt="a2")
+    again = CommitProtocol(output, "backfill", "r1", attempt="a2", place=Output.at(output.uri))
     try:
         again.setup_run(LABELS)
         assert again.committed_units(plan) == {u.key for u in units}

@@ -21,6 +21,7 @@ import pytest
 from raypipe.api import build_config
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import ClientConfig, PipelineConfig, run_input
 from raypipe.errors import OutputLockedError
@@ -179,12 +180,16 @@ def test_a_watcher_records_the_files_it_committed_as_a_daily_records_them(tmp_pa
     a = write(tmp_path / "in", "a", ["a1"])
     run_watch(tmp_path, service, ticks=1)
     cfg = config(tmp_path)
-    seen = CommitProtocol(cfg.output, "daily", "d").files_seen()
+    seen = CommitProtocol(cfg.output, "daily", "d", place=Output.at(cfg.output.uri)).files_seen()
     assert set(seen) == {str(a)}
 
     from raypipe.plan.planning import plan_input
 
-    plan = plan_input(run_input(cfg, str(tmp_path / "in"), "daily"), "daily", CommitProtocol(cfg.output, "daily", "d"))
+    plan = plan_input(
+        run_input(cfg, str(tmp_path / "in"), "daily"),
+        "daily",
+        CommitProtocol(cfg.output, "daily", "d", place=Output.at(cfg.output.uri)),
+    )
     assert plan.units == [], "a daily after the watcher has nothing to read"
 
 
@@ -245,7 +250,7 @@ def test_a_daily_refuses_an_output_a_watcher_holds_naming_it(tmp_path, monkeypat
     thread.start()
     try:
         assert started.wait(30)
-        daily = CommitProtocol(cfg.output, "daily", "daily-1")
+        daily = CommitProtocol(cfg.output, "daily", "daily-1", place=Output.at(cfg.output.uri))
         with pytest.raises(OutputLockedError) as e:
             daily.setup_run(LABELS)
         assert e.value.holder == default_watch_id(str(tmp_path / "in"))
@@ -324,7 +329,7 @@ def test_a_successor_does_not_read_again_a_file_another_run_recorded_as_read_mea
     service.on_call = None
 
     cfg = config(tmp_path)
-    daily = CommitProtocol(cfg.output, "daily", "daily-1")
+    daily = CommitProtocol(cfg.output, "daily", "daily-1", place=Output.at(cfg.output.uri))
     daily.setup_run(LABELS)
     try:
         plan = plan_input(run_input(cfg, str(tmp_path / "in"), "daily"), "daily", daily)

@@ -32,6 +32,7 @@ from typing import Any
 
 from raypipe.call.actor import ActorSettings
 from raypipe.call.metrics import RunMetrics
+from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
 from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import LeaseLostError, RunStopped
@@ -95,7 +96,7 @@ def watch(
     watch_id = config.run_id or default_watch_id(input.uri)
     with _signals_stop(stop):
         model = ModelService.ask(config.service, config.client)
-        protocol = CommitProtocol(config.output, "watch", watch_id)
+        protocol = CommitProtocol(config.output, "watch", watch_id, place=Output.at(config.output.uri))
         protocol.setup_run(model.labels)
         report = WatchReport(
             watch_id=watch_id,
