@@ -3,7 +3,8 @@
 
 A run's call builds one (`raypipe.api`, before its checks) and gives it to the checks
 (`raypipe.run.preflight`) and the run mode (`raypipe.run.modes`, whose `CommitProtocol` holds
-it); each maintenance command builds its own (`raypipe.commit.upkeep`); readers
+it: the protocol never builds one); the watch builds its own at its entry
+(`raypipe.run.watch.mode`), each maintenance command its own (`raypipe.commit.upkeep`); readers
 (`raypipe.read_outcomes`, `raypipe.latest`) build their own once per call. A process of its
 own (an actor) builds its own from the URI its fence names.
 """
