@@ -16,8 +16,9 @@ of the protocol's calls is told here::
     protocol.save_plan(plan)         # a resumed plan brought up to date with its input (fenced)
     ...                              # the actors commit each unit with the `UnitCommitter`
                                      #   `protocol.unit_committer()` hands out (fenced)
-    protocol.units_landed()          # the run's snapshot moves past its actors' unit commits
-    protocol.record_files_seen(...)  # the files every unit of which is committed (fenced)
+    protocol.record_files_seen(...)  # the files every unit of which is committed (fenced); it
+                                     #   and commit_run first move the run's snapshot of the
+                                     #   table past the actors' units (`units_landed`)
     protocol.commit_run(plan)        # the table holds every unit: the run is committed (fenced)
     protocol.advance_watermark(...)  # informational, never backwards (fenced)
     protocol.abort()                 # instead of the three above, when a step failed
@@ -289,8 +290,8 @@ class CommitProtocol:
 
     def units_landed(self) -> None:
         """Moves the run's snapshot of the table past the units its actors committed (this run's
-        own commits, made from snapshots of their own): the step after the units, before the
-        files seen and the run commit are read and committed from it."""
+        own commits, made from snapshots of their own). `record_files_seen` and `commit_run`,
+        the steps after the units, begin with it."""
         self.table.refresh()
 
     # -- files seen ----------------------------------------------------------------------------
@@ -333,6 +334,7 @@ class CommitProtocol:
         writes what it read, not the history. Every `FILES_SEEN_CHAIN` files the new one is a
         full copy instead, and once the table names it the files it replaces are deleted. A
         concurrent change by another run makes it read and apply again."""
+        self.units_landed()  # the step after the units: the snapshot moves past the actors' commits
         by_shard: dict[str, list[WorkUnit]] = {}
         for u in plan.units:
             by_shard.setdefault(u.shard, []).append(u)

@@ -324,7 +324,6 @@ class CommitRun:
         report.units_committed = len(done_units)
         complete = len(done_units) == len(plan.units)
         report.status = "completed" if complete and not bad else "incomplete"
-        protocol.units_landed()
         if plan.mode != "replay":
             protocol.record_files_seen(dataclasses.replace(plan, bad_shards=bad), done_units)
         if complete and not bad:

@@ -77,9 +77,6 @@ class FakeProtocol:
     def quarantined(self) -> frozenset[str]:
         return frozenset()
 
-    def units_landed(self) -> None:
-        pass
-
     def committed_units(self, plan: Plan) -> set[str]:
         self.committed_reads += 1
         return set(self.done)
