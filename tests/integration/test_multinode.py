@@ -16,7 +16,6 @@ VM), while calls are in flight.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -37,6 +36,10 @@ from tests.integration.helpers import assert_nothing_lost, dead_letters
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = {POOL_RESOURCE: POOL_RESOURCE_PER_NODE}
+#: Each cluster's worker nodes (2 CPUs each) and their custom resources.
+SERVICE_NODES = {"pool-a": POOL, "pool-b": POOL}
+JOB_NODES: dict[str, dict[str, float]] = {"job-a": {}, "job-b": {}}
+NODE_CPUS = 2
 # A killed node is declared dead after 8 missed health checks 1 s apart, each given 1 s (Ray's
 # defaults: 5, 3 s apart, 10 s each): about 16 s. What the tests prove (nothing lost, the run
 # goes on) does not depend on how soon Ray notices; only how long they wait for it does. Fewer
@@ -126,6 +129,16 @@ class Pool:
     def log(self, run_id: str) -> str:
         return (self.work / f"{run_id}.log").read_text()
 
+    def restore(self) -> None:
+        """Starts every worker node the clusters lack (all of them at first, a lost one later),
+        side by side: each `ray start` mostly waits for its raylet."""
+        missing = [(self.service, n, r) for n, r in SERVICE_NODES.items() if n not in self.service.nodes]
+        missing += [(self.jobs, n, r) for n, r in JOB_NODES.items() if n not in self.jobs.nodes]
+        with ThreadPoolExecutor(max(len(missing), 1)) as starting:
+            started = [starting.submit(c.add_node, n, num_cpus=NODE_CPUS, resources=r) for c, n, r in missing]
+            for node in started:
+                node.result()
+
 
 @pytest.fixture(scope="module")
 def pool(s3: S3, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
@@ -145,18 +158,9 @@ def pool(s3: S3, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     )
     jobs = LocalNodes(root / "job", port=free_port(), dashboard_port=free_port(), env=env, start_args=quiet)
     with service, jobs:
-        # The four worker nodes start at once: each `ray start` mostly waits for its raylet.
-        with ThreadPoolExecutor(4) as starting:
-            started = [
-                starting.submit(service.add_node, "pool-a", num_cpus=2, resources=POOL),
-                starting.submit(service.add_node, "pool-b", num_cpus=2, resources=POOL),
-                starting.submit(jobs.add_node, "job-a", num_cpus=2),
-                starting.submit(jobs.add_node, "job-b", num_cpus=2),
-            ]
-            for node in started:
-                node.result()
         p = Pool(service, jobs, free_port(), demo_model_dir, work)
         p.http_port = free_port()
+        p.restore()
         yield p
 
 
@@ -228,40 +232,6 @@ def test_replicas_only_on_pool_nodes_and_the_readme_job_submit_reaches_them_from
     assert dead_letters(out) is None  # the corpus has no malformed rows
 
 
-@pytest.mark.timeout(600)
-def test_a_pool_node_lost_mid_run_loses_nothing(pool, corpus, s3):
-    pool.serve("fixed")  # already there from the first test, or deployed now
-    out = f"{s3.bucket('multinode')}/out-pool-loss"
-    run = pool.backfill(corpus.uri, out, "mn-pool-loss", "fixed")
-    seen: dict[str, bool] = {}
-    wait_for(lambda: _commits(s3, out, seen) >= 2, 300, "the first committed units")
-    killed_at = time.time()
-    assert pool.service.kill_node("pool-b") > 0
-    try:
-        assert run.wait(timeout=400) == 0, pool.log("mn-pool-loss")
-        assert_nothing_lost(out, corpus.ids)
-        report = report_of(out, "mn-pool-loss")
-        assert report["status"] == "completed"
-        assert dead_letters(out) is None, report
-        times = commit_times(out)
-        before = [b - a for a, b in itertools.pairwise(times) if b <= killed_at]
-        after = [t for t in times if t > killed_at]
-        gaps_after = [b - a for a, b in itertools.pairwise([killed_at, *after])]
-        print(
-            f"\npool node lost: {report['retries']} retries, calls {report['status_counts']}; "
-            f"longest pause between commits after the kill {max(gaps_after):.1f} s "
-            f"(median before {sorted(before)[len(before) // 2]:.1f} s); "
-            f"run ended {after[-1] - killed_at:.1f} s after it"
-        )
-        # The node went while the run had work left (units committed after it), and its replica
-        # with it. (Serve's router sends the dead replica's unstarted requests to the other one, so
-        # the client may see no error at all: the report's calls say which.)
-        assert len(after) >= 3, (killed_at, times)
-        wait_for(lambda: len(pool.replicas("fixed")) == 1, 120, "the lost node's replica to be declared dead")
-    finally:
-        pool.service.add_node("pool-b", num_cpus=2, resources=POOL)  # back for the tests after this one, pass or fail
-
-
 def readme_job_submit() -> list[str]:
     """The README's local `ray job submit` command, as words (a bash block under its heading)."""
     import shlex
@@ -278,14 +248,17 @@ def _actor_nodes(nodes: LocalNodes, class_part: str) -> set[str]:
     return {str(a.node_id) for a in alive if class_part in (a.class_name or "")}
 
 
-@pytest.mark.timeout(600)
-def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(pool, corpus, s3):
-    pool.serve("fixed")
-    out = f"{s3.bucket('multinode')}/out-actor-loss"
+@pytest.mark.timeout(900)
+def test_a_pool_node_then_the_jobs_node_hosting_the_inference_actor_lost_mid_run_lose_nothing(pool, corpus, s3):
+    """One backfill loses a pool node (and its replica), runs on, then loses the jobs node that
+    hosts its inference actor, and completes with every row once. Each loss lands while the run
+    has work left: units are committed after each, on the nodes that remain."""
+    pool.serve("fixed")  # already there from the first test, or deployed now
+    out = f"{s3.bucket('multinode')}/out-node-loss"
     # One actor, so the node that hosts it is known; every unit goes through it. Calls of 4 rows
-    # keep the run going for a while after its first commit.
+    # keep the run going for a while after its first commits.
     run = pool.backfill(
-        corpus.uri, out, "mn-actor-loss", "fixed", "--set", "actors.max_actors=1", "--set", "client.micro_batch_size=4"
+        corpus.uri, out, "mn-node-loss", "fixed", "--set", "actors.max_actors=1", "--set", "client.micro_batch_size=4"
     )
     hosts: set[str] = set()
 
@@ -294,26 +267,45 @@ def test_the_jobs_node_hosting_the_inference_actors_lost_mid_run_loses_nothing(p
         hosts = _actor_nodes(pool.jobs, "InferenceActor")
         return len(hosts) == 1
 
-    # The actor's node is looked up while the run starts: looked up after its first commits, on
-    # busy cores, the run was once over before the state API answered (no ALIVE actor left).
-    wait_for(one_host, 300, "the inference actor to start")
-    (name,) = [n for n, node in pool.jobs.nodes.items() if node.node_id in hosts]
-    seen: dict[str, bool] = {}
-    wait_for(lambda: _commits(s3, out, seen) >= 1, 300, "the first committed unit")
-    assert run.poll() is None, "the run ended before its actor's node could be lost: " + pool.log("mn-actor-loss")
-    killed_at = time.time()
-    assert pool.jobs.kill_node(name) > 0
+    lost: dict[str, float] = {}
     try:
-        assert run.wait(timeout=400) == 0, pool.log("mn-actor-loss")
+        # The actor's node is looked up while the run starts: looked up after its first commits,
+        # on busy cores, the run was once over before the state API answered (no ALIVE actor left).
+        wait_for(one_host, 300, "the inference actor to start")
+        (job_node,) = [n for n, node in pool.jobs.nodes.items() if node.node_id in hosts]
+        seen: dict[str, bool] = {}
+        wait_for(lambda: _commits(s3, out, seen) >= 2, 300, "the first committed units")
+        assert run.poll() is None, "the run ended before a pool node could be lost: " + pool.log("mn-node-loss")
+        lost["pool-b"] = time.time()
+        before_pool_loss = _commits(s3, out, seen)
+        assert pool.service.kill_node("pool-b") > 0
+        # The pool node went while the run had work left, and its replica with it: the run goes on
+        # against the other one. (Serve's router sends the dead replica's unstarted requests to the
+        # other replica, so the client may see no error at all: the report's calls say which.)
+        wait_for(
+            lambda: _commits(s3, out, seen) >= before_pool_loss + 3, 300, "units committed after the pool node's loss"
+        )
+        assert run.poll() is None, "the run ended before its actor's node could be lost: " + pool.log("mn-node-loss")
+        lost[job_node] = time.time()
+        assert pool.jobs.kill_node(job_node) > 0
+        assert run.wait(timeout=400) == 0, pool.log("mn-node-loss")
         assert_nothing_lost(out, corpus.ids)
-        report = report_of(out, "mn-actor-loss")
+        report = report_of(out, "mn-node-loss")
         assert report["status"] == "completed" and dead_letters(out) is None, report
-        after = [t for t in commit_times(out) if t > killed_at]
-        assert len(after) >= 3, after
-        ended = after[-1] - killed_at
-        print(f"\njobs node {name} lost: the run ended {ended:.1f} s after it; calls {report['status_counts']}")
+        times = commit_times(out)
+        after_pool = [t for t in times if lost["pool-b"] < t <= lost[job_node]]
+        after_job = [t for t in times if t > lost[job_node]]
+        assert len(after_pool) >= 3 and len(after_job) >= 3, (lost, times)
+        wait_for(lambda: len(pool.replicas("fixed")) == 1, 120, "the lost node's replica to be declared dead")
+        print(
+            f"\nnodes lost: pool-b, then {job_node} hosting the actor; the run ended "
+            f"{after_job[-1] - lost[job_node]:.1f} s after the second loss; {report['retries']} retries, "
+            f"calls {report['status_counts']}"
+        )
     finally:
-        pool.jobs.add_node(name, num_cpus=2)  # back for the tests after this one, pass or fail
+        if run.poll() is None:
+            run.kill()
+        pool.restore()  # the lost nodes back for the tests after this one, pass or fail
 
 
 def _commits(s3: S3, out: str, seen: dict[str, bool]) -> int:
