@@ -98,38 +98,44 @@ checkov: $(STAMP)
 # - the side lane `-m side_lane`: the integration tests that need no session cluster or start
 #   their own (multi-node pools, S3-only fencing, in-process models);
 #   the lanes' waits (a lost node's detection, autoscaling, a lease running out) overlap the others' runs;
-# - the unit tests (no Ray, no servers) in two processes, the model-building modules
-#   (UNIT_MODEL_TESTS, half of the unit tests' CPU) and the rest, and mypy, all at the lowest CPU
-#   priority, taking what the others leave (mypy without its cache, on a fresh clone, is most of a
-#   minute of one core: before the lanes, the other core sat idle through it). The unit tests take
-#   what the lanes' waits leave, and finish after them if they must: then two processes keep both
-#   cores busy, where one alone left the other core idle.
+# - the unit tests (no Ray, no servers) in three processes of about equal CPU: the model-building
+#   modules (UNIT_MODEL_TESTS), the model-based test (UNIT_MBT, 500 examples) and the rest, and
+#   mypy, all at the lowest CPU priority, taking what the others leave (mypy without its cache, on
+#   a fresh clone, is most of a minute of one core: before the lanes, the other core sat idle
+#   through it). The unit tests take what the lanes' waits leave, and finish after them if they
+#   must: then the processes keep both cores busy, where one alone left the other core idle (with
+#   two, the rest, the model-based test among it, ended minutes after the model modules, alone on
+#   one core).
 # Each lane's output follows the first lane's; the exit is nonzero if any lane or mypy failed.
 SIDE_LOG := .cache/pytest-side-lane.log
 SECOND_LOG := .cache/pytest-second-lane.log
 UNIT_LOG := .cache/pytest-unit.log
 UNIT_MODELS_LOG := .cache/pytest-unit-models.log
+UNIT_MBT_LOG := .cache/pytest-unit-mbt.log
+UNIT_MBT := tests/unit/test_model_based.py
 UNIT_MODEL_TESTS := tests/unit/test_export.py tests/unit/test_compiled.py tests/unit/test_server_threads.py
 MYPY_LOG := .cache/mypy.log
 test: lint checkov  ## lint, then types, unit and integration tests (real Ray, Serve, moto S3) side by side
 	@mkdir -p $(dir $(UNIT_LOG)); \
 	nice -n 19 $(PY) -m mypy > $(MYPY_LOG) 2>&1 & types=$$!; \
-	nice -n 19 $(PY) -m pytest tests/unit $(addprefix --ignore=,$(UNIT_MODEL_TESTS)) -q -ra -p no:cacheprovider > $(UNIT_LOG) 2>&1 & unit=$$!; \
+	nice -n 19 $(PY) -m pytest tests/unit $(addprefix --ignore=,$(UNIT_MODEL_TESTS) $(UNIT_MBT)) -q -ra -p no:cacheprovider > $(UNIT_LOG) 2>&1 & unit=$$!; \
+	nice -n 19 $(PY) -m pytest $(UNIT_MBT) -q -ra -p no:cacheprovider > $(UNIT_MBT_LOG) 2>&1 & mbt=$$!; \
 	nice -n 19 $(PY) -m pytest $(UNIT_MODEL_TESTS) -q -ra -p no:cacheprovider > $(UNIT_MODELS_LOG) 2>&1 & models=$$!; \
 	$(PY) -m pytest tests/integration -m side_lane -q -ra -p no:cacheprovider --durations=5 > $(SIDE_LOG) 2>&1 & side=$$!; \
 	$(PY) -m pytest tests/integration -m second_lane -q -ra -p no:cacheprovider --durations=5 > $(SECOND_LOG) 2>&1 & second=$$!; \
-	trap 'kill $$types $$unit $$models $$side $$second 2>/dev/null' INT TERM; \
+	trap 'kill $$types $$unit $$mbt $$models $$side $$second 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest tests/integration -m 'not side_lane and not second_lane' -q -ra --durations=10"; \
-	echo "  (beside it: mypy > $(MYPY_LOG), tests/integration -m side_lane > $(SIDE_LOG), -m second_lane > $(SECOND_LOG), tests/unit > $(UNIT_LOG) and $(UNIT_MODELS_LOG))"; \
+	echo "  (beside it: mypy > $(MYPY_LOG), tests/integration -m side_lane > $(SIDE_LOG), -m second_lane > $(SECOND_LOG), tests/unit > $(UNIT_LOG), $(UNIT_MBT_LOG) and $(UNIT_MODELS_LOG))"; \
 	$(PY) -m pytest tests/integration -m "not side_lane and not second_lane" -q -ra --durations=10; main=$$?; \
-	wait $$side; sided=$$?; wait $$second; seconds=$$?; wait $$unit; units=$$?; wait $$models; modelled=$$?; wait $$types; typed=$$?; \
+	wait $$side; sided=$$?; wait $$second; seconds=$$?; wait $$unit; units=$$?; wait $$mbt; mbts=$$?; wait $$models; modelled=$$?; wait $$types; typed=$$?; \
 	echo "--- tests/integration -m side_lane (run beside) ---"; cat $(SIDE_LOG); \
 	echo "--- tests/integration -m second_lane (run beside) ---"; cat $(SECOND_LOG); \
-	echo "--- tests/unit, but for the model modules (run beside) ---"; cat $(UNIT_LOG); \
+	echo "--- tests/unit, but for the model modules and the model-based test (run beside) ---"; cat $(UNIT_LOG); \
+	echo "--- tests/unit, the model-based test (run beside) ---"; cat $(UNIT_MBT_LOG); \
 	echo "--- tests/unit, the model modules (run beside) ---"; cat $(UNIT_MODELS_LOG); \
 	echo "--- mypy (run beside) ---"; cat $(MYPY_LOG); \
-	echo "make test: integration tests exit $$main (main lane), $$sided (side lane) and $$seconds (second lane), unit tests exit $$units and $$modelled, mypy exit $$typed"; \
-	exit $$(( main || sided || seconds || units || modelled || typed ))
+	echo "make test: integration tests exit $$main (main lane), $$sided (side lane) and $$seconds (second lane), unit tests exit $$units, $$mbts and $$modelled, mypy exit $$typed"; \
+	exit $$(( main || sided || seconds || units || mbts || modelled || typed ))
 
 bench: $(STAMP)  ## speed, throughput, memory, precision and the peers against the ceilings (hours on 2 cores) -> bench/results/
 	$(UV) pip install --quiet --python $(PY) -c constraints.txt -e '.[dev,bench]'  # pyspark, for the peers' line (d)
