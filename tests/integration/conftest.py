@@ -214,21 +214,50 @@ def serve_address(ray_cluster: Cluster, demo_model_dir: Path, grpc_port: int) ->
     )
 
 
+#: The module the session app is shrunk for (`room_beside_session_app`), None while it has the
+#: default sizing. Each change of sizing is a redeploy (a new replica loading the model): the
+#: default comes back when a test of another module needs the session app, not at each module's
+#: end, so modules that shrink it one after another share one shrunk app.
+_shrunk_for: dict[str, object] = {"module": None}
+
+
 @pytest.fixture(scope="module")
-def room_beside_session_app(serve_address: str, demo_model_dir: Path, grpc_port: int) -> Iterator[None]:
-    """The session app at `ROOMY_CPUS` for a module whose tests need CPUs beside it, then at the
-    default sizing again. The default replica leaves 0.5 CPU of the node: one run's actor and its
-    reads fit there, but another replica (`deploy_app`, a notebook's or a test's own application)
-    or a second run's actors side by side do not."""
+def room_beside_session_app(
+    request: pytest.FixtureRequest, serve_address: str, demo_model_dir: Path, grpc_port: int
+) -> Iterator[None]:
+    """The session app at `ROOMY_CPUS` for a module whose tests need CPUs beside it; the default
+    sizing comes back before the next test of another module that uses the session app without
+    this (`default_sizing_outside_roomy_modules`). The default replica leaves 0.5 CPU of the node:
+    one run's actor and its reads fit there, but another replica (`deploy_app`, a notebook's or a
+    test's own application) or a second run's actors side by side do not."""
     from ray import serve
 
     from serve_app.deploy import DeploymentOptions, deploy
 
-    deploy(demo_model_dir, app_name=SESSION_APP, grpc_port=grpc_port, options=DeploymentOptions(num_cpus=ROOMY_CPUS))
+    if _shrunk_for["module"] is None:
+        deploy(
+            demo_model_dir, app_name=SESSION_APP, grpc_port=grpc_port, options=DeploymentOptions(num_cpus=ROOMY_CPUS)
+        )
+    _shrunk_for["module"] = request.module
     yield
     # The module's applications were deleted without waiting: their CPUs come back once they are gone.
     wait_for(lambda: set(serve.status().applications) <= {SESSION_APP}, 120, "the module's applications to go")
+
+
+@pytest.fixture(autouse=True)
+def default_sizing_outside_roomy_modules(request: pytest.FixtureRequest) -> None:
+    """A test of the session app outside the module it was shrunk for runs on the default sizing,
+    as if every shrinking module had put it back at its end."""
+    shrunk_for = _shrunk_for["module"]
+    if shrunk_for is None or shrunk_for is request.module or "serve_address" not in request.fixturenames:
+        return
+    if "room_beside_session_app" in request.fixturenames:
+        return  # a module that shrinks it too: the shrunk app is already there
+    from serve_app.deploy import deploy
+
+    demo_model_dir, grpc_port = request.getfixturevalue("demo_model_dir"), request.getfixturevalue("grpc_port")
     deploy(demo_model_dir, app_name=SESSION_APP, grpc_port=grpc_port, options=default_options())
+    _shrunk_for["module"] = None
 
 
 @pytest.fixture
