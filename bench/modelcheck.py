@@ -63,12 +63,15 @@ def chunk_here(examples: int, seed: int) -> dict[str, Any]:
             super().teardown()
 
     chunk_settings = settings(LossSearch.TestCase.settings, max_examples=examples, database=None, print_blob=True)
-    failure = None
+    failure = notes = None
     try:
         run_state_machine_as_test(with_seed(seed)(Counted), settings=chunk_settings)
     except BaseException as e:  # the failure is the result; the next chunk runs anyway
         failure = f"{type(e).__name__}: {e}"
-    return {**counts, "failure": failure}
+        # Hypothesis attaches the shrunk steps and the reproduce blob to the exception as notes
+        # (it does not print them), so they travel in the result, not in the process's output.
+        notes = "\n".join(getattr(e, "__notes__", [])) or None
+    return {**counts, "failure": failure, "notes": notes}
 
 
 def run_chunk(examples: int, seed: int) -> dict[str, Any]:
@@ -86,8 +89,9 @@ def run_chunk(examples: int, seed: int) -> dict[str, Any]:
         out = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         out = {"examples": 0, "steps": 0, "failure": f"the chunk's process ended with rc {done.returncode}"}
-    if out["failure"] is not None:  # Hypothesis printed the shrunk story and its blob before the line
-        out["story"] = (done.stdout + done.stderr)[-20000:]
+    notes = out.pop("notes", None)
+    if out["failure"] is not None:  # the shrunk steps and blob, else the output's tail
+        out["story"] = notes or (done.stdout + done.stderr)[-20000:]
     return {"seed": seed, **out, "seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "commit": _commit()}
 
 
