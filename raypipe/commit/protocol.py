@@ -96,6 +96,7 @@ __all__ = [
     "holding",
     "read_files_seen",
     "read_quarantine",
+    "run_known",
 ]
 
 logger = logging.getLogger("raypipe")
@@ -534,6 +535,19 @@ def committed_runs(place: Output, candidates: set[str]) -> set[str]:
         if report is not None and report.get("status") == "completed":
             done.add(run_id)
     return done
+
+
+def run_known(place: Output, run_id: str) -> bool:
+    """Does the output know run `run_id`: committed (`committed_runs`: the table's run commit,
+    or a completed report), reported at all, or holding rows of its? The one rule a replay's
+    preflight and its planning ask: a run committed whose report was never written (its driver
+    died right after the run commit) is known, and a replay of it finds nothing to do."""
+    if committed_runs(place, {run_id}) or place.store.exists(place.store.report_file(run_id)):
+        return True
+    if not place.table.exists():
+        return False
+    dt = place.table.load()
+    return bool(dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id)]).count_rows())
 
 
 def read_quarantine(store: OutputStore, number: int | None) -> dict[str, dict[str, str]]:

@@ -40,7 +40,7 @@ from datetime import UTC, datetime
 
 from raypipe.call.metrics import RunMetrics
 from raypipe.commit.output import Output
-from raypipe.commit.protocol import CommitProtocol, committed_runs
+from raypipe.commit.protocol import CommitProtocol, committed_runs, run_known
 from raypipe.config import InputConfig, PipelineConfig, check_run_id
 from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan, plan_input, plan_replay
@@ -172,7 +172,7 @@ def replay(config: PipelineConfig, place: Output, *, of_run: str) -> RunReport:
 
     def make_plan(protocol: CommitProtocol) -> Plan:
         found = protocol.dead_letters_of(of_run)
-        if found is None and not protocol.store.exists(protocol.store.report_file(of_run)):
+        if found is None and not run_known(place, of_run):
             raise ConfigError(f"no run {of_run!r} at {place.uri}")
         version, dead_letters = found or (protocol.table.load().version(), Counter[str]())
         return plan_replay(place.uri, of_run, dead_letters, table_version=version)

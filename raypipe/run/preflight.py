@@ -257,7 +257,7 @@ def _comparable(uri: str) -> str | None:
 
 # -- replay -----------------------------------------------------------------------------------
 def _check_replay(place: Output, of_run: str) -> None:
-    from raypipe.commit.outcomes import read_outcomes
+    from raypipe.commit.protocol import run_known
 
     output, store = place.uri, place.store
     if not place.table.exists():
@@ -265,9 +265,7 @@ def _check_replay(place: Output, of_run: str) -> None:
             f"output {output} holds no outcomes table: give --output of the run to replay "
             "(an output of the earlier layout needs `raypipe migrate` first)"
         )
-    if store.exists(store.report_file(of_run)):
-        return
-    if read_outcomes(place.table, of_run, columns=["unit"]).num_rows:
+    if run_known(place, of_run):
         return
     runs = [posixpath.basename(p)[: -len(".json")] for p in store.list_files(store.path("runs"), ".json")]
     runs = [r for r in runs if ".replay-" not in r]

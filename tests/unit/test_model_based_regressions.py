@@ -17,8 +17,10 @@ import pyarrow.compute as pc
 import pytest
 
 from raypipe.commit.outcomes import latest, read_outcomes
+from raypipe.commit.output import Output
 from raypipe.commit.table import text_hashes
 from raypipe.errors import LeaseLostError
+from raypipe.run.preflight import check_replay
 from tests.modelcheck.reference import Row
 from tests.modelcheck.world import INVALID, World
 from tests.unit.test_model_based import PENDING
@@ -151,3 +153,17 @@ def test_a_run_after_a_replay_completes(world):
     completed(world, "backfill", "b1")
     completed(world, "replay", "b1.replay-1", of_run="b1")
     completed(world, "backfill", "b2")
+
+
+def test_a_replay_of_a_run_killed_right_after_its_run_commit_completes(world):
+    """Found by the state machine: a daily with nothing new is killed right after its run commit,
+    before its report is written; its lease expires. The run is committed (`raypipe.latest`
+    counts it), so a replay of it finds nothing to do; before, it said "no run 'd2'" (a run
+    was known by its report or its rows only)."""
+    world.write_file("a.parquet", [Row("r0", "t0", T0)])
+    completed(world, "backfill", "b1")
+    assert world.run("daily", "d2", kill_at="after_commit_run").killed
+    world.expire_lease()
+    check_replay(world.config(None), "d2", Output.at(str(world.output)))  # the CLI's preflight agrees
+    completed(world, "replay", "d2.replay-1", of_run="d2")
+    assert answers(world) == {"r0": hash_of("t0")}
