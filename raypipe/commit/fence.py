@@ -21,20 +21,18 @@ was stalled, and there is no window between a check and a write.
   slot, so a holder's actors commit side by side (two unit commits conflict only when their
   units share a slot; the later one retries on a fresh snapshot), and the unit's own
   transaction, so a unit committed twice in one generation (a Ray task retried after its
-  actor died past the commit) is written once. A run's own transactions (units, plan
-  pointer, run commit) carry `lastUpdated`, so the table's
-  `delta.setTransactionRetentionDuration` (90 days) prunes them; the output's (the slots,
-  files seen, quarantine, watermark) carry none and are kept (the rule:
-  `raypipe.commit.table.expires`).
+  actor died past the commit) is written once. A run's own transactions (units, plan pointer,
+  run commit) carry `lastUpdated`, so `delta.setTransactionRetentionDuration` (90 days)
+  prunes them; the output's (the slots, files seen, quarantine, watermark) carry none and
+  are kept (the rule: `raypipe.commit.table.expires`).
 - `set_pointer` (plan, files seen, quarantine, watermark), `mark_committed` (a run's commit)
   and a maintenance commit (`fence_transactions`) carry every slot.
 - `retire`: a holder fences off its own writers (`CommitProtocol.abort`).
 
 Every commit here is made by `raypipe.commit.retry`: one commit carries a token of its own, so
 one that landed though its call raised (S3 carried the PUT out and lost the answer) is
-recognised as ours, not taken for a conflict with another holder; and one retry loop looks
-again on a fresh snapshot after a conflict with a commit not ours (a jittered wait, an
-injectable sleep).
+recognised as ours, not taken for a conflict with another holder; and one retry loop looks again
+on a fresh snapshot after a conflict with a commit not ours (a jittered wait, injectable sleep).
 """
 
 from __future__ import annotations
@@ -262,6 +260,14 @@ def _replace_predicate(run_id: str, unit: str) -> str:
     )
 
 
+def _replace_updates(columns: list[str]) -> dict[str, str]:
+    """A replay's MERGE assignments: the new row, but `first_inferred_at` keeps the run's place (`LATEST_SQL`)."""
+    updates = {f"`{c}`": f"s.`{c}`" for c in columns}
+    if "first_inferred_at" in columns:  # every table `ensure` has seen
+        updates["`first_inferred_at`"] = "coalesce(t.first_inferred_at, t.inferred_at)"
+    return updates
+
+
 class UnitCommitter:
     """The unit commit: commits units of one holder of the output into the outcomes table
     (picklable: `CommitProtocol.unit_committer` hands one to each actor).
@@ -336,7 +342,7 @@ class UnitCommitter:
                         target_alias="t",
                         commit_properties=props,
                     )
-                    .when_matched_update_all()
+                    .when_matched_update(updates=_replace_updates(conformed.column_names))
                     .execute()
                 )
             elif rows.num_rows:

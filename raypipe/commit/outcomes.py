@@ -34,7 +34,7 @@ __all__ = [
 
 LATEST_SQL = """
 WITH runs AS (
-  SELECT *, min(inferred_at) OVER (PARTITION BY run_id) AS run_order
+  SELECT *, min(coalesce(first_inferred_at, inferred_at)) OVER (PARTITION BY run_id) AS run_order
   FROM outcomes
 ), versions AS (
   SELECT *,
@@ -60,7 +60,8 @@ A *source version* of an id is its (`updated_at`, text), the text told by `text_
 *place* in commit order is the earliest `inferred_at` of its rows, its first commit: one writer
 holds an output at a time, so runs commit one after another; every row of a run has the same
 place, so which unit of a run committed first never matters, and a replay (whose rows carry the
-run they replay) leaves its run where it was.
+run they replay, and keep the `inferred_at` they had first as `first_inferred_at`) leaves its
+run where it was.
 1. The newest source version wins: by `updated_at`; a version without `updated_at` is placed at
    the latest run that saw it, so a text seen later wins over any version committed before it,
    and a producer that drops the column is not the oldest forever.
@@ -115,7 +116,11 @@ def latest_of(outcomes: Any) -> pa.Table:
 
     con = duckdb.connect()
     try:
-        con.register("outcomes", outcomes)
+        if "first_inferred_at" in outcomes.schema.names:
+            con.register("outcomes", outcomes)
+        else:  # a table written before the column, not yet run on by this release
+            con.register("stored", outcomes)
+            con.sql("CREATE VIEW outcomes AS SELECT *, NULL::TIMESTAMPTZ AS first_inferred_at FROM stored")
         return con.sql(LATEST_SQL).to_arrow_table()
     finally:
         con.close()

@@ -145,5 +145,6 @@ def unit_rows(
     columns["text"] = pa.concat_arrays([pa.nulls(n_res, string), texts.slice(n_res).cast(string)])
     columns["source"] = taken.column("_source")
     columns["row"] = taken.column("_row")
+    columns["first_inferred_at"] = pa.nulls(n, pa.timestamp("us", tz="UTC"))  # a replay's MERGE sets it
     table = pa.table(columns, schema=outcome_schema(labels))
     return table.sort_by([("source", "ascending"), ("row", "ascending")])

@@ -104,6 +104,10 @@ _TAIL = [
     pa.field("text", pa.string()),
     pa.field("source", pa.string()),
     pa.field("row", pa.int64()),
+    # A replay's rows: the `inferred_at` they had first, so their run keeps its place in commit
+    # order (`LATEST_SQL`); null on rows never replayed. Last, as tables created before it
+    # gain it last (`ensure`).
+    pa.field("first_inferred_at", _TS),
 ]
 
 

@@ -167,3 +167,19 @@ def test_a_replay_of_a_run_killed_right_after_its_run_commit_completes(world):
     check_replay(world.config(None), "d2", Output.at(str(world.output)))  # the CLI's preflight agrees
     completed(world, "replay", "d2.replay-1", of_run="d2")
     assert answers(world) == {"r0": hash_of("t0")}
+
+
+def test_a_replay_that_rewrites_every_row_of_its_run_leaves_the_run_in_its_place(world):
+    """Found by the state machine: a backfill whose one row is a dead letter; the row is changed
+    in place (its new stamp may equal the old) and a daily answers the new text; then a replay
+    of the backfill rewrites that dead letter. A run's place is its first commit (its earliest
+    `inferred_at`): the replay rewrote the run's every row, so the backfill moved after the daily
+    and `latest` answered the stale text."""
+    world.client.reject_prefix = "bad"
+    world.write_file("a.parquet", [Row("r0", "bad0", T0)])
+    completed(world, "backfill", "b1")
+    world.write_file("a.parquet", [Row("r0", "t0", T0)])
+    completed(world, "daily", "d2")
+    world.client.reject_prefix = None
+    completed(world, "replay", "b1.replay-1", of_run="b1")
+    assert answers(world) == {"r0": hash_of("t0")}

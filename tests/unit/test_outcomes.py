@@ -262,3 +262,20 @@ def test_the_report_names_every_model_version_that_answered_rows(tmp_path):
     report = RunReport(run_id="r1", mode="backfill", model_version="bert-bbb")
     report.model_versions = answered_versions(str(tmp_path), "r1")
     assert "model         bert-bbb (rows answered by bert-aaa 3, bert-bbb 1)" in report.render()
+
+
+def test_a_table_written_before_first_inferred_at_is_read_and_gains_it_at_its_next_run(tmp_path):
+    """`latest` places runs by `coalesce(first_inferred_at, inferred_at)`: a table an earlier
+    release wrote has no such column, and is read as if it were null until `ensure` (every
+    run's start) adds it."""
+    from deltalake import write_deltalake
+
+    from raypipe.commit.table import outcome_schema
+
+    old = pa.schema([f for f in outcome_schema(LABELS) if f.name != "first_inferred_at"])
+    row = {"id": "a", "outcome": "result", "unit": "u1", "run_id": "r1", "model_version": "A"}
+    write_deltalake(str(tmp_path / "outcomes"), pa.Table.from_pylist([row], schema=old), partition_by=["run_id"])
+    assert raypipe.latest(str(tmp_path)).column("id").to_pylist() == ["a"]
+    OutcomeTable(str(tmp_path)).ensure(LABELS)
+    assert "first_inferred_at" in OutcomeTable(str(tmp_path)).arrow_schema().names
+    assert raypipe.latest(str(tmp_path)).column("first_inferred_at").to_pylist() == [None]

@@ -206,11 +206,12 @@ def test_sigterm_finishes_the_unit_in_flight_releases_the_lease_and_a_successor_
     service = Service(monkeypatch)
     for name in ("a", "b", "c"):
         write(tmp_path / "in", name, [f"{name}1", f"{name}2"])
-    # Arrives while the first unit is inferred. Sent to the main thread, where Python runs the
-    # handler: sent to the process, the kernel may hand it to any thread, and the suite's process
-    # holds native thread pools (TensorFlow, OpenVINO) of earlier tests' in-process replicas; one
-    # of them taking the signal crashed the test process (SIGSEGV) in one run of three.
-    service.on_call = lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    # Arrives while the first unit is inferred: the handler the watcher installed is called as
+    # Python calls it for a SIGTERM. A real signal (test_watch_faults sends one to a watcher
+    # process) interrupts whatever native code the main thread is in, and the suite's process
+    # holds native thread pools (TensorFlow, OpenVINO) of earlier tests' in-process replicas:
+    # delivered here, it crashed the test process (SIGSEGV), even sent to the main thread.
+    service.on_call = lambda: signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
     report = run_watch(tmp_path, service, ticks=5)
     assert report.status == "stopped" and report.units == 1
     assert committed_ids(tmp_path) in (["a1", "a2"], ["b1", "b2"], ["c1", "c2"])
