@@ -29,9 +29,6 @@ and when it expires. A run creates it exclusively (S3 `If-None-Match: *`; locall
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -39,11 +36,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from raypipe.errors import LeaseLostError, OutputLockedError, OutputPermissionError, SinkError, UnsafeOutputError
+from raypipe.commit.conditional import ConditionalFile, check_conditional_writes
+from raypipe.commit.holder import holder_is_gone, process_identity
+from raypipe.errors import LeaseLostError, OutputLockedError
 from raypipe.store import OutputStore
 
 __all__ = ["Lease"]
@@ -51,38 +50,6 @@ __all__ = ["Lease"]
 logger = logging.getLogger("raypipe")
 
 LEASE_FILE = "lease.json"
-
-
-def _process(pid: int) -> dict[str, str] | None:
-    """Who process `pid` is on this machine: host, boot, pid namespace, pid and start time
-    (clock ticks since boot), or None where that cannot be told (no `/proc`: not Linux).
-
-    Read from `/proc` rather than psutil, which is no runtime dependency of raypipe; drivers
-    run on Linux (KubeRay pods), and elsewhere a dead holder's lease lapses by itself."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pidns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces: fields follow the last ')'.
-    started = stat.rsplit(")", 1)[1].split()[19]
-    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns, "pid": str(pid), "started": started}
-
-
-def _holder_is_gone(record: dict[str, Any]) -> bool:
-    """Is the lease's holder a process of this machine (host, boot, pid namespace) that no longer
-    runs? False whenever that cannot be told: only a certain death skips the lease's expiry."""
-    holder = record.get("process")
-    me = _process(os.getpid())
-    if not isinstance(holder, dict) or me is None or holder.get("pid") is None:
-        return False
-    if any(holder.get(k) != me[k] for k in ("host", "boot", "pidns")):
-        return False
-    now = _process(int(holder["pid"]))
-    return now is None or now["started"] != holder.get("started")
 
 
 def _iso(ts: float) -> str:
@@ -105,14 +72,14 @@ class Lease:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._store = store
-        self._path = store.state(LEASE_FILE)
+        self._file = ConditionalFile(store, store.state(LEASE_FILE), "the output lease")
         self.holder = holder
         self.duration_s = duration_s
         self.wait_s = wait_s
         self._clock = clock
         self._sleep = sleep
         self._token = uuid.uuid4().hex
-        self._me = _process(os.getpid())
+        self._me = process_identity(os.getpid())
         self.generation = 0
         self.lost = False
         self._stop = threading.Event()
@@ -135,127 +102,22 @@ class Lease:
         ).encode()
 
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The current lease and its version tag (ETag on S3, content locally)."""
-        try:
-            raw = self._store.read_bytes(self._path)
-            tag = raw.decode() if self._store.is_local else self._store.fs.info(self._path).get("ETag")
-        except FileNotFoundError:
-            return None, None
-        except PermissionError as e:
-            raise OutputPermissionError(
-                f"cannot read the output lease: {e}", path=self._store.full_uri(self._path)
-            ) from e
-        return json.loads(raw), tag
-
-    @contextlib.contextmanager
-    def _local_lock(self) -> Iterator[None]:
-        os.makedirs(os.path.dirname(self._path), exist_ok=True)
-        with open(self._path + ".lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        """The current lease and its version tag."""
+        raw, tag = self._file.read()
+        return (None, None) if raw is None else (json.loads(raw), tag)
 
     def _create(self) -> bool:
         self.generation = 1
-        body = self._record()
-        if self._store.is_local:
-            with self._local_lock():
-                if os.path.exists(self._path):
-                    return False
-                with self._unless_landed(body):
-                    self._store.write_bytes(self._path, body)
-            return True
-        try:
-            with self._unless_landed(body):
-                self._store.fs.pipe_file(self._path, body, mode="create")
-        except FileExistsError:
-            return self._landed(body)
-        except PermissionError as e:
-            raise OutputPermissionError(
-                f"no permission to write the output lease ({e}); check the credentials' access to the output",
-                path=self._store.full_uri(self._path),
-            ) from e
-        return True
-
-    @contextlib.contextmanager
-    def _unless_landed(self, body: bytes) -> Iterator[None]:
-        """A write that failed with its outcome unknown (the store carried it out and the answer was
-        lost, past the client's own retries) counts as done when the stored record is `body`."""
-        try:
-            yield
-        except (FileExistsError, PermissionError):
-            raise
-        except (OSError, SinkError):
-            if not self._landed(body):
-                raise
+        return self._file.create(self._record())
 
     def _replace(self, tag: str | None, generation: int, body: bytes | None = None) -> bool:
         """Overwrites the lease (with our record, or `body`) only if it is still the version we read."""
         self.generation = generation
-        if self._store.is_local:
-            body = body or self._record()
-            with self._local_lock():
-                _, now_tag = self._read()
-                if now_tag != tag:
-                    return False
-                with self._unless_landed(body):
-                    self._store.write_bytes(self._path, body)
-            return True
-        bucket, _, key = self._path.partition("/")
-        body = body or self._record()
-        try:
-            self._store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, IfMatch=tag)
-        except PermissionError as e:
-            raise OutputPermissionError(
-                f"no permission to write the output lease ({e})", path=self._store.full_uri(self._path)
-            ) from e
-        except OSError as e:
-            if e.errno == errno.EINVAL or isinstance(e, FileExistsError | FileNotFoundError):
-                return self._landed(body)  # 412 Precondition Failed: somebody else changed it first, or we did
-            if self._landed(body):  # carried out, its answer lost past the client's retries
-                return True
-            raise SinkError(f"cannot write the output lease: {e}", path=self._store.full_uri(self._path)) from e
-        self._store.fs.invalidate_cache(self._path)
-        return True
-
-    def _landed(self, body: bytes) -> bool:
-        """Is the lease on S3 the record we just wrote, though its conditional PUT was refused?
-
-        S3 may carry a PUT out and lose the answer; the client's retry then finds the object
-        changed (by us) and fails its condition. Every record we write is unique (our token, the
-        instant it expires), so the stored bytes say whether the write was ours."""
-        self._store.fs.invalidate_cache(self._path)
-        try:
-            return self._store.read_bytes(self._path) == body
-        except FileNotFoundError:
-            return False
+        return self._file.replace(tag, body or self._record())
 
     def check_conditional_writes(self) -> None:
         """Refuses an S3 endpoint that ignores `If-None-Match` (the lease could not exclude anyone)."""
-        if self._store.is_local:
-            return
-        probe = self._store.state(f".conditional-write-probe-{uuid.uuid4().hex[:8]}")
-        try:
-            # The probe's name is new: if this create is refused, its answer was lost and a retry found it.
-            with contextlib.suppress(FileExistsError):
-                self._store.fs.pipe_file(probe, b"1", mode="create")
-            try:
-                self._store.fs.pipe_file(probe, b"2", mode="create")
-            except FileExistsError:
-                return
-            raise UnsafeOutputError(
-                f"the object store behind {self._store.uri} ignores conditional writes (If-None-Match), so raypipe "
-                "cannot keep two attempts from writing at once; use an endpoint that supports them (AWS S3 does), "
-                "or set output.require_conditional_writes=false to accept the risk"
-            )
-        except PermissionError as e:
-            raise OutputPermissionError(
-                f"no permission to write under the output ({e})", path=self._store.full_uri(probe)
-            ) from e
-        finally:
-            self._store.delete(probe)
+        check_conditional_writes(self._store)
 
     def acquire(self, *, force: bool = False) -> None:
         """Takes the lease, or raises `OutputLockedError`; then keeps it alive until `release`.
@@ -271,7 +133,7 @@ class Lease:
             now = self._clock()
             expires = float(current.get("expires_at", 0))
             same_run = current.get("holder") == self.holder
-            if expires >= now and _holder_is_gone(current):
+            if expires >= now and holder_is_gone(current):
                 logger.warning(
                     "the output lease's holder, run %s (generation %s, pid %s on this host), is no longer running: "
                     "taking its lease over now",
@@ -427,12 +289,9 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._store.is_local:
-            with self._local_lock():
-                if self.held():
-                    self._store.delete(self._path)
-        elif self.held():
-            self._store.delete(self._path)
+        with self._file.local_lock():
+            if self.held():
+                self._store.delete(self._file.path)
 
     def __enter__(self) -> Lease:
         self.acquire()

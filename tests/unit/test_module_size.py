@@ -19,7 +19,6 @@ LIMIT = 400
 REASON = re.compile(r"^Over ~?\d+ lines\b", re.MULTILINE)
 
 WAITING = {
-    "commit/lease.py",
     "commit/protocol.py",
     "commit/table.py",
     "run/steps.py",
