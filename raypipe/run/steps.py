@@ -14,7 +14,8 @@ the service check and the plan; the order of the protocol's calls is told in
 `raypipe.commit.protocol`, the fence in `raypipe.commit.fence`. After planning, what a step
 needs of the input (its columns, the bad-shard policy) comes with the `Plan`.
 
-(Over 400 lines, kept whole on purpose: the steps read in the order a run takes them.)
+Over ~440 lines, kept whole on purpose: one job, a run's steps, which read here in the order a
+run takes them; each step is a small class, and split apart they would be read out of order.
 """
 
 from __future__ import annotations
