@@ -180,7 +180,9 @@ def test_successes_close_the_breaker_count(tmp_path):
     assert stats.consecutive_failures == 0 and stats.openings == 0
 
 
-def _down_actor(tmp_path, error, rows=40):
+def _down_actor(tmp_path, error, rows=40, **overrides):
+    """An actor whose every call fails with `error` (none: answered), quick to give up; its
+    `ActorSettings` with `overrides`."""
     unit, block = make_unit(tmp_path, [f"row {i}" for i in range(rows)])  # 10 micro-batches of 4
     cfg = settings(tmp_path)
     client_cfg = cfg.client.model_copy(
@@ -191,8 +193,10 @@ def _down_actor(tmp_path, error, rows=40):
             ),
         }
     )
-    client = ScriptedClient(errors=[error] * 100_000)
-    actor = InferenceActor(ActorSettings(**{**cfg.__dict__, "client": client_cfg}), client_factory=lambda: client)
+    client = ScriptedClient(errors=[error] * 100_000 if error is not None else [])
+    actor = InferenceActor(
+        ActorSettings(**{**cfg.__dict__, "client": client_cfg, **overrides}), client_factory=lambda: client
+    )
     return unit, block, actor, client
 
 
@@ -351,13 +355,10 @@ def test_answers_as_another_model_are_never_committed_and_stop_the_unit_like_an_
     redeploying) to the only one left: the answers come back as another model. They are the
     service's failure, not results: the unit commits nothing and stops once the breaker has waited
     its `max_wait_s`, the message saying why."""
-    _, block, actor, client = _down_actor(tmp_path, None)
-    client.errors = []
-    settings = actor._settings
-    if answer_as == "version":
-        actor._settings = ActorSettings(**{**settings.__dict__, "model_version": "the-runs-model-2"})
-    else:
-        actor._settings = ActorSettings(**{**settings.__dict__, "labels": (*LABELS[1:], LABELS[0])})
+    runs_model = (
+        {"model_version": "the-runs-model-2"} if answer_as == "version" else {"labels": (*LABELS[1:], LABELS[0])}
+    )
+    _, block, actor, _ = _down_actor(tmp_path, None, **runs_model)
     summary = asyncio.run(actor(block)).to_pylist()[0]
     fatal = json.loads(summary["fatal"])
     assert fatal["kind"] == CircuitOpenError.kind
