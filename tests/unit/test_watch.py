@@ -325,7 +325,7 @@ def test_a_successor_does_not_read_again_a_file_another_run_recorded_as_read_mea
     service = Service(monkeypatch)
     for name in ("a", "b", "c"):
         write(tmp_path / "in", name, [f"{name}1"])
-    service.on_call = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    service.on_call = lambda: signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # as the SIGTERM test says
     assert run_watch(tmp_path, service, ticks=5).units == 1
     service.on_call = None
 
