@@ -45,26 +45,27 @@ The lease (`raypipe.commit.lease`) is liveness only: it
 keeps a second run id from starting on the same output while the first is alive and lets a
 retried attempt wait for a live one to expire; it fences nothing.
 
-State beside the table is never a truth on its own: the plan and the files seen are new
-immutable files under numbers no other writer uses, and the table names the current one (an
-app transaction); the watermark is an app transaction of its own. An earlier release's
-`plan.json`, `files_seen.parquet`, `watermark.json` and `COMMITTED.json` are read where the
-table names nothing. What lives where under OUTPUT: `raypipe.store`.
+State beside the table is never a truth on its own: the plan, the files seen and the
+quarantine are new immutable files under numbers no other writer uses, and the table names the
+current one (an app transaction); the watermark is an app transaction of its own. Their formats
+are `raypipe.commit.state`'s. An earlier release's `plan.json`, `files_seen.parquet`,
+`watermark.json` and `COMMITTED.json` are read where the table names nothing. What lives where
+under OUTPUT: `raypipe.store`.
 
-(About 580 lines, kept whole on purpose: every step a run asks of its output, in the order it
-asks, reads in one place; the mechanics of each commit are `raypipe.commit.fence`'s.)
+Over ~500 lines, kept whole on purpose: it is the one owner of a run's output, and every step a
+run asks of it, in the order it asks, reads in one place; the mechanics of each commit are
+`raypipe.commit.fence`'s, the formats of the state beside the table `raypipe.commit.state`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -73,6 +74,19 @@ from raypipe.commit.fence import TableFence, UnitCommitter, mark_committed, reti
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import Ledger, ledger_of, read_outcomes, versions_of
 from raypipe.commit.output import Output
+from raypipe.commit.state import (
+    FilesSeen,
+    FilesSeenWrite,
+    changes,
+    drop_files_seen,
+    fresh_number,
+    read_files_seen,
+    read_quarantine,
+    read_watermark,
+    watermark_micros,
+    write_files_seen,
+    write_quarantine,
+)
 from raypipe.commit.table import (
     FILES_SEEN_APP,
     OUTCOME_DEAD_LETTER,
@@ -86,38 +100,17 @@ from raypipe.errors import ConfigError, SinkError
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
 from raypipe.report import AttemptStats, RunReport
-from raypipe.store import QUARANTINE, OutputStore
+from raypipe.store import OutputStore
 
 __all__ = [
     "CommitProtocol",
-    "FilesSeen",
     "committed_runs",
     "drop_run_state",
     "holding",
-    "read_files_seen",
-    "read_quarantine",
     "run_known",
 ]
 
 logger = logging.getLogger("raypipe")
-
-FilesSeen = dict[str, tuple[str, str | None]]
-"""Input file URI -> (fingerprint, the latest `updated_at` read in it, ISO, if known)."""
-
-FILES_SEEN_DIR = "files_seen"
-FILES_SEEN_CHAIN = 16
-"""Files-seen deltas stacked on a full copy before the next write is a full copy again."""
-_BASE = b"raypipe.base"
-LEGACY_FILES_SEEN = "files_seen.parquet"
-WATERMARK = "watermark.json"
-"""An earlier release's watermark file (read where the table holds no `WATERMARK_APP`)."""
-QUARANTINE_DIR = "quarantine"
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def _fresh_number() -> int:
-    """A state file's number: random, so no two writers (a zombie included) share a file name."""
-    return secrets.randbits(62) + 1
 
 
 class CommitProtocol:
@@ -247,7 +240,7 @@ class CommitProtocol:
         self.check_lease()
 
         def write(current: int | None) -> int:
-            number = _fresh_number()
+            number = fresh_number()
             self.store.write_json(self.store.run_state(self.run_id, "plan", f"{number}.json"), plan.to_dict())
             return number
 
@@ -307,14 +300,7 @@ class CommitProtocol:
         held: dict[str, dict[str, str]] = {}
 
         def write(current: int | None) -> int:
-            state = read_quarantine(self.store, current)
-            for shard in shards:
-                if release:
-                    state.pop(shard, None)
-                else:
-                    state[shard] = {"reason": reason, "at": datetime.now(UTC).isoformat()}
-            number = _fresh_number()
-            self.store.write_json(self.store.state(QUARANTINE_DIR, f"{number}.json"), {"shards": state})
+            number, state = write_quarantine(self.store, current, shards, reason=reason, release=release)
             held.clear()
             held.update(state)
             return number
@@ -330,11 +316,10 @@ class CommitProtocol:
         """Adds the plan's files whose every unit is committed (also in an incomplete run: its
         healthy files are not read again), fenced; returns how many were added or updated.
 
-        The files seen are stored as a new file the table names, holding only the entries this
-        run adds or updates and naming the file it builds on (`read_files_seen`), so a daily
-        writes what it read, not the history. Every `FILES_SEEN_CHAIN` files the new one is a
-        full copy instead, and once the table names it the files it replaces are deleted. A
-        concurrent change by another run makes it read and apply again."""
+        The files seen are stored as a new file the table names, holding only what this run
+        adds or updates (`raypipe.commit.state.write_files_seen`); once the table names it, the
+        files a full copy replaces are deleted. A concurrent change by another run makes it
+        read and apply again."""
         self.units_landed()  # the step after the units: the snapshot moves past the actors' commits
         by_shard: dict[str, list[WorkUnit]] = {}
         for u in plan.units:
@@ -346,40 +331,18 @@ class CommitProtocol:
             for shard, units in by_shard.items()
             if shard not in bad and units[0].fingerprint and all(u.key in committed for u in units)
         }
-        if not done or not _changes(done, latest, self.files_seen()):
+        if not done or not changes(done, latest, self.files_seen()):
             return 0
         self.check_lease()
-        changed: FilesSeen = {}
-        replaced: list[int] = []
+        written: list[FilesSeenWrite] = []
 
         def write(current: int | None) -> int:
-            chain = _files_seen_chain(self.store, current)
-            seen = _merged(chain)
-            changed.clear()
-            changed.update(_changes(done, latest, seen))
-            seen.update(changed)
-            full = current is None or len(chain) >= FILES_SEEN_CHAIN
-            replaced[:] = [n for n, _ in chain] if full else []
-            entries = seen if full else changed
-            files = sorted(entries)
-            number = _fresh_number()
-            table = pa.table(
-                {
-                    "path": files,
-                    "fingerprint": [entries[f][0] for f in files],
-                    "max_updated_at": pa.array([entries[f][1] for f in files], pa.string()),
-                }
-            )
-            if not full:
-                table = table.replace_schema_metadata({_BASE: str(current).encode()})
-            self.store.write_parquet(self.store.state(FILES_SEEN_DIR, f"{number}.parquet"), table)
-            return number
+            written[:] = [write_files_seen(self.store, current, done, latest)]
+            return written[0].number
 
         set_pointer(self.table, self.fence, FILES_SEEN_APP, write, operation="files-seen")
-        # Named by no pointer now; the run holding the output is the only one that reads them.
-        for number in replaced:
-            self.store.delete(self.store.state(FILES_SEEN_DIR, f"{number}.parquet"))
-        return len(changed)
+        drop_files_seen(self.store, written[0].replaced)  # named by no pointer now
+        return len(written[0].changed)
 
     # -- the run -------------------------------------------------------------------------------
     def commit_run(self, plan: Plan, metadata: dict[str, str] | None = None) -> None:
@@ -412,11 +375,7 @@ class CommitProtocol:
 
     def watermark(self) -> datetime | None:
         """The daily watermark: the table's `WATERMARK_APP`, else an earlier release's `watermark.json`."""
-        micros = self.table.pointer(WATERMARK_APP)
-        if micros is not None:
-            return _EPOCH + timedelta(microseconds=micros)
-        mark = self.store.read_json_or_none(self.store.state(WATERMARK))
-        return None if not mark else datetime.fromisoformat(mark["updated_at"])
+        return read_watermark(self.store, self.table.pointer(WATERMARK_APP))
 
     def advance_watermark(self, to: datetime) -> None:
         """Moves the daily watermark to `to`, never backwards (an older run finishing late keeps
@@ -427,8 +386,8 @@ class CommitProtocol:
             logger.info("watermark stays at %s (this run reached %s)", current.isoformat(), to.isoformat())
             return
         self.check_lease()
-        target = (to - _EPOCH) // timedelta(microseconds=1)
-        floor = None if current is None else (current - _EPOCH) // timedelta(microseconds=1)
+        target = watermark_micros(to)
+        floor = None if current is None else watermark_micros(current)
 
         def later(now: int | None) -> int:
             return max(x for x in (now, floor, target) if x is not None)
@@ -548,66 +507,3 @@ def run_known(place: Output, run_id: str) -> bool:
         return False
     dt = place.table.load()
     return bool(dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id)]).count_rows())
-
-
-def read_quarantine(store: OutputStore, number: int | None) -> dict[str, dict[str, str]]:
-    """The quarantine numbered `number` (the table's `QUARANTINE_APP`): shard -> reason and
-    when; with None, the `quarantine.json` an earlier release kept, if any."""
-    path = store.state(QUARANTINE) if number is None else store.state(QUARANTINE_DIR, f"{number}.json")
-    data = store.read_json_or_none(path)
-    if data is None and number is not None:
-        raise SinkError(f"the quarantine the table names is missing: {path}", path=path)
-    return dict((data or {}).get("shards", {}))
-
-
-def read_files_seen(store: OutputStore, number: int | None) -> FilesSeen:
-    """The files-seen state numbered `number` (the table's `FILES_SEEN_APP`): that file's
-    entries over those of the file it builds on, and so on down to a full copy (a file naming
-    no base); with None, the one an earlier release kept as `_raypipe/files_seen.parquet`."""
-    if number is None:
-        path = store.state(LEGACY_FILES_SEEN)
-        return _entries(store.read_parquet(path)) if store.exists(path) else {}
-    return _merged(_files_seen_chain(store, number))
-
-
-def _files_seen_chain(store: OutputStore, number: int | None) -> list[tuple[int, pa.Table]]:
-    """The files-seen files from `number` down to its full copy, newest first ([] for None)."""
-    chain: list[tuple[int, pa.Table]] = []
-    while number is not None:
-        path = store.state(FILES_SEEN_DIR, f"{number}.parquet")
-        if not store.exists(path):
-            raise SinkError(f"the files-seen state the table names is missing: {path}", path=path)
-        t = store.read_parquet(path)
-        chain.append((number, t))
-        base = (t.schema.metadata or {}).get(_BASE)
-        number = None if base is None else int(base)
-    return chain
-
-
-def _merged(chain: list[tuple[int, pa.Table]]) -> FilesSeen:
-    seen: FilesSeen = {}
-    for _, t in reversed(chain):
-        seen.update(_entries(t))
-    return seen
-
-
-def _entries(t: pa.Table) -> FilesSeen:
-    latest = t.column("max_updated_at").to_pylist() if "max_updated_at" in t.column_names else [None] * t.num_rows
-    return {
-        p: (fp, m)
-        for p, fp, m in zip(t.column("path").to_pylist(), t.column("fingerprint").to_pylist(), latest, strict=True)
-    }
-
-
-def _changes(done: dict[str, str], latest: dict[str, str], seen: FilesSeen) -> FilesSeen:
-    """The files-seen entries `done` (file -> fingerprint) adds or updates in `seen`."""
-    out: FilesSeen = {}
-    for shard, fingerprint in done.items():
-        value = (fingerprint, _later(latest.get(shard), seen.get(shard, (None, None))[1]))
-        if seen.get(shard) != value:
-            out[shard] = value
-    return out
-
-
-def _later(a: str | None, b: str | None) -> str | None:
-    return max((x for x in (a, b) if x is not None), default=None)

@@ -30,7 +30,8 @@ import pyarrow.compute as pc
 
 from raypipe.commit.fence import UnitCommitter, fence_transactions, mark_committed
 from raypipe.commit.output import Output
-from raypipe.commit.protocol import CommitProtocol, committed_runs, holding, read_quarantine
+from raypipe.commit.protocol import CommitProtocol, committed_runs, holding
+from raypipe.commit.state import read_quarantine
 from raypipe.commit.table import QUARANTINE_APP
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError

@@ -8,7 +8,7 @@ import os
 
 import pyarrow.parquet as pq
 
-from raypipe.commit.protocol import FILES_SEEN_DIR, read_files_seen
+from raypipe.commit.state import FILES_SEEN_DIR, read_files_seen
 from raypipe.commit.table import FILES_SEEN_APP
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit

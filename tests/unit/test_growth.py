@@ -119,7 +119,7 @@ def test_the_state_beside_the_table_does_not_grow_with_the_dailies(world: World)
     stays); files seen are a chain of deltas that a full copy replaces every `FILES_SEEN_CHAIN`
     (the stored reuse index has a test of its own, below)."""
     from raypipe.call.reuse import INDEX_DIR
-    from raypipe.commit.protocol import FILES_SEEN_CHAIN
+    from raypipe.commit.state import FILES_SEEN_CHAIN
 
     for day in range(1, 6):
         _daily(world, day)
