@@ -21,7 +21,7 @@ def _rows(unit: str, n: int, labels: tuple[str, ...]) -> Any:
     import numpy as np
     import pyarrow as pa
 
-    from raypipe.commit.table import label_column
+    from raypipe.commit.schema import label_column
 
     rng = np.random.default_rng(abs(hash(unit)) % 2**32)
     probs = rng.dirichlet(np.ones(len(labels)), size=n).astype(np.float32)

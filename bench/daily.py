@@ -87,8 +87,9 @@ def _seed_backfill(root: str, old: Any, files: int, demo: Path, direct: Any, *, 
     import pyarrow.compute as pc
 
     from raypipe.commit.fence import UnitCommitter, take_over
+    from raypipe.commit.schema import text_hashes
     from raypipe.commit.state import LEGACY_FILES_SEEN as FILES_SEEN
-    from raypipe.commit.table import OutcomeTable, text_hashes
+    from raypipe.commit.table import OutcomeTable
     from raypipe.plan.planning import fingerprint
     from raypipe.store import OutputStore
 

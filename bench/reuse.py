@@ -51,7 +51,8 @@ def write_table(output: Path, n: int, labels: tuple[str, ...], *, rows_per_file:
     import pyarrow.compute as pc
     from deltalake import write_deltalake
 
-    from raypipe.commit.table import OutcomeTable, label_column, outcome_schema
+    from raypipe.commit.schema import label_column, outcome_schema
+    from raypipe.commit.table import OutcomeTable
 
     start = time.perf_counter()
     table = OutcomeTable(str(output))

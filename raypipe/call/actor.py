@@ -74,7 +74,8 @@ from raypipe.call.metrics import ActorGauges, Metrics, MetricsInterceptor, Metri
 from raypipe.call.reuse import TextIndex
 from raypipe.commit.fence import UnitCommitter
 from raypipe.commit.rows import Answers, DeadLetters, unit_rows
-from raypipe.commit.table import now_utc, text_hashes
+from raypipe.commit.schema import text_hashes
+from raypipe.commit.table import now_utc
 from raypipe.config import ClientConfig, ServiceConfig
 from raypipe.errors import (
     CircuitOpenError,

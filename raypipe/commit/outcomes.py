@@ -18,7 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.commit.table import OUTCOME_DEAD_LETTER, OUTCOME_RESULT, OutcomeTable
+from raypipe.commit.schema import OUTCOME_DEAD_LETTER, OUTCOME_RESULT
+from raypipe.commit.table import OutcomeTable
 
 __all__ = [
     "LATEST_SQL",

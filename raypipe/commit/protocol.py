@@ -74,6 +74,7 @@ from raypipe.commit.fence import TableFence, UnitCommitter, mark_committed, reti
 from raypipe.commit.lease import Lease
 from raypipe.commit.outcomes import Ledger, ledger_of, read_outcomes, versions_of
 from raypipe.commit.output import Output
+from raypipe.commit.schema import OUTCOME_DEAD_LETTER
 from raypipe.commit.state import (
     FilesSeen,
     FilesSeenWrite,
@@ -87,14 +88,7 @@ from raypipe.commit.state import (
     write_files_seen,
     write_quarantine,
 )
-from raypipe.commit.table import (
-    FILES_SEEN_APP,
-    OUTCOME_DEAD_LETTER,
-    QUARANTINE_APP,
-    WATERMARK_APP,
-    plan_app,
-    scan_where,
-)
+from raypipe.commit.table import FILES_SEEN_APP, QUARANTINE_APP, WATERMARK_APP, plan_app, scan_where
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, SinkError
 from raypipe.plan.planning import Plan

@@ -16,7 +16,7 @@ from datetime import datetime
 import numpy as np
 import pyarrow as pa
 
-from raypipe.commit.table import (
+from raypipe.commit.schema import (
     OUTCOME_DEAD_LETTER,
     OUTCOME_RESULT,
     RESULT_STATUS_EMPTY,
@@ -72,7 +72,7 @@ def unit_rows(
 ) -> pa.Table:
     """The outcome rows of one unit. `unit_table` holds the unit's input rows (``id``, ``text``,
     ``updated_at``, ``_source``, ``_row``); `empty` indexes its rows with no text (results of
-    status ``empty_text``); `text_hash` is `raypipe.commit.table.text_hashes` of its texts.
+    status ``empty_text``); `text_hash` is `raypipe.commit.schema.text_hashes` of its texts.
     Every row of `unit_table` must be in exactly one of `answers`, `dead_letters` and `empty`."""
     n_labels = len(labels)
     results = [np.asarray(empty, np.int64), *(a.rows for a in answers)]

@@ -333,7 +333,7 @@ class LegacyLayout:
         """A committed unit's results and dead letters as the table's rows (None: it has none)."""
         import pyarrow.parquet as pq
 
-        from raypipe.commit.table import text_hashes
+        from raypipe.commit.schema import text_hashes
 
         parts: list[pa.Table] = []
         for kind, path in (("result", self.results_file(run_id, unit)), ("dead_letter", self.dead_file(run_id, unit))):

@@ -202,7 +202,8 @@ BAD_ROW_KINDS = frozenset(e.kind for e in (BadRowError, InvalidIdError, InvalidR
 def _read_dead_letters(unit: WorkUnit) -> pa.Table:
     """A unit's committed dead letters of run `unit.source_run`, read from the outcomes table
     (`unit.shard` is the output URI); the rows keep their original source and row."""
-    from raypipe.commit.table import OUTCOME_DEAD_LETTER, OutcomeTable, scan_where
+    from raypipe.commit.schema import OUTCOME_DEAD_LETTER
+    from raypipe.commit.table import OutcomeTable, scan_where
 
     dataset = OutcomeTable(unit.shard).load().to_pyarrow_dataset()
     dead = scan_where(

@@ -11,7 +11,7 @@ import pyarrow.dataset as pads
 import pytest
 
 import raypipe
-from raypipe.commit.table import label_column
+from raypipe.commit.schema import label_column
 from raypipe.errors import NoShardsError, SchemaError, ServiceUnavailable
 from raypipe.samples import write_sample_corpus
 

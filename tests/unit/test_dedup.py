@@ -12,7 +12,8 @@ import pyarrow as pa
 
 from raypipe.call.reuse import IndexShard, TextIndex, build_index, hash_texts, shard_bounds
 from raypipe.commit.fence import UnitCommitter, take_over
-from raypipe.commit.table import OutcomeTable, label_column, text_hashes
+from raypipe.commit.schema import label_column, text_hashes
+from raypipe.commit.table import OutcomeTable
 from tests.fakes import LABELS, fake_probs
 
 

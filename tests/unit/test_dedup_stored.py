@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from raypipe.call.reuse import INDEX_DIR, TextIndex, build_index, hash_texts
 from raypipe.commit.fence import UnitCommitter, mark_committed, take_over
-from raypipe.commit.table import OutcomeTable, label_column, text_hashes
+from raypipe.commit.schema import label_column, text_hashes
+from raypipe.commit.table import OutcomeTable
 from raypipe.commit.upkeep import compact, vacuum
 from raypipe.store import STATE_DIR
 from tests.fakes import LABELS, fake_probs

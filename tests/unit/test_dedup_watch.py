@@ -16,7 +16,7 @@ from raypipe.api import build_config
 from raypipe.call import reuse
 from raypipe.call.reuse import TextIndex, hash_texts
 from raypipe.commit.outcomes import read_outcomes
-from raypipe.commit.table import label_column, text_hashes
+from raypipe.commit.schema import label_column, text_hashes
 from raypipe.config import ClientConfig, run_input
 from raypipe.run import steps
 from raypipe.run.watch.mode import watch

@@ -44,7 +44,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from raypipe.commit.outcomes import LATEST_SQL, latest, read_outcomes
 from raypipe.commit.output import Output
-from raypipe.commit.table import OutcomeTable, text_hashes
+from raypipe.commit.schema import text_hashes
+from raypipe.commit.table import OutcomeTable
 from raypipe.errors import (
     CircuitOpenError,
     ConfigError,

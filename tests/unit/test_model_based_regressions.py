@@ -18,7 +18,7 @@ import pytest
 
 from raypipe.commit.outcomes import latest, read_outcomes
 from raypipe.commit.output import Output
-from raypipe.commit.table import text_hashes
+from raypipe.commit.schema import text_hashes
 from raypipe.errors import LeaseLostError
 from raypipe.run.preflight import check_replay
 from tests.modelcheck.reference import Row

@@ -13,7 +13,8 @@ from raypipe.api import build_config
 from raypipe.commit.fence import UnitCommitter, mark_committed, take_over
 from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol
-from raypipe.commit.table import OutcomeTable, outcome_schema
+from raypipe.commit.schema import outcome_schema
+from raypipe.commit.table import OutcomeTable
 from raypipe.config import InputConfig, PipelineConfig
 from raypipe.errors import ConfigError, LeaseLostError
 from raypipe.plan.planning import Plan

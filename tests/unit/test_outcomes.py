@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import raypipe
 from raypipe.commit.fence import UnitCommitter, take_over
 from raypipe.commit.outcomes import latest_of
-from raypipe.commit.table import OutcomeTable, text_hashes
+from raypipe.commit.schema import text_hashes
+from raypipe.commit.table import OutcomeTable
 from tests.fakes import LABELS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -270,7 +271,7 @@ def test_a_table_written_before_first_inferred_at_is_read_and_gains_it_at_its_ne
     run's start) adds it."""
     from deltalake import write_deltalake
 
-    from raypipe.commit.table import outcome_schema
+    from raypipe.commit.schema import outcome_schema
 
     old = pa.schema([f for f in outcome_schema(LABELS) if f.name != "first_inferred_at"])
     row = {"id": "a", "outcome": "result", "unit": "u1", "run_id": "r1", "model_version": "A"}

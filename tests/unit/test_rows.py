@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from raypipe.commit.rows import Answers, DeadLetters, unit_rows
-from raypipe.commit.table import outcome_schema, text_hashes
+from raypipe.commit.schema import outcome_schema, text_hashes
 
 LABELS = ("joy", "anger", "fear")
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)

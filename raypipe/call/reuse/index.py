@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raypipe.commit.table import OUTCOME_RESULT, RESULT_STATUS_OK, label_column, text_hashes
+from raypipe.commit.schema import OUTCOME_RESULT, RESULT_STATUS_OK, label_column, text_hashes
 
 __all__ = [
     "SHARD_ROWS",

@@ -31,7 +31,8 @@ from raypipe.call.reuse.index import (
     shard_bounds,
 )
 from raypipe.call.reuse.stored import Fresh, Since, Source, StoredIndex, committed_rows
-from raypipe.commit.table import OutcomeTable, label_column
+from raypipe.commit.schema import label_column
+from raypipe.commit.table import OutcomeTable
 
 __all__ = ["TASK_CPUS", "IndexStats", "build_index"]
 

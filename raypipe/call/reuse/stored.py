@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raypipe.call.reuse.index import SHARD_ROWS, IndexShard
-from raypipe.commit.table import OutcomeTable, label_column, storage_options
+from raypipe.commit.schema import label_column
+from raypipe.commit.table import OutcomeTable, storage_options
 from raypipe.store import STATE_DIR
 
 __all__ = ["INDEX_APP", "INDEX_DIR", "STORED_FILES_MAX", "Fresh", "Since", "Source", "StoredIndex", "committed_rows"]
