@@ -41,10 +41,12 @@ from raypipe.commit.schema import outcome_schema
 from raypipe.errors import OutputPermissionError, SinkError
 
 __all__ = [
+    "CHECKPOINT_INTERVAL",
     "FILES_SEEN_APP",
     "QUARANTINE_APP",
     "SLOTS",
     "TABLE_DIR",
+    "TABLE_PROPERTIES",
     "TRANSACTION_RETENTION",
     "WATERMARK_APP",
     "OutcomeTable",
@@ -52,6 +54,7 @@ __all__ = [
     "done_app",
     "expires",
     "generation_of",
+    "missing_properties",
     "plan_app",
     "scan_where",
     "slot_app",
@@ -141,6 +144,28 @@ WATERMARK_APP = "raypipe/watermark"
 """The app transaction holding the daily watermark, in microseconds since the epoch (UTC)."""
 TRANSACTION_RETENTION = "interval 90 days"
 """The table's `delta.setTransactionRetentionDuration`: how long an expiring transaction is kept."""
+CHECKPOINT_INTERVAL = 20
+"""The table's `delta.checkpointInterval`: a checkpoint every this many commits (about three
+dailies' worth), so opening a snapshot reads the checkpoint and at most this many log entries
+after it (delta-rs's default is 100); each checkpoint is one write of the table's state."""
+TABLE_PROPERTIES = {
+    "delta.setTransactionRetentionDuration": TRANSACTION_RETENTION,
+    "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
+    "delta.logRetentionDuration": "interval 30 days",
+    "delta.enableExpiredLogCleanup": "true",
+}
+"""What keeps the log bounded, set when the table is created and by maintenance on a table that
+lacks them (`missing_properties`): expiring transactions pruned, a checkpoint every
+`CHECKPOINT_INTERVAL` commits, and at each checkpoint the log entries older than the log's
+retention deleted (delta-rs's post-commit hook; `raypipe vacuum` also runs `cleanup_metadata`).
+A value a user set on the table stays: these are only the defaults."""
+
+
+def missing_properties(dt: Any) -> dict[str, str]:
+    """The `TABLE_PROPERTIES` a snapshot (`deltalake.DeltaTable`) does not set (an earlier
+    release's table): maintenance sets them (`raypipe.commit.upkeep`)."""
+    have = dt.metadata().configuration
+    return {k: v for k, v in TABLE_PROPERTIES.items() if k not in have}
 
 
 def expires(app: str) -> bool:
@@ -257,7 +282,7 @@ class OutcomeTable:
                         partition_by=["run_id"],
                         mode="ignore",  # a concurrent creator wins: same schema
                         storage_options=self._options,
-                        configuration={"delta.setTransactionRetentionDuration": TRANSACTION_RETENTION},
+                        configuration=TABLE_PROPERTIES,
                     )
                 except Exception:
                     # A create whose answer was lost (`raypipe.commit.fence.landed`) fails its

@@ -32,7 +32,7 @@ from raypipe.commit.fence import UnitCommitter, fence_transactions, mark_committ
 from raypipe.commit.output import Output
 from raypipe.commit.protocol import CommitProtocol, committed_runs, holding
 from raypipe.commit.state import read_quarantine
-from raypipe.commit.table import QUARANTINE_APP
+from raypipe.commit.table import QUARANTINE_APP, missing_properties
 from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError
 from raypipe.store import STATE_DIR, OutputStore
@@ -44,6 +44,7 @@ __all__ = [
     "compact",
     "drop_finished_state",
     "finished_runs",
+    "keep_bounded",
     "migrate",
     "vacuum",
 ]
@@ -104,7 +105,7 @@ def compact(
     if not runs:
         return {"runs": 0}
     with holding(config, "compact", place=place) as protocol:
-        dt = protocol.table.load()
+        dt = keep_bounded(protocol)
         out = {"runs": len(runs), "units": 0, "files_before": len(dt.file_uris())}
         for run_id in runs:
             for units in _compactable(dt, run_id, target_size or COMPACT_TARGET_BYTES):
@@ -125,6 +126,27 @@ def compact(
                 out["units"] += len(units)
         out["files_after"] = len(dt.file_uris())
     return out
+
+
+def keep_bounded(protocol: CommitProtocol) -> Any:
+    """The table's snapshot, after setting the `TABLE_PROPERTIES` it lacks (a table an earlier
+    release created keeps its log's tail, expired entries and transactions bounded from here
+    on): one fenced commit, none when nothing is missing. The values a user set are kept."""
+    from deltalake import CommitProperties
+
+    dt = protocol.table.load()
+    missing = missing_properties(dt)
+    if missing:
+        dt.alter.set_table_properties(
+            missing,
+            commit_properties=CommitProperties(
+                app_transactions=fence_transactions(protocol.fence),
+                custom_metadata={"raypipe.operation": "table-properties"},
+            ),
+        )
+        dt.update_incremental()
+        logger.info("table properties set: %s", ", ".join(f"{k}={v}" for k, v in sorted(missing.items())))
+    return dt
 
 
 def _quoted(value: str) -> str:
@@ -200,7 +222,7 @@ def vacuum(
         )
     config = _config(output)
     with holding(config, "vacuum", place=Output.at(config.uri)) as protocol:
-        dt = protocol.table.load()
+        dt = keep_bounded(protocol) if not dry_run else protocol.table.load()
         files = dt.vacuum(
             retention_hours=math.ceil(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True
         )

@@ -161,3 +161,62 @@ def test_a_daily_reads_the_stored_reuse_index_and_what_was_committed_since(
     (stored,) = (world.output / "_raypipe" / reuse.INDEX_DIR).iterdir()
     assert len(list(stored.glob("*.parquet"))) <= 3
     assert len(list((stored / "_delta_log").glob("*.json"))) <= 4
+
+
+def _log_tail(world: World) -> int:
+    """Log entries after the table's last checkpoint: what opening a snapshot replays."""
+    import json
+
+    log = world.output / TABLE_DIR / "_delta_log"
+    marker = log / "_last_checkpoint"
+    version = json.loads(marker.read_text())["version"] if marker.exists() else -1
+    return sum(1 for p in log.glob("*.json") if int(p.stem) > version)
+
+
+def test_opening_the_table_replays_at_most_a_checkpoint_interval_of_log_entries(world: World) -> None:
+    """The table is created with a checkpoint every `CHECKPOINT_INTERVAL` commits, so a snapshot
+    opened after any number of dailies replays the last checkpoint and at most that many entries
+    (delta-rs's default of 100 let the tail reach 100: ~14 dailies of ~7 commits each)."""
+    from raypipe.commit.table import CHECKPOINT_INTERVAL
+
+    tails = []
+    for day in range(1, 7):
+        _daily(world, day)
+        tails.append(_log_tail(world))
+    dt = deltalake.DeltaTable(str(world.output / TABLE_DIR))
+    assert dt.version() > 2 * CHECKPOINT_INTERVAL  # the dailies made more commits than two intervals
+    assert max(tails) <= CHECKPOINT_INTERVAL, tails
+
+
+def test_maintenance_gives_an_earlier_releases_table_the_bounding_properties_and_keeps_a_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table created before the properties (only the transaction retention) gets the missing
+    ones from `raypipe compact` and `raypipe vacuum`, in one fenced commit; a value its owner set
+    stays; runs go on over it."""
+    from raypipe.commit import table as table_module
+
+    earlier = {"delta.setTransactionRetentionDuration": table_module.TRANSACTION_RETENTION}
+    w = World(tmp_path, unit_rows=1000)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(table_module, "TABLE_PROPERTIES", earlier)
+            for k in range(2):
+                w.write_file(f"f{k}.parquet", [Row(f"r{k}", f"text {k}", T0)])
+            assert w.run("backfill", "backfill-0").error is None
+        uri = str(w.output / TABLE_DIR)
+        deltalake.DeltaTable(uri).alter.set_table_properties({"delta.logRetentionDuration": "interval 7 days"})
+        assert table_module.missing_properties(deltalake.DeltaTable(uri))  # as an earlier release left it
+        w.compact()
+        have = deltalake.DeltaTable(uri).metadata().configuration
+        assert {k: have.get(k) for k in table_module.TABLE_PROPERTIES} == {
+            **table_module.TABLE_PROPERTIES,
+            "delta.logRetentionDuration": "interval 7 days",  # the owner's
+        }
+        w.vacuum()
+        history = deltalake.DeltaTable(uri).history()
+        changes = [c for c in history if c.get("raypipe.operation") == "table-properties"]
+        assert len(changes) == 1, history  # the compact's; the vacuum found nothing missing
+        _daily(w, 1)
+    finally:
+        w.close()
