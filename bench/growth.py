@@ -11,6 +11,13 @@ The runs go through the real run path (modes, protocol, Delta table on a local d
 model-based test's seams: units inferred in this process by a fake model client, no Ray, so
 the figures are the bookkeeping's, not the model's.
 
+Time is compressed: a daily runs in about two seconds, so the table's retentions (log entries
+30 days, expiring transactions 90 days, removed files 7 days) would never pass. With `--day-s S`
+the bench sets them to as many times S seconds, through the table's own properties as a user
+would (`DeltaTable.alter.set_table_properties` after the backfill), and every `--maintain-every`
+dailies it runs `raypipe compact` and `raypipe vacuum` (retention 0, forced: the bench's only
+writer is between dailies), as the maintenance CronJob does weekly. The results file says so.
+
     python -m bench.growth --files 50000 --dailies 1000
     python -m bench.growth --files 50000 --dailies 1000 --state DIR --minutes 9 --out FILE   # in parts:
     # the same command again goes on from DIR where the last part stopped, adding to FILE
@@ -63,10 +70,12 @@ def run_growth(
     results: Path | None = None,
     state: Path | None = None,
     minutes: float | None = None,
+    day_s: float = 2.0,
+    maintain_every: int = 7,
 ) -> dict[str, Any]:
     """The backfill and the dailies; with `state`, the output and the progress are kept there
     after every daily, so a run stopped (by `minutes`, or killed) goes on where it was with
-    the same `state`."""
+    the same `state`. `day_s` and `maintain_every`: see the module's docstring (0: off)."""
     sys.path.insert(0, str(ROOT))
     from raypipe.run.steps import PlanRun
     from tests.modelcheck.reference import Row
@@ -89,8 +98,11 @@ def run_growth(
         root = state or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="raypipe-growth-")))
         progress_file = root / "progress.json"
         progress = json.loads(progress_file.read_text()) if progress_file.exists() else None
+        settings = {"day_s": day_s, "maintain_every": maintain_every, "table_properties": _compressed(day_s)}
         if progress is not None and (progress["files"], progress["dailies"]) != (files, dailies):
             raise SystemExit(f"{root} holds a run of --files {progress['files']} --dailies {progress['dailies']}")
+        if progress is not None and progress.get("settings", settings) != settings:
+            raise SystemExit(f"{root} holds a run with other settings: {progress.get('settings')}")
         # The world's seams, over the kept input and output when resuming (its clock of file
         # modification times goes on from where it was).
         world = World(
@@ -115,6 +127,8 @@ def run_growth(
                 "backfill_s": backfill_s,
                 "rows": rows,
                 "mtime": mtime,
+                "settings": settings,
+                "maintenance_s": maintenance_s,
             }
             progress_file.write_text(json.dumps(done))
 
@@ -126,11 +140,17 @@ def run_growth(
             if out.error is not None:
                 raise RuntimeError(f"the backfill failed: {out.error!r}")
             backfill_s = time.monotonic() - started
+            if settings["table_properties"]:
+                from deltalake import DeltaTable
+
+                DeltaTable(str(world.output / "outcomes")).alter.set_table_properties(settings["table_properties"])
             rows: list[dict[str, Any]] = []
+            maintenance_s: list[float] = []
             first_day = 1
             save(0, backfill_s, rows)
         else:
             backfill_s, rows, first_day = progress["backfill_s"], progress["rows"], progress["day"] + 1
+            maintenance_s = progress.get("maintenance_s", [])
         every = max(1, dailies // samples)
         for day in range(first_day, dailies + 1):
             if until is not None and time.monotonic() > until:
@@ -145,18 +165,29 @@ def run_growth(
             wall = time.monotonic() - started
             if out.error is not None or out.report is None or out.report.status != "completed":
                 raise RuntimeError(f"daily {day} did not complete: {out.error!r}")
+            if maintain_every and day % maintain_every == 0:
+                started = time.monotonic()
+                world.compact()
+                world.vacuum()
+                maintenance_s.append(round(time.monotonic() - started, 3))
             if day == 1 or day % every == 0 or day == dailies:
                 log_bytes, log_files = _tree(world.output / "outcomes" / "_delta_log")
                 log_tail, checkpoint_bytes = _log_tail(world.output / "outcomes" / "_delta_log")
                 state_bytes, state_files = _tree(world.output / "_raypipe")
                 index_bytes, index_files = _tree(world.output / "_raypipe" / "reuse_index")
                 index = (out.report.planning or {}).get("reuse_index", {})
+                from deltalake import DeltaTable
+
+                table_files = len(DeltaTable(str(world.output / "outcomes")).file_uris())
                 rows.append(
                     {
                         "daily": day,
                         "wall_s": round(wall, 3),
                         "planning_s": round(planned[-1], 3),
                         "calls": len(out.calls),
+                        "input_files": files + day,
+                        "table_files": table_files,
+                        "last_maintenance_s": maintenance_s[-1] if maintenance_s else None,
                         "log_bytes": log_bytes,
                         "log_files": log_files,
                         "log_tail": log_tail,
@@ -173,12 +204,23 @@ def run_growth(
                 )
                 print(json.dumps(rows[-1]), flush=True)
                 if results is not None:  # a run stopped early keeps what it measured
-                    results.write_text(json.dumps(_result(files, dailies, backfill_s, rows), indent=1) + "\n")
+                    results.write_text(json.dumps(_result(files, dailies, backfill_s, rows, settings), indent=1) + "\n")
             save(day, backfill_s, rows)
-    return _result(files, dailies, backfill_s, rows)
+    return _result(files, dailies, backfill_s, rows, settings)
 
 
-def _result(files: int, dailies: int, backfill_s: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _compressed(day_s: float) -> dict[str, str]:
+    """The table's retentions with a day of `day_s` seconds (none when 0: Delta's and raypipe's defaults)."""
+    if not day_s:
+        return {}
+    days = {"delta.logRetentionDuration": 30, "delta.setTransactionRetentionDuration": 90}
+    days["delta.deletedFileRetentionDuration"] = 7
+    return {k: f"interval {max(1, round(n * day_s))} seconds" for k, n in days.items()}
+
+
+def _result(
+    files: int, dailies: int, backfill_s: float, rows: list[dict[str, Any]], settings: dict[str, Any]
+) -> dict[str, Any]:
     first, last = (rows[0], rows[-1]) if rows else ({}, {})
 
     def ratio(key: str) -> float | None:
@@ -190,6 +232,14 @@ def _result(files: int, dailies: int, backfill_s: float, rows: list[dict[str, An
         "dailies": dailies,
         "dailies_done": last["daily"] if rows else 0,
         "backfill_s": round(backfill_s, 1),
+        "time_compressed": (
+            f"a day is {settings['day_s']} s of the bench: the table's retentions set to table_properties "
+            "(through the table's own properties, as a user would set them); "
+            f"compact and vacuum (retention 0, forced) every {settings['maintain_every']} dailies"
+            if settings["day_s"]
+            else "no: Delta's and raypipe's default retentions, which a bench of minutes never reaches"
+        ),
+        "settings": settings,
         "samples": rows,
         "last_over_first": {
             k: ratio(k)
@@ -197,7 +247,10 @@ def _result(files: int, dailies: int, backfill_s: float, rows: list[dict[str, An
                 "wall_s",
                 "planning_s",
                 "log_bytes",
+                "log_files",
                 "log_tail",
+                "table_files",
+                "input_files",
                 "checkpoint_bytes",
                 "state_bytes",
                 "state_files",
@@ -223,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the output and the progress here; a run given the same --state goes on where it stopped",
     )
     parser.add_argument("--minutes", type=float, default=None, help="stop after the daily running at this many minutes")
+    parser.add_argument(
+        "--day-s", type=float, default=2.0, help="seconds that stand for a day in the table's retentions (0: defaults)"
+    )
+    parser.add_argument(
+        "--maintain-every", type=int, default=7, help="compact and vacuum every this many dailies (0: never)"
+    )
     args = parser.parse_args(argv)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or ROOT / "bench" / "results" / f"growth-{stamp}.json"
@@ -230,7 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.state is not None:
         args.state.mkdir(parents=True, exist_ok=True)
     result = run_growth(
-        args.files, args.dailies, samples=args.samples, results=out, state=args.state, minutes=args.minutes
+        args.files,
+        args.dailies,
+        samples=args.samples,
+        results=out,
+        state=args.state,
+        minutes=args.minutes,
+        day_s=args.day_s,
+        maintain_every=args.maintain_every,
     )
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["last_over_first"]))
