@@ -107,8 +107,10 @@ def compact(
     with holding(config, "compact", place=place) as protocol:
         dt = keep_bounded(protocol)
         out = {"runs": len(runs), "units": 0, "files_before": len(dt.file_uris())}
+        # The log's file statistics, read once: a run's compaction touches its partition only.
+        actions = pa.table(dt.get_add_actions(flatten=True))
         for run_id in runs:
-            for units in _compactable(dt, run_id, target_size or COMPACT_TARGET_BYTES):
+            for units in _compactable(actions, run_id, target_size or COMPACT_TARGET_BYTES):
                 where = pc.field("run_id") == run_id
                 rows = dt.to_pyarrow_dataset().to_table(filter=where & pc.field("unit").isin(units)).sort_by("unit")
                 write_deltalake(
@@ -154,11 +156,11 @@ def _quoted(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def _compactable(dt: Any, run_id: str, target_size: int) -> list[list[str]]:
+def _compactable(actions: pa.Table, run_id: str, target_size: int) -> list[list[str]]:
     """Groups of `run_id`'s units (about `target_size` bytes each, two files at least) that
     `compact` may rewrite together: units whose every file is one unit's and holds no dead
-    letter (`outcome` statistics all "result"). A file without statistics counts as holding one."""
-    actions = pa.table(dt.get_add_actions(flatten=True))
+    letter (`outcome` statistics all "result"), from the table's add actions (`actions`, the
+    log's file statistics). A file without statistics counts as holding one."""
     if actions.num_rows == 0 or not {"min.unit", "min.outcome"} <= set(actions.column_names):
         return []
     mine = actions.filter(pc.equal(actions.column("partition.run_id"), run_id)).to_pylist()
