@@ -220,3 +220,22 @@ def test_maintenance_gives_an_earlier_releases_table_the_bounding_properties_and
         _daily(w, 1)
     finally:
         w.close()
+
+
+def test_compact_reads_the_logs_file_statistics_a_bounded_number_of_times_whatever_the_runs(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weekly compact goes over every finished run: the table's add actions are read once for
+    all of them (and once to list the runs), not once per run (its time grew with runs x files)."""
+    for day in range(1, 5):
+        _daily(world, day)
+    reads: list[str] = []
+    get = deltalake.DeltaTable.get_add_actions
+
+    def counting(self: deltalake.DeltaTable, *args: Any, **kwargs: Any) -> Any:
+        reads.append(self.table_uri)
+        return get(self, *args, **kwargs)
+
+    monkeypatch.setattr(deltalake.DeltaTable, "get_add_actions", counting)
+    world.compact()
+    assert 0 < len(reads) <= 2, reads  # five finished runs
