@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -222,10 +223,39 @@ def _result(
     files: int, dailies: int, backfill_s: float, rows: list[dict[str, Any]], settings: dict[str, Any]
 ) -> dict[str, Any]:
     first, last = (rows[0], rows[-1]) if rows else ({}, {})
+    keys = (
+        "wall_s",
+        "planning_s",
+        "log_bytes",
+        "log_files",
+        "log_tail",
+        "table_files",
+        "input_files",
+        "checkpoint_bytes",
+        "state_bytes",
+        "state_files",
+        "index_bytes",
+        "index_files",
+        "index_table_files_read",
+        "index_log_entries_read",
+    )
 
     def ratio(key: str) -> float | None:
         a, b = first.get(key), last.get(key)
         return None if not a or b is None else round(b / a, 3)
+
+    # A single daily's figures are noisy (and the first sample comes before any maintenance):
+    # also the median of the first tenth of the samples after the first maintenance against the
+    # median of the last tenth.
+    kept = [r for r in rows if r.get("last_maintenance_s") is not None]
+    tenth = max(1, len(kept) // 10)
+
+    def medians(key: str) -> dict[str, float | None]:
+        a = [r[key] for r in kept[:tenth] if r.get(key) is not None]
+        b = [r[key] for r in kept[-tenth:] if r.get(key) is not None]
+        first_m, last_m = (statistics.median(a) if a else None), (statistics.median(b) if b else None)
+        over = None if not first_m or last_m is None else round(last_m / first_m, 3)
+        return {"first": first_m, "last": last_m, "last_over_first": over}
 
     return {
         "files": files,
@@ -241,24 +271,10 @@ def _result(
         ),
         "settings": settings,
         "samples": rows,
-        "last_over_first": {
-            k: ratio(k)
-            for k in (
-                "wall_s",
-                "planning_s",
-                "log_bytes",
-                "log_files",
-                "log_tail",
-                "table_files",
-                "input_files",
-                "checkpoint_bytes",
-                "state_bytes",
-                "state_files",
-                "index_bytes",
-                "index_files",
-                "index_table_files_read",
-                "index_log_entries_read",
-            )
+        "last_over_first": {k: ratio(k) for k in keys},
+        "medians_maintained": {
+            "dailies": [[r["daily"] for r in kept[:tenth]], [r["daily"] for r in kept[-tenth:]]] if kept else [],
+            **{k: medians(k) for k in keys},
         },
     }
 
