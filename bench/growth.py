@@ -99,7 +99,8 @@ def run_growth(
         root = state or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="raypipe-growth-")))
         progress_file = root / "progress.json"
         progress = json.loads(progress_file.read_text()) if progress_file.exists() else None
-        settings = {"day_s": day_s, "maintain_every": maintain_every, "table_properties": _compressed(day_s)}
+        properties = _compressed(day_s)
+        settings: dict[str, Any] = {"day_s": day_s, "maintain_every": maintain_every, "table_properties": properties}
         if progress is not None and (progress["files"], progress["dailies"]) != (files, dailies):
             raise SystemExit(f"{root} holds a run of --files {progress['files']} --dailies {progress['dailies']}")
         if progress is not None and progress.get("settings", settings) != settings:
@@ -141,10 +142,10 @@ def run_growth(
             if out.error is not None:
                 raise RuntimeError(f"the backfill failed: {out.error!r}")
             backfill_s = time.monotonic() - started
-            if settings["table_properties"]:
+            if properties:
                 from deltalake import DeltaTable
 
-                DeltaTable(str(world.output / "outcomes")).alter.set_table_properties(settings["table_properties"])
+                DeltaTable(str(world.output / "outcomes")).alter.set_table_properties(properties)
             rows: list[dict[str, Any]] = []
             maintenance_s: list[float] = []
             first_day = 1
