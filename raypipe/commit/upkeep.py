@@ -112,7 +112,9 @@ def compact(
         for run_id in runs:
             for units in _compactable(actions, run_id, target_size or COMPACT_TARGET_BYTES):
                 where = pc.field("run_id") == run_id
-                rows = dt.to_pyarrow_dataset().to_table(filter=where & pc.field("unit").isin(units)).sort_by("unit")
+                # The run's partition only: a dataset of the whole table costs its every file.
+                run = dt.to_pyarrow_dataset(file_pruning_predicate=[("run_id", "=", run_id)])
+                rows = run.to_table(filter=where & pc.field("unit").isin(units)).sort_by("unit")
                 write_deltalake(
                     dt,
                     rows,

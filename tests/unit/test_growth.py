@@ -239,3 +239,22 @@ def test_compact_reads_the_logs_file_statistics_a_bounded_number_of_times_whatev
     monkeypatch.setattr(deltalake.DeltaTable, "get_add_actions", counting)
     world.compact()
     assert 0 < len(reads) <= 2, reads  # five finished runs
+
+
+def test_compact_reads_each_runs_partition_not_the_whole_table(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each group `compact` rewrites is read from its run's files: a dataset of the whole table
+    costs every file the history holds (3.5 s at 267 runs' files, against 0.06 s for one run's)."""
+    for day in range(1, 5):
+        _daily(world, day)
+    sizes: list[int] = []
+    dataset = deltalake.DeltaTable.to_pyarrow_dataset
+
+    def counting(self: deltalake.DeltaTable, *args: Any, **kwargs: Any) -> Any:
+        out = dataset(self, *args, **kwargs)
+        sizes.append(len(out.files))
+        return out
+
+    monkeypatch.setattr(deltalake.DeltaTable, "to_pyarrow_dataset", counting)
+    world.compact()
+    # The backfill's four units and each daily's two (the table holds twelve files).
+    assert sorted(sizes) == [2, 2, 2, 2, 4], sizes
