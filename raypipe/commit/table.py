@@ -147,7 +147,9 @@ TRANSACTION_RETENTION = "interval 90 days"
 CHECKPOINT_INTERVAL = 20
 """The table's `delta.checkpointInterval`: a checkpoint every this many commits (about three
 dailies' worth), so opening a snapshot reads the checkpoint and at most this many log entries
-after it (delta-rs's default is 100); each checkpoint is one write of the table's state."""
+after it. delta-rs's default is 100, Delta Lake's Spark writer's 10. The trade: a 90-entry tail
+made an open of a 267-file table 40 ms instead of 16 (one read per entry: more on S3), while each
+checkpoint is one write of the table's state, ~0.05 ms a file (compaction keeps the files few)."""
 TABLE_PROPERTIES = {
     "delta.setTransactionRetentionDuration": TRANSACTION_RETENTION,
     "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
