@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -233,6 +234,8 @@ class SqsArrivals:
         )
         self._held: dict[str, _Held] = {}
         """Message id -> its newest receipt handle and the arrivals it carried not yet acked."""
+        self._lock = threading.Lock()
+        """Guards `_held`: a watcher stopped during a long poll may ack while the poll answers."""
 
     def __repr__(self) -> str:
         return f"SqsArrivals({self.queue_url!r})"
@@ -280,25 +283,28 @@ class SqsArrivals:
                 log.warning("events queue %s: no messages received (%s); trying again next poll", self.queue_url, e)
                 break
             messages = answer.get("Messages") or []
-            for message in messages:
-                held = self._take(message)
-                if held is None:
-                    settled.append(message["ReceiptHandle"])
-                elif held:
-                    taken.append(held)
+            with self._lock:
+                for message in messages:
+                    held = self._take(message)
+                    if held is None:
+                        settled.append(message["ReceiptHandle"])
+                    elif held:
+                        taken.append(held)
             max_messages -= len(messages)
             wait = 0
             if len(messages) < batch:
                 break
         self._delete(settled)
-        # announcements in time order: the first gives the time, the last the size
-        announced = sorted((a for m in taken for a in self._held[m].waiting), key=lambda a: (a.arrived_at, a.uri))
-        first: dict[str, Arrival] = {}
-        for a in announced:
-            first.setdefault(a.uri, a)
-            first[a.uri] = Arrival(a.uri, a.size, first[a.uri].arrived_at)
-        for m in taken:
-            self._held[m].waiting = {first[a.uri] for a in self._held[m].waiting}
+        with self._lock:
+            taken = [m for m in taken if m in self._held]  # an ack meanwhile may have taken some
+            # announcements in time order: the first gives the time, the last the size
+            announced = sorted((a for m in taken for a in self._held[m].waiting), key=lambda a: (a.arrived_at, a.uri))
+            first: dict[str, Arrival] = {}
+            for a in announced:
+                first.setdefault(a.uri, a)
+                first[a.uri] = Arrival(a.uri, a.size, first[a.uri].arrived_at)
+            for m in taken:
+                self._held[m].waiting = {first[a.uri] for a in self._held[m].waiting}
         return sorted(first.values(), key=lambda a: (a.arrived_at, a.uri))
 
     def ack(self, arrivals: Iterable[Arrival]) -> None:
@@ -306,11 +312,12 @@ class SqsArrivals:
         arrivals are now all acked is deleted. Unknown arrivals are ignored."""
         gone = set(arrivals)
         settled = []
-        for message_id, held in list(self._held.items()):
-            held.waiting -= gone
-            if not held.waiting:
-                settled.append(held.receipt)
-                del self._held[message_id]
+        with self._lock:
+            for message_id, held in list(self._held.items()):
+                held.waiting -= gone
+                if not held.waiting:
+                    settled.append(held.receipt)
+                    del self._held[message_id]
         self._delete(settled)
 
     # -- the queue's messages -------------------------------------------------------------------

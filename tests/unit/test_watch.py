@@ -317,6 +317,115 @@ def test_event_arrivals_list_once_then_read_only_the_queue_and_ack_after_the_com
     assert queue.acked == [elsewhere, hidden, arrived], "an arrival's message goes once it is committed"
 
 
+class Clock:
+    """The watcher loop's monotonic clock: moved on only by what the loop waits for."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> bool:
+        self.slept.append(round(seconds, 3))
+        self.now += seconds
+        return False
+
+
+class WaitingQueue(FakeQueue):
+    """A queue with nothing in it: a poll answers after its whole wait, as SQS's long poll does."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.waits: list[float] = []
+
+    def poll(self, max_messages: int = 100, wait_s: float = 0) -> list[Any]:
+        self.waits.append(round(wait_s, 3))
+        self.clock.now += wait_s
+        return super().poll(max_messages, wait_s)
+
+
+def idle_watcher(tmp_path: Path, queue: FakeQueue, **watch: Any) -> Any:
+    """A watcher of the empty folder `tmp_path/in` through `queue`'s events: its ticks find
+    nothing, so no output, runner or service is reached."""
+    from types import SimpleNamespace
+
+    from protos.telemetry import NullMetrics
+    from raypipe.config import InputConfig, WatchConfig
+    from raypipe.run.watch.arrivals import EventArrivals
+    from raypipe.run.watch.watcher import Watcher
+
+    (tmp_path / "in").mkdir()
+    input = InputConfig(uri=str(tmp_path / "in"))
+    return Watcher(
+        SimpleNamespace(attempt=1, run_id="watch-idle", lease_lost=False),  # type: ignore[arg-type]
+        input,
+        WatchConfig(**watch),
+        runner=None,  # type: ignore[arg-type]
+        source=EventArrivals(input, queue),
+        metrics=NullMetrics(),
+        report=WatchReport(watch_id="watch-idle", output="out", input="in", started_at=T0.isoformat()),
+        model_version="fake-1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("every_s", "polls", "sleeps"),
+    [(5.0, [0, 5, 5], []), (60.0, [0, 20, 20], [40, 40])],
+    ids=["every-5s", "every-60s"],
+)
+def test_an_idle_events_tick_is_one_long_poll_of_the_queue_and_no_listing(
+    tmp_path, monkeypatch, every_s, polls, sleeps
+):
+    """With events the pause between ticks is spent waiting on the queue (SQS's long poll, 20 s
+    at most; what exceeds it asleep first): a quiet tick is one receive that waits, and the
+    input is listed once, at the start."""
+    from raypipe.run.watch import arrivals, watcher
+
+    clock = Clock()
+    monkeypatch.setattr(watcher.time, "monotonic", clock.monotonic)
+    listings = []
+    list_input = arrivals.list_input
+    monkeypatch.setattr(arrivals, "list_input", lambda *a, **k: listings.append(a) or list_input(*a, **k))
+    queue = WaitingQueue(clock)
+    w = idle_watcher(tmp_path, queue, every_s=every_s, report_every_s=3600)
+
+    w.run(ticks=3, sleep=clock.sleep)
+
+    assert len(listings) == 1, "one listing, at the first look"
+    assert queue.waits == polls, "the first look's poll does not wait; each later look is one long poll"
+    assert clock.slept == sleeps
+    assert w.report.ticks == 3
+
+
+def test_a_stop_during_a_long_poll_returns_without_waiting_for_the_queue_s_answer(tmp_path):
+    """A SIGTERM (the stop) while the watcher waits on the queue ends the wait at once: the poll
+    is left to answer alone, and what it receives is never acked (it comes back to a successor)."""
+    polling, answer = threading.Event(), threading.Event()
+
+    class BlockingQueue(FakeQueue):
+        def poll(self, max_messages: int = 100, wait_s: float = 0) -> list[Any]:
+            if wait_s > 0:
+                polling.set()
+                answer.wait(60)  # SQS answers an empty queue's long poll at the end of its wait
+            return []
+
+    queue = BlockingQueue()
+    w = idle_watcher(tmp_path, queue, every_s=20, report_every_s=3600)
+    loop = threading.Thread(target=w.run, daemon=True)
+    try:
+        loop.start()
+        assert polling.wait(30), "the watcher waits on the queue, not asleep"
+        w.stop.set()
+        loop.join(30)  # a bound for a stuck test, not a measure: the poll answers only when told
+        assert not loop.is_alive() and not answer.is_set(), "the watcher stopped before the queue answered"
+        assert queue.acked == []
+    finally:
+        answer.set()
+
+
 def test_a_successor_does_not_read_again_a_file_another_run_recorded_as_read_meanwhile(tmp_path, monkeypatch):
     """A watcher stopped mid-batch leaves its batch stored; a daily then reads the files it left
     and records them as read. The successor skips them, as a daily after that daily would."""

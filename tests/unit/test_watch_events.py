@@ -134,3 +134,33 @@ def test_a_file_announced_after_the_first_look_listed_its_folder_is_found(inbox:
 
     inbox.write("b", ["b1"])  # the folder's listing is cached by now: the event's file must be found all the same
     assert [item.uri.rsplit("/", 1)[-1] for item in source.look()] == ["b.parquet"]
+
+
+def test_a_look_that_waits_is_one_receive_that_waits_on_the_queue(tmp_path: Path) -> None:
+    """SQS's long poll, stubbed: a look given a wait makes one receive with `WaitTimeSeconds`
+    (capped at SQS's 20 s), and an error of that receive reaches the watcher, as a short poll's does."""
+    import threading
+
+    from botocore.stub import Stubber
+
+    from raypipe.config import InputConfig
+    from raypipe.errors import ConfigError
+    from raypipe.run.watch.arrivals import EventArrivals
+
+    url = "https://sqs.us-east-1.amazonaws.com/123456789012/arrivals"
+    events = SqsArrivals(url, storage_options={"key": "k", "secret": "s"})
+    (tmp_path / "in").mkdir()
+    source = EventArrivals(InputConfig(uri=str(tmp_path / "in")), events)
+    stop = threading.Event()
+    with Stubber(events._sqs) as stub:
+        for wait in (0, 5, 20):
+            stub.add_response(
+                "receive_message", {}, {"QueueUrl": url, "MaxNumberOfMessages": 10, "WaitTimeSeconds": wait}
+            )
+        stub.add_client_error("receive_message", "AWS.SimpleQueueService.NonExistentQueue")
+        assert source.look() == []  # the first: a listing, and a poll that does not wait
+        assert source.look(5, stop) == []
+        assert source.look(60, stop) == []
+        with pytest.raises(ConfigError, match="NonExistentQueue"):
+            source.look(5, stop)
+        stub.assert_no_pending_responses()

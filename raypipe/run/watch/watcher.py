@@ -18,8 +18,11 @@ can land nothing after it. Per tick:
                     is committed are recorded as seen (`CommitProtocol.record_files_seen`),
                     exactly as a daily records them
 
-A tick with nothing new costs one look and no call. Between ticks the loop sleeps until the
-next tick or until the oldest pending arrival's `max_wait_s` is up, whichever comes first.
+A tick with nothing new costs one look and no call. Between ticks the loop pauses until the
+next tick or until the oldest pending arrival's `max_wait_s` is up, whichever comes first: a
+listing's watcher sleeps, an events watcher spends the pause in the next tick's look, waiting
+on the queue (`ArrivalSource.max_look_wait_s`), so a quiet tick is one blocking call and an
+arrival is taken as soon as it is announced.
 
 A successor (the same watch id: `watch-<digest of the input URI>` unless `run_id` names one)
 takes the lease over (at once on the same host when the holder's process is gone, elsewhere
@@ -137,9 +140,10 @@ class Watcher:
         self._known = {uri: fp for uri, (fp, _) in protocol.files_seen().items()}
 
     # -- a tick --------------------------------------------------------------------------------
-    def tick(self) -> None:
-        """One look; what is new planned and held; a cut if one is due."""
-        listed = self.source.look()
+    def tick(self, wait_s: float = 0) -> None:
+        """One look (waiting up to `wait_s` for an arrival, where the source can); what is new
+        planned and held; a cut if one is due."""
+        listed = self.source.look(wait_s, self.stop) if wait_s > 0 else self.source.look()
         self.report.ticks += 1
         self.report.listings += 1
         # one file once, though a look may see it twice (events' first look lists the input too)
@@ -301,9 +305,12 @@ class Watcher:
     # -- the loop ------------------------------------------------------------------------------
     def run(self, *, ticks: int | None = None, sleep: Callable[[float], bool] | None = None) -> None:
         """Ticks every `watch.every_s` until `stop` is set (or `ticks` looks were made), waking
-        in between when a pending arrival's wait is up; a report every `watch.report_every_s`."""
+        in between when a pending arrival's wait is up; a report every `watch.report_every_s`.
+        With a source whose look can wait (events), the pause before a tick is spent in its look
+        (what exceeds the look's longest wait asleep first)."""
         wait = sleep or self.stop.wait
         every, report_every = self.settings.every_s, self.settings.report_every_s
+        longest_look = self.source.max_look_wait_s
         next_tick = next_report = time.monotonic()
         next_report += report_every
         looks = 0
@@ -324,4 +331,17 @@ class Watcher:
             deadline = self.coalescer.deadline()
             if deadline is not None:
                 wake = min(wake, time.monotonic() + max(0.0, (deadline - self.clock()).total_seconds()))
-            wait(max(0.0, min(wake, next_report) - time.monotonic()))
+            pause = max(0.0, min(wake, next_report) - time.monotonic())
+            # SQS waits whole seconds: a shorter pause is slept, and the tick at its end looks
+            if longest_look <= 0 or pause < 1:
+                wait(pause)
+                continue
+            if pause > longest_look and wait(pause - longest_look):
+                continue  # stopped while asleep
+            if self.stop.is_set():
+                continue
+            self.tick(wait_s=min(pause, longest_look))
+            looks += 1
+            next_tick = time.monotonic() + every  # this look was the tick
+            if ticks is not None and looks >= ticks:
+                return
