@@ -130,6 +130,38 @@ def _cpu(marker: str, seconds: float, roots: tuple[int, ...] = ()) -> float:
     return sampler.usage().cpu_s
 
 
+def _cpu_snapshot(marker: str, roots: tuple[int, ...] = ()) -> dict[int, tuple[str, float]]:
+    """Each process of the cluster (and `roots`' trees): its name and CPU seconds so far."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        if any(marker in arg for arg in p.info.get("cmdline") or []):
+            found[p.pid] = p
+            with contextlib.suppress(psutil.Error):
+                found |= {c.pid: c for c in p.children(recursive=True)}
+    for pid in roots:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            found |= {pid: root} | {c.pid: c for c in root.children(recursive=True)}
+    snapshot = {}
+    for pid, p in found.items():
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            snapshot[pid] = ("watcher (driver)" if pid in roots else p.name(), t.user + t.system)
+    return snapshot
+
+
+def _by_process(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall_s: float
+) -> dict[str, float]:
+    """CPU per second of wall time between two snapshots, by process name, largest first."""
+    rates: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        rates[name] = rates.get(name, 0.0) + (cpu - before.get(pid, (name, 0.0))[1]) / wall_s
+    return {name: round(rate, 4) for name, rate in sorted(rates.items(), key=lambda kv: -kv[1]) if rate >= 0.0005}
+
+
 def _settled_idle(
     marker: str,
     seconds: float,
@@ -225,7 +257,9 @@ def run_freshness(
             )
             service = f"127.0.0.1:{grpc_port}"
             output = work / "out"
+            before, since = _cpu_snapshot(marker), time.monotonic()
             idle_before, out["idle_settling_cpu_per_s"] = _settled_idle(marker, idle_s)
+            out["idle_cluster_by_process"] = _by_process(before, _cpu_snapshot(marker), time.monotonic() - since)
             out["idle_cluster_cpu_per_s"] = round(idle_before, 4)
 
             # The comparison first: the same rows, as the same files, in one daily.
@@ -254,8 +288,13 @@ def run_freshness(
                         raise RuntimeError(f"the watcher did not start; see {log.name}")
                     time.sleep(1)
                 time.sleep(5)  # past its start-up
+                before, since = _cpu_snapshot(marker, (watcher.pid,)), time.monotonic()
                 idle, _ = _settled_idle(marker, idle_s, (watcher.pid,))
                 out["idle_with_watcher_cpu_per_s"] = round(idle, 4)
+                # where an idle watcher's CPU goes: its driver, its warm actors, the cluster's own
+                out["idle_with_watcher_by_process"] = _by_process(
+                    before, _cpu_snapshot(marker, (watcher.pid,)), time.monotonic() - since
+                )
                 files, written = 0, 0
                 load = ProcessSampler(marker=marker)
                 load.add_root(watcher.pid)
