@@ -164,3 +164,20 @@ def test_a_look_that_waits_is_one_receive_that_waits_on_the_queue(tmp_path: Path
         with pytest.raises(ConfigError, match="NonExistentQueue"):
             source.look(5, stop)
         stub.assert_no_pending_responses()
+
+
+def test_a_watch_closes_the_queue_client_it_opened(
+    inbox: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch given `watch.events_queue` opens its own queue client and closes it when it stops
+    (a notebook that watches again does not keep the last one's connections); a client the
+    caller passed is the caller's."""
+    closed: list[str] = []
+    monkeypatch.setattr(SqsArrivals, "close", lambda self: closed.append(self.queue_url))
+    service = Service(monkeypatch)
+    inbox.write("a", ["a1"])
+    cfg = config(tmp_path, events_queue=inbox.queue)
+    watch(cfg, run_input(cfg, inbox.input, "watch"), runner=service.runner, ticks=1)
+    assert committed_ids(tmp_path) == ["a1"] and closed == [inbox.queue]
+    run(tmp_path, service, inbox, SqsArrivals(inbox.queue), ticks=1)
+    assert closed == [inbox.queue]

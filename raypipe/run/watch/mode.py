@@ -162,6 +162,8 @@ def watch(
                     watcher.write_report()
                 if run_metrics is not None:
                     run_metrics.metrics.close()
+                if events is None and watcher is not None and isinstance(watcher.source, EventArrivals):
+                    watcher.source.queue.close()  # the queue client this watch opened
             finally:
                 protocol.release()
     logger.info(
