@@ -79,7 +79,12 @@ def inproc(args: dict[str, Any]) -> dict[str, Any]:
         model_mod.configure_precision(precision)
     # OpenVINO converts on first use (the bench runs `raypipe model optimize` first); not timed.
     model = model_mod.EmotionModel.load(
-        args["model_dir"], precision=precision, runtime=runtime, threads=intra_op, streams=workers
+        args["model_dir"],
+        precision=precision,
+        runtime=runtime,
+        threads=intra_op,
+        streams=workers,
+        recheck_margin=serving.margin,
     )
     _, texts = _read_corpus(args["corpus"], args["n"])
     counts = {"padded": 0, "real": 0, "passes": 0}

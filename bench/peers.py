@@ -451,7 +451,11 @@ def _ray_data(args: dict[str, Any]) -> dict[str, Any]:
                 model_mod.configure_tf_threads(threads, 1)
                 model_mod.configure_precision(serving.precision)
             self.model = model_mod.EmotionModel.load(
-                model_dir, precision=serving.precision, runtime=serving.runtime, threads=threads
+                model_dir,
+                precision=serving.precision,
+                runtime=serving.runtime,
+                threads=threads,
+                recheck_margin=serving.margin,
             )
             self.labels = np.array(self.model.card.labels)
 

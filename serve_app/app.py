@@ -399,6 +399,7 @@ class EmotionClassifier:
             runtime=serving.runtime,
             threads=self._threads.intra_op,
             streams=self._threads.model,  # OpenVINO: one stream per model thread, as TensorFlow's passes
+            recheck_margin=serving.margin,
         )
         model.warmup()
         # The runtime's own compute threads are the ones loading and warming it up started.

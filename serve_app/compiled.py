@@ -27,8 +27,13 @@ agreement gate decides which, if any, a replica serves: `serve_app.runtimes`):
 - ``bf16-dense``: the weight matmuls of the encoder (attention projections, feed-forward) in
   bf16; embeddings, layer norms, attention scores and softmax, and the classifier head in fp32.
 - ``bf16-ffn``: only the feed-forward blocks' matmuls in bf16.
-- ``bf16-recheck``: all of ``bf16``, then the rows whose two top probabilities are closer than
-  `RECHECK_MARGIN` run again in fp32 (a close call is where bf16's rounding flips the label).
+- ``bf16-recheck``: all of ``bf16``, then the rows whose two top probabilities are closer than a
+  *margin* run again in fp32 (a close call is where bf16's rounding flips the label). The margin
+  is the gate's choice, not a constant: how far bf16 moves a probability depends on the model
+  (at most 0.02 on the real-weights MiniLM, 0.08 on the trained bert-base), so `measure` times
+  and gates each margin of `RECHECK_MARGINS` and the replica serves the fastest that passes
+  (`serve_app.runtimes`). A wider margin answers more rows in fp32: closer to fp32's answers,
+  slower.
 
 The first two are built as explicit bf16 matmuls in an fp32 model (`_bf16_matmuls`), compiled with
 an fp32 hint: the CPU plugin keeps an IR's own bf16 ops where the CPU has native bf16, whereas its
@@ -64,16 +69,20 @@ from serve_app.model import ModelDirError, has_native_bf16
 
 __all__ = [
     "BF16_PRECISIONS",
+    "DEFAULT_RECHECK_MARGIN",
     "OPENVINO_DIR",
     "OPENVINO_PRECISIONS",
-    "RECHECK_MARGIN",
+    "RECHECK_MARGINS",
     "OpenVinoError",
+    "RecheckRunner",
+    "close_calls",
     "cpu_cache_tag",
     "default_cache_dir",
     "export_ir",
     "ir_key",
     "load_openvino_runner",
     "openvino_version",
+    "rechecked",
     "saved_model_digest",
     "tree_digest",
 ]
@@ -96,10 +105,14 @@ _Run = Callable[[np.ndarray, np.ndarray], np.ndarray]
 BF16_PRECISIONS = ("bf16", "bf16-dense", "bf16-ffn", "bf16-recheck")
 #: Every precision `load_openvino_runner` compiles.
 OPENVINO_PRECISIONS = ("fp32", *BF16_PRECISIONS, "int8")
-#: ``bf16-recheck`` runs a row again in fp32 when its top two probabilities are closer than this.
-#: bf16 moved a probability by at most 0.018-0.021 from fp32's on the real-weights MiniLM (in and
-#: out of domain); a label flips only where the margin is under twice that. The gate still measures.
-RECHECK_MARGIN = 0.05
+#: The margins ``bf16-recheck`` is measured at (`serve_app.optimize.measure`), narrowest (fastest)
+#: first. A label can flip only where bf16's margin is under twice the largest probability bf16
+#: moved: 0.018-0.021 on the real-weights MiniLM, 0.08 on the trained bert-base (bench/results),
+#: so 0.05 covers the first and 0.2 the second; 0.1 is the step between.
+RECHECK_MARGINS = (0.05, 0.1, 0.2)
+#: The margin of a ``bf16-recheck`` asked for explicitly on a CPU with no record (the one every
+#: record before the ladder was measured at).
+DEFAULT_RECHECK_MARGIN = RECHECK_MARGINS[0]
 _KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 
 
@@ -161,13 +174,17 @@ def load_openvino_runner(
     streams: int = 1,
     flags: frozenset[str],
     cache_dir: Path | None = None,
+    margin: float | None = None,
 ) -> OpenVinoRunner | RecheckRunner:
     """The OpenVINO model of ``model_dir`` for ``precision`` (see the module docstring).
 
     ``threads``: threads of one forward pass; ``streams``: forward passes that may run at once
     (the replica's model threads), each on its own infer request. ``int8`` needs the IR
     ``raypipe model optimize`` quantized on a sample of the user's text (``DIR/openvino/int8.xml``).
+    ``margin``: ``bf16-recheck``'s (default `DEFAULT_RECHECK_MARGIN`); other precisions take none.
     """
+    if margin is not None and precision != "bf16-recheck":
+        raise ValueError(f"a recheck margin is bf16-recheck's; precision {precision!r} takes none")
     if precision not in OPENVINO_PRECISIONS:
         raise ValueError(f"OpenVINO precision must be one of {', '.join(OPENVINO_PRECISIONS)}, not {precision!r}")
     if precision in BF16_PRECISIONS and not has_native_bf16(flags):
@@ -186,7 +203,7 @@ def load_openvino_runner(
             _compile(xml, n_labels=n_labels, precision=p, threads=threads, streams=streams, blobs=blobs)
             for p in ("bf16", "fp32")
         )
-        return RecheckRunner(fast, exact, margin=RECHECK_MARGIN)
+        return RecheckRunner(fast, exact, margin=DEFAULT_RECHECK_MARGIN if margin is None else margin)
     return _compile(xml, n_labels=n_labels, precision=precision, threads=threads, streams=streams, blobs=blobs)
 
 
@@ -283,6 +300,8 @@ class RecheckRunner:
     closer than ``margin``, which ``exact`` answers (one more pass over those rows only)."""
 
     def __init__(self, fast: _Run, exact: _Run, *, margin: float) -> None:
+        if not 0 < margin <= 1:
+            raise ValueError(f"a recheck margin is a probability difference in (0, 1], not {margin}")
         self.fast = fast
         self.exact = exact
         self.margin = margin
@@ -291,13 +310,30 @@ class RecheckRunner:
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         out = np.array(self.fast(input_ids, attention_mask), dtype=np.float32)
-        if out.shape[1] < 2:
-            return out
-        top2 = np.partition(out, -2, axis=1)[:, -2:]
-        close = np.flatnonzero(top2[:, 1] - top2[:, 0] < self.margin)
+        close = close_calls(out, self.margin)
         if close.size:
             out[close] = self.exact(input_ids[close], attention_mask[close])
         return out
+
+
+def close_calls(probabilities: np.ndarray, margin: float) -> np.ndarray:
+    """The rows whose two top probabilities are closer than ``margin``: the rows `RecheckRunner`
+    answers again. One definition for the runner and for `rechecked`, so what the gate measures
+    is what a replica serves."""
+    if probabilities.shape[1] < 2:
+        return np.empty(0, dtype=np.intp)
+    top2 = np.partition(probabilities, -2, axis=1)[:, -2:]
+    return np.flatnonzero(top2[:, 1] - top2[:, 0] < margin)
+
+
+def rechecked(fast: np.ndarray, exact: np.ndarray, margin: float) -> np.ndarray:
+    """What `RecheckRunner` answers at ``margin`` for rows whose bf16 and fp32 probabilities are
+    ``fast`` and ``exact``: each row is one or the other, so the gate measures every margin of
+    the ladder from one bf16 pass and one fp32 pass instead of one recheck pass each."""
+    out = np.array(fast, dtype=np.float32)
+    close = close_calls(out, margin)
+    out[close] = exact[close]
+    return out
 
 
 def _bf16_matmuls(model: Any, *, ffn_only: bool) -> int:

@@ -368,6 +368,7 @@ class EmotionModel:
         runtime: str = "tensorflow",
         threads: int = 0,
         streams: int = 1,
+        recheck_margin: float | None = None,
     ) -> EmotionModel:
         """Load ``model_dir`` without touching the network.
 
@@ -378,6 +379,7 @@ class EmotionModel:
         `configure_precision` set it); ``openvino`` runs it compiled by OpenVINO
         (`serve_app.compiled`; fp32, bf16, or the int8 build of ``raypipe model optimize``)
         with ``streams`` forward passes at once, each on ``threads`` threads (0: 1).
+        ``recheck_margin``: ``bf16-recheck``'s margin (`serve_app.runtimes.Serving.margin`).
         """
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
@@ -409,6 +411,7 @@ class EmotionModel:
                 threads=max(1, threads),
                 streams=streams,
                 flags=cpu_flags(),
+                margin=recheck_margin,
             )
         else:
             run = _load_signature(model_dir / "saved_model", n_labels=len(card.labels))

@@ -15,7 +15,9 @@
    against TensorFlow fp32 on the held-out texts (speed in interleaved rounds, median and spread:
    `serve_app.timing`; top-label agreement in domain) and on
    the out-of-domain texts the project ships (`serve_app.gate_texts`; agreement out of domain),
-   with the largest probability difference of either. This CPU's entry of ``DIR/runtimes.json``
+   with the largest probability difference of either. ``bf16-recheck`` is measured at each
+   margin of `serve_app.compiled.RECHECK_MARGINS` (each timed as served; its agreement read off
+   the bf16 and fp32 answers, `serve_app.compiled.rechecked`). This CPU's entry of ``DIR/runtimes.json``
    (`serve_app.runtimes.RuntimeRecord`) is replaced; ``precision: auto`` and the gate read it,
    and ``raypipe model check`` prints it. ``raypipe model export`` runs `measure` (no int8) on
    the default sample, so an exported model is served at its fastest gated setting from the
@@ -33,11 +35,11 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -81,6 +83,9 @@ _SEED = 19
 #: a spread.
 SPEED_TEXTS = 200
 _Runner = Callable[[np.ndarray, np.ndarray], np.ndarray]
+#: A setting as measured: runtime, precision, and ``bf16-recheck``'s margin (else None).
+_Candidate = tuple[str, str, float | None]
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,15 @@ def measure(
     """
     import tensorflow as tf  # already imported by the model; for its version
 
-    from serve_app.compiled import export_ir, load_openvino_runner, openvino_version, saved_model_digest
+    from serve_app.compiled import (
+        RECHECK_MARGINS,
+        RecheckRunner,
+        export_ir,
+        load_openvino_runner,
+        openvino_version,
+        rechecked,
+        saved_model_digest,
+    )
     from serve_app.gate_texts import out_of_domain as shipped
 
     model_dir = Path(model_dir)
@@ -230,35 +243,58 @@ def measure(
     held = model.tokenize(sample.held_out)
     outside_texts = list(shipped() if out_of_domain is None else out_of_domain)
     outside = model.tokenize(outside_texts)
-    runners: dict[tuple[str, str], _Runner] = {REFERENCE: model._run}
+    wanted = [REFERENCE]
     for runtime, precision in supported_settings(flags, openvino=True):
         if runtime != "openvino" or (precision == "int8" and not int8):
             continue
-        if only is not None and (runtime, precision) not in only:
-            continue
+        if only is None or (runtime, precision) in only:
+            wanted.append((runtime, precision))
+    # bf16-recheck is not compiled on its own: each margin of the ladder is a `RecheckRunner` over
+    # the bf16 and fp32 models compiled for those settings (what `load_openvino_runner` builds).
+    recheck = ("openvino", "bf16-recheck") in wanted
+    sources = [s for s in wanted if s[1] != "bf16-recheck"]
+    sources += [s for s in (("openvino", "bf16"), ("openvino", "fp32")) if recheck and s not in sources]
+    runners: dict[tuple[str, str], _Runner] = {REFERENCE: model._run}
+    for runtime, precision in sources[1:]:
         runners[runtime, precision] = load_openvino_runner(
             model_dir, n_labels=n_labels, precision=precision, threads=threads, flags=flags
         )
-    # Speed in `rounds` interleaved rounds on the first `SPEED_TEXTS` held-out texts (shuffled);
-    # agreement on all of them, once: more texts tighten the gate's bound, and need not all be
-    # timed again.
-    if len(held) <= SPEED_TEXTS:
-        results = _measure_all(model, runners, held, rounds=rounds)
-        timed = results
+    candidates: dict[_Candidate, _Runner] = {(*s, None): runners[s] for s in wanted if s in runners}
+    if recheck:
+        fast, exact = runners["openvino", "bf16"], runners["openvino", "fp32"]
+        for margin in RECHECK_MARGINS:
+            candidates["openvino", "bf16-recheck", margin] = RecheckRunner(fast, exact, margin=margin)
+    # Speed: every candidate (each recheck margin its own) in `rounds` interleaved rounds on the
+    # first `SPEED_TEXTS` held-out texts (shuffled). Agreement: on all of them and on the
+    # out-of-domain texts, once, through the compiled models only: a recheck margin's answers
+    # are bf16's and fp32's row by row (`serve_app.compiled.rechecked`), so more texts tighten
+    # the gate's bound at no cost per margin.
+    first = Tokenized(ids=held.ids[:SPEED_TEXTS], truncated=held.truncated[:SPEED_TEXTS])
+    timed = _measure_all(model, candidates, first, rounds=rounds)
+    timings = {candidate: timing for candidate, (_, timing) in timed.items()}
+    if len(held) <= SPEED_TEXTS:  # the timed texts are all of them: their answers are at hand
+        inside_answers = {c[:2]: p for c, (p, _) in timed.items() if c[2] is None}
+        rest = {s: run for s, run in runners.items() if s not in inside_answers}
+        inside_answers |= {s: p for s, (p, _) in _measure_all(model, rest, held).items()}
     else:
-        results = _measure_all(model, runners, held, rounds=1)
-        first = Tokenized(ids=held.ids[:SPEED_TEXTS], truncated=held.truncated[:SPEED_TEXTS])
-        timed = _measure_all(model, runners, first, rounds=rounds)
-    timings = {setting: timing for setting, (_, timing) in timed.items()}
-    beyond = _measure_all(model, runners, outside, rounds=1)
-    reference = results[REFERENCE][0]
-    reference_rate = timings[REFERENCE].median
-    reference_out = beyond[REFERENCE][0]
+        inside_answers = {s: p for s, (p, _) in _measure_all(model, runners, held).items()}
+    outside_answers = {s: p for s, (p, _) in _measure_all(model, runners, outside).items()}
+
+    def answers(found: dict[tuple[str, str], np.ndarray], candidate: _Candidate) -> np.ndarray:
+        runtime, precision, margin = candidate
+        if margin is None:
+            return found[runtime, precision]
+        return rechecked(found["openvino", "bf16"], found["openvino", "fp32"], margin)
+
+    reference = inside_answers[REFERENCE]
+    reference_rate = timings[(*REFERENCE, None)].median
+    reference_out = outside_answers[REFERENCE]
     measurements = []
-    for (runtime, precision), (probabilities, _) in results.items():
-        timing = timings[runtime, precision]
+    for candidate, timing in timings.items():
+        runtime, precision, margin = candidate
+        probabilities = answers(inside_answers, candidate)
+        probabilities_out = answers(outside_answers, candidate)
         inside = float((probabilities.argmax(axis=1) == reference.argmax(axis=1)).mean())
-        probabilities_out = beyond[runtime, precision][0]
         outside_agreement = float((probabilities_out.argmax(axis=1) == reference_out.argmax(axis=1)).mean())
         dp = max(float(np.abs(probabilities - reference).max()), float(np.abs(probabilities_out - reference_out).max()))
         measurements.append(
@@ -276,6 +312,7 @@ def measure(
                 n_out=len(outside),
                 spread=timing.spread,
                 rounds=timing.rounds,
+                margin=margin,
             )
         )
     return RuntimeRecord(
@@ -380,17 +417,23 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
         f"measured {record.measured_at or '?'} on {record.cpu or 'a CPU with ' + ' '.join(record.cpu_flags)}: "
         f"{record.sample.get('held_out', '?')} held-out texts in domain ({record.sample.get('source', '?')}), "
         f"{record.sample.get('out_of_domain', 'no')} out of domain; gate {threshold:.0%} on the worse of the two",
-        "runtime     precision     para/s   ± spread  speed-up  in domain  out of domain  max |dp|  at least  gate",
+        "runtime     precision          para/s   ± spread  speed-up  in domain  out of domain  max |dp|"
+        "  at least  gate",
     ]
     for m in record.measurements:
         inside = "-" if m.agreement_in is None else f"{m.agreement_in:.2%}"
         outside = "-" if m.agreement_out is None else f"{m.agreement_out:.2%}"
         bound = "-" if m.setting in EQUAL_ANSWER_SETTINGS else f"{m.gate_figure:.2%}"
         spread = f"{m.spread / m.para_per_s:.1%}" if m.rounds and m.para_per_s else "-"
+        precision = m.precision if m.margin is None else f"{m.precision} {m.margin:g}"
         lines.append(
-            f"{m.runtime:<11} {m.precision:<12} {m.para_per_s:>7.1f}  {spread:>8}  {m.speedup:>7.2f}x  "
+            f"{m.runtime:<11} {precision:<17} {m.para_per_s:>7.1f}  {spread:>8}  {m.speedup:>7.2f}x  "
             f"{inside:>9}  {outside:>13}  {m.max_abs_dp:>8.4f}  {bound:>8}  {'pass' if m.passes(threshold) else 'FAIL'}"
             f"{'  ' + m.note if m.note else ''}"
+        )
+    if any(m.margin is not None for m in record.measurements):
+        lines.append(
+            "bf16-recheck m: rows whose bf16 top two probabilities are closer than m are answered again in fp32"
         )
     lines.append(
         "para/s: the median of interleaved rounds; ± spread: every round lay within it (a setting is"
@@ -408,19 +451,19 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
 
 def _measure_all(
     model: EmotionModel,
-    runners: dict[tuple[str, str], _Runner],
+    runners: Mapping[K, _Runner],
     tokenized: Tokenized,
     *,
     rounds: int = 1,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[tuple[str, str], tuple[np.ndarray, Timing]]:
+) -> dict[K, tuple[np.ndarray, Timing]]:
     """Probabilities of the tokenized texts through each runner, and its speed over ``rounds``
     interleaved rounds (`serve_app.timing.interleave`: A B, B A, ...; median and spread), so load
     from elsewhere slows the settings alike instead of deciding between them."""
     original = model._run
-    probabilities: dict[tuple[str, str], np.ndarray] = {}
+    probabilities: dict[K, np.ndarray] = {}
 
-    def through(setting: tuple[str, str], run: _Runner) -> Callable[[], None]:
+    def through(setting: K, run: _Runner) -> Callable[[], None]:
         def call() -> None:
             model._run = run
             probabilities[setting] = model.infer(tokenized).probabilities

@@ -34,16 +34,24 @@ unmeasured.
   SavedModel files) the replica serves the fastest *equal-answer* setting, OpenVINO fp32 where
   OpenVINO is installed (its probabilities are TensorFlow's within 1e-4: float sums in another
   order), else TensorFlow fp32: nothing that changes answers is picked unmeasured.
+- ``bf16-recheck`` is measured at each margin of a ladder (`serve_app.compiled.RECHECK_MARGINS`),
+  each its own `Measurement` (``margin``): the gate and the speed rule treat every margin as a
+  candidate of its own, so the replica serves the narrowest (fastest) margin that passes, and
+  `Serving.margin` says which.
 - An explicit precision is served if the CPU supports it, unless the record says it fails the
   gate: then the replica refuses to start (`GateError`) unless ``force_precision``. int8 exists
-  only as a measured build, so it always has a record.
+  only as a measured build, so it always has a record. An explicit ``bf16-recheck`` is served at
+  the fastest recorded margin that passes (the widest recorded when none does, which the gate
+  then refuses), at `serve_app.compiled.DEFAULT_RECHECK_MARGIN` with no record.
 
 **The model version** says what produced the answers (`Serving.version_suffix`): equal-answer
 settings (fp32 on either runtime) add nothing, so a changed default between them neither
 re-infers nor stops reusing a committed answer; settings that change answers add ``+bf16``
 (TensorFlow bf16), ``+ov-<precision>`` (``+ov-bf16``, ``+ov-bf16-dense``, ...: each candidate
-answers differently, so each is its own version) or ``+ov-int8-<build>`` (the int8 IR's digest: two int8 builds
-calibrated on other texts answer differently, so they never share a reuse key). The setting
+answers differently, so each is its own version; ``bf16-recheck`` adds its margin,
+``+ov-bf16-recheck-m0.1``, since a wider margin answers more rows in fp32) or
+``+ov-int8-<build>`` (the int8 IR's digest: two int8 builds calibrated on other texts answer
+differently, so they never share a reuse key). The setting
 itself (``openvino:fp32``) travels beside the version in every answer (`Serving.setting`), so
 the run report and the metrics say which setting answered how many rows.
 """
@@ -95,6 +103,8 @@ EQUAL_ANSWER_SETTINGS = (("openvino", "fp32"), REFERENCE)
 """Fastest first, as far as every CPU measured so far goes (OpenVINO fp32 ran 1.06-1.4x TF fp32)."""
 #: Normal quantile of the gate's one-sided 95% lower bound on agreement.
 GATE_Z = 1.645
+#: The margin every ``bf16-recheck`` record written before the ladder was measured at.
+_LEGACY_RECHECK_MARGIN = 0.05
 
 
 def agreement_lower_bound(agreement: float, n: int | None, z: float = GATE_Z) -> float:
@@ -158,10 +168,23 @@ class Measurement:
     0 in records written before rounds were kept (they compare by ``para_per_s`` alone)."""
     rounds: int = 0
     """How many interleaved rounds timed it (0: not recorded)."""
+    margin: float | None = None
+    """``bf16-recheck``: the margin under which a row was answered again in fp32 (a record keeps
+    one measurement per margin of the ladder); None for every other precision."""
 
     @property
     def setting(self) -> tuple[str, str]:
         return (self.runtime, self.precision)
+
+    @property
+    def candidate(self) -> tuple[str, str, float | None]:
+        """What the gate and the speed rule choose between: the setting, and its margin."""
+        return (self.runtime, self.precision, self.margin)
+
+    @property
+    def name(self) -> str:
+        """``runtime precision``, with the margin where there is one (for people)."""
+        return f"{self.runtime} {self.precision}" + ("" if self.margin is None else f" (margin {self.margin:g})")
 
     @property
     def gate_figure(self) -> float:
@@ -202,7 +225,12 @@ class RuntimeRecord:
     """The CPU's model name, for people (the key is `cpu_flags`)."""
 
     def get(self, runtime: str, precision: str) -> Measurement | None:
+        """The setting's measurement (``bf16-recheck``: the first margin's; `all` gives each)."""
         return next((m for m in self.measurements if m.setting == (runtime, precision)), None)
+
+    def all(self, runtime: str, precision: str) -> list[Measurement]:
+        """Every measurement of the setting: one, or one per margin for ``bf16-recheck``."""
+        return [m for m in self.measurements if m.setting == (runtime, precision)]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -217,6 +245,8 @@ class RuntimeRecord:
             # Records written before the counts were kept: the sample says how many texts.
             m.setdefault("n_in", sample.get("held_out"))
             m.setdefault("n_out", sample.get("out_of_domain") if m.get("agreement_out") is not None else None)
+            if m["precision"] == "bf16-recheck" and m.get("margin") is None:
+                m["margin"] = _LEGACY_RECHECK_MARGIN  # the one margin measured before the ladder
             measurements.append(Measurement(**m))
         return cls(
             saved_model=str(raw["saved_model"]),
@@ -303,6 +333,13 @@ class Serving:
     unmeasured: bool = False
     """``precision: auto`` found no record for this CPU (and these SavedModel files): the default
     is served, and the replica may measure itself (`serve_app.self_measure`)."""
+    margin: float | None = None
+    """``bf16-recheck``: the margin under which rows are answered again in fp32 (the gate's pick,
+    `Measurement.margin`); None for every other precision."""
+
+    def __post_init__(self) -> None:
+        if (self.precision == "bf16-recheck") != (self.margin is not None):
+            raise ValueError(f"a margin goes with bf16-recheck and only with it (precision {self.precision!r})")
 
     @property
     def setting(self) -> str:
@@ -316,7 +353,8 @@ class Serving:
             return ""
         if self.runtime == "tensorflow":
             return f"+{self.precision}"
-        return f"+ov-{self.precision}" + (f"-{self.build}" if self.build else "")
+        margin = "" if self.margin is None else f"-m{self.margin:g}"
+        return f"+ov-{self.precision}{margin}" + (f"-{self.build}" if self.build else "")
 
 
 def int8_build(model_dir: Path) -> str:
@@ -391,23 +429,44 @@ def choose(
     if len(candidates) > 1:
         # runtime auto with an explicit precision: the fastest measured runtime for it, else the
         # equal-answer order (OpenVINO first) for fp32.
-        measured = [m for m in (record.get(*s) for s in candidates) if m is not None] if record else []
+        measured = [m for s in candidates for m in record.all(*s)] if record else []
         if measured:
             candidates = [_fastest(measured).setting]
         elif precision == "fp32":
             candidates = [s for s in EQUAL_ANSWER_SETTINGS if s in candidates]
     chosen = candidates[0]
-    measurement = record.get(*chosen) if record is not None else None
+    measurement = _asked(record.all(*chosen), min_agreement) if record is not None else None
+    margin = _margin(chosen[1], measurement)
     if chosen != REFERENCE and measurement is not None and not measurement.passes(min_agreement):
         problem = f"{_figures(measurement)}, under the required {min_agreement:.2%} (runtimes.json)"
         if not force:
             raise GateError(*chosen, problem + "; set force_precision to serve it anyway")
-        logger.warning("%s %s served although %s (force_precision)", *chosen, problem)
-        return Serving(*chosen, reason=f"forced: {problem}", agreement=measurement.agreement)
+        logger.warning("%s served although %s (force_precision)", measurement.name, problem)
+        return Serving(*chosen, reason=f"forced: {problem}", agreement=measurement.agreement, margin=margin)
     if chosen[1] == "int8" and measurement is None and not force:
         raise GateError(*chosen, "no measured agreement: build and measure it with `raypipe model optimize DIR`")
     reason = "asked" if measurement is None else f"asked; agreement {measurement.agreement:.2%}"
-    return Serving(*chosen, reason=reason, agreement=measurement.agreement if measurement else None)
+    return Serving(*chosen, reason=reason, agreement=measurement.agreement if measurement else None, margin=margin)
+
+
+def _asked(measured: list[Measurement], min_agreement: float) -> Measurement | None:
+    """Of an explicitly asked setting's measurements (one per margin for ``bf16-recheck``): the
+    fastest that passes the gate, else the one closest to passing (the gate then refuses it)."""
+    if not measured:
+        return None
+    passing = [m for m in measured if m.passes(min_agreement)]
+    return _fastest(passing) if passing else max(measured, key=lambda m: m.gate_figure)
+
+
+def _margin(precision: str, measurement: Measurement | None) -> float | None:
+    """The margin a replica serves ``precision`` at: the measured one, the default unmeasured."""
+    if precision != "bf16-recheck":
+        return None
+    if measurement is not None and measurement.margin is not None:
+        return measurement.margin
+    from serve_app.compiled import DEFAULT_RECHECK_MARGIN
+
+    return DEFAULT_RECHECK_MARGIN
 
 
 def resolve(model_dir: Path | str, settings: ServerSettings, *, flags: frozenset[str] | None = None) -> Serving:
@@ -449,27 +508,29 @@ def _auto(
             reason="auto: no measured record for this CPU, the fastest setting with the reference's answers",
             unmeasured=True,
         )
-    eligible = [m for m in (record.get(*s) for s in allowed) if m is not None and m.passes(min_agreement)]
+    eligible = [m for s in allowed for m in record.all(*s) if m.passes(min_agreement)]
     if not eligible:
         return Serving(*fallback, reason="auto: no measured setting passes the agreement gate; the reference's answers")
     best = _fastest(eligible)
     reason = (
         f"auto: fastest measured that passes the gate ({best.speedup:.2f}x TF fp32{_noise(best)}, {_figures(best)})"
     )
+    if best.margin is not None:
+        reason += f", margin {best.margin:g}"
     top = max(eligible, key=lambda m: m.para_per_s)
     if top is not best:
-        reason += (
-            f"; {top.runtime} {top.precision} ran {top.para_per_s:.1f}{_noise(top, speedup=False)}: within the spread"
-        )
-    return Serving(best.runtime, best.precision, reason=reason, agreement=best.agreement)
+        reason += f"; {top.name} ran {top.para_per_s:.1f}{_noise(top, speedup=False)}: within the spread"
+    return Serving(
+        best.runtime, best.precision, reason=reason, agreement=best.agreement, margin=_margin(best.precision, best)
+    )
 
 
 def _fastest(measurements: Iterable[Measurement]) -> Measurement:
     """The setting served among measured ones: of those no other is faster than beyond the spread
     (`serve_app.timing.beats`), the one whose answers are the reference's, or closest to them
     (`_preference`). A tie that noise makes keeps the default; only a clear win changes it."""
-    by_setting = {m.setting: m for m in measurements}
-    return min((by_setting[s] for s in unbeaten(by_setting)), key=_preference)
+    by_candidate = {m.candidate: m for m in measurements}
+    return min((by_candidate[c] for c in unbeaten(by_candidate)), key=_preference)
 
 
 def _preference(m: Measurement) -> tuple[int, float, float]:
@@ -492,6 +553,8 @@ def _figures(m: Measurement) -> str:
     inside = "?" if m.agreement_in is None else f"{m.agreement_in:.2%}"
     outside = "not measured" if m.agreement_out is None else f"{m.agreement_out:.2%}"
     figures = f"top-label agreement with TensorFlow fp32 {inside} in domain, {outside} out of domain"
+    if m.margin is not None:
+        figures = f"at margin {m.margin:g}, {figures}"
     if m.setting in EQUAL_ANSWER_SETTINGS or m.agreement_out is None:
         return figures
     return f"{figures} (at least {m.gate_figure:.2%} at 95% confidence, on {m.n_in} and {m.n_out} texts)"

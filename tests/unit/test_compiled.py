@@ -289,10 +289,20 @@ def test_recheck_answers_close_calls_with_the_exact_runner() -> None:
         return exact_out[ids[:, 0]]
 
     ids = np.array([[0, 7], [1, 7], [2, 7]], dtype=np.int32)
-    got = compiled.RecheckRunner(fast, exact, margin=compiled.RECHECK_MARGIN)(ids, np.ones_like(ids))
+    got = compiled.RecheckRunner(fast, exact, margin=0.05)(ids, np.ones_like(ids))
     # Rows 0 (0.02 apart) and 2 (a tie) are close calls; row 1 keeps bf16's answer.
     assert [r.tolist() for r in seen] == [[0, 2]]
     np.testing.assert_array_equal(got, np.stack([exact_out[0], fast_out[1], exact_out[2]]))
+    # What the gate measures for a margin, from the full bf16 and fp32 answers, is what the runner
+    # serves at it, at every margin of the ladder and beyond.
+    for margin in (*compiled.RECHECK_MARGINS, 0.01, 1.0):
+        served = compiled.RecheckRunner(fast, exact, margin=margin)(ids, np.ones_like(ids))
+        np.testing.assert_array_equal(compiled.rechecked(fast_out, exact_out, margin), served)
+    # A wider margin answers a row in fp32 that a narrower one leaves to bf16.
+    assert compiled.close_calls(fast_out, 0.05).tolist() == [0, 2]
+    assert compiled.close_calls(fast_out, 0.9).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="margin"):
+        compiled.RecheckRunner(fast, exact, margin=0.0)
 
 
 @pytest.mark.parametrize("precision", ["bf16-dense", "bf16-ffn", "bf16-recheck"])

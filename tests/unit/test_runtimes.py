@@ -6,10 +6,12 @@ class can be checked on this one: AVX2 only, VNNI only, AVX512_BF16, AMX.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from serve_app.compiled import DEFAULT_RECHECK_MARGIN, RECHECK_MARGINS
 from serve_app.model import ModelDirError
 from serve_app.runtimes import (
     GateError,
@@ -35,7 +37,13 @@ AMX = BF16 | {"amx_bf16", "amx_int8", "amx_tile"}
 
 
 def _m(
-    runtime: str, precision: str, rate: float, agreement: float, outside: float | None = None, n: int = 5000
+    runtime: str,
+    precision: str,
+    rate: float,
+    agreement: float,
+    outside: float | None = None,
+    n: int = 5000,
+    margin: float | None = None,
 ) -> Measurement:
     """A measurement on ``n`` texts in and out of domain; ``outside`` (out-of-domain agreement)
     defaults to the in-domain figure."""
@@ -51,6 +59,7 @@ def _m(
         agreement_out=outside,
         n_in=n,
         n_out=n,
+        margin=margin,
     )
 
 
@@ -416,7 +425,7 @@ def test_auto_serves_the_fastest_candidate_through_the_gate_and_refuses_one_unde
     )
     chosen = _choose("auto", AMX, record)
     assert chosen.setting == "openvino:bf16-recheck"
-    assert chosen.version_suffix == "+ov-bf16-recheck"
+    assert chosen.version_suffix == "+ov-bf16-recheck-m0.05"  # measured without a margin: the default one
     with pytest.raises(GateError, match=r"99\.50% in domain, 99\.00% out of domain") as caught:
         _choose("bf16-dense", AMX, record)
     assert (caught.value.runtime, caught.value.precision) == ("openvino", "bf16-dense")
@@ -427,7 +436,9 @@ def test_auto_serves_the_fastest_candidate_through_the_gate_and_refuses_one_unde
 
 
 def test_each_candidate_answers_under_a_version_of_its_own() -> None:
-    suffixes = [Serving("openvino", p, reason="").version_suffix for p in ("fp32", "bf16", *CANDIDATES)]
+    servings = [Serving("openvino", p, reason="") for p in ("fp32", "bf16", "bf16-dense", "bf16-ffn")]
+    servings += [Serving("openvino", "bf16-recheck", reason="", margin=m) for m in RECHECK_MARGINS]
+    suffixes = [s.version_suffix for s in servings]
     assert suffixes[0] == ""
     assert len(set(suffixes)) == len(suffixes)
     assert all(s.startswith("+ov-bf16") for s in suffixes[1:])
@@ -441,3 +452,68 @@ def test_settings_take_the_candidates_by_name() -> None:
         assert ServerSettings(precision=precision).precision == precision
     with pytest.raises(ValueError, match="bf16-recheck"):
         ServerSettings(precision="bf16-half")
+
+
+# -- bf16-recheck's margin: a ladder the gate chooses from ----------------------------------------
+
+
+def _ladder(*figures: tuple[float, float, float, float]) -> RuntimeRecord:
+    """A record with OpenVINO fp32 and bf16-recheck at each (margin, para/s, in, out) of ``figures``,
+    on 900 texts in and 1,000 out of domain."""
+    rechecks = []
+    for margin, rate, inside, outside in figures:
+        m = _m("openvino", "bf16-recheck", rate, inside, outside=outside, n=900, margin=margin)
+        rechecks.append(replace(m, n_out=1000))
+    return _record(_m("openvino", "fp32", 13, 1.0), *rechecks, flags=AMX)
+
+
+def test_the_ladder_serves_the_fastest_margin_that_passes_the_gate() -> None:
+    # 0.05 is fastest but flips 9 of 900 texts in domain (lower bound 98.3%): refused. 0.1 and 0.2
+    # pass; 0.1 is faster beyond the spread, so it is served, and its margin names the version.
+    record = _ladder((0.05, 40, 0.99, 0.998), (0.1, 34, 0.998, 0.999), (0.2, 24, 1.0, 1.0))
+    chosen = _choose("auto", AMX, record)
+    assert (chosen.setting, chosen.margin) == ("openvino:bf16-recheck", 0.1)
+    assert chosen.version_suffix == "+ov-bf16-recheck-m0.1"
+    assert "margin 0.1" in chosen.reason
+    # Asked for by name, the same margin.
+    assert _choose("bf16-recheck", AMX, record).margin == 0.1
+    # A margin under the gate is refused even where it alone is measured.
+    only_fast = _ladder((0.05, 40, 0.99, 0.998))
+    assert _choose("auto", AMX, only_fast).setting == "openvino:fp32"
+    with pytest.raises(GateError, match=r"at margin 0\.05, .*99\.00% in domain"):
+        _choose("bf16-recheck", AMX, only_fast)
+    forced = _choose("bf16-recheck", AMX, only_fast, force=True)
+    assert (forced.margin, forced.reason.startswith("forced")) == (0.05, True)
+
+
+def test_margins_within_the_spread_keep_the_one_closer_to_the_reference() -> None:
+    record = _ladder((0.1, 30, 0.998, 0.999), (0.2, 29, 1.0, 1.0))
+    record = replace(record, measurements=tuple(replace(m, spread=2.0, rounds=5) for m in record.measurements))
+    assert _choose("auto", AMX, record).margin == 0.2
+
+
+def test_a_recheck_margin_survives_the_record_file(tmp_path: Path) -> None:
+    record = _ladder((0.05, 40, 0.99, 0.998), (0.1, 34, 0.998, 0.999))
+    write_record(tmp_path, record)
+    again = read_record(tmp_path, flags=AMX)
+    assert again is not None
+    assert [m.margin for m in again.all("openvino", "bf16-recheck")] == [0.05, 0.1]
+    assert _choose("auto", AMX, again).margin == 0.1
+
+
+def test_a_record_from_before_the_ladder_reads_as_the_margin_it_was_measured_at(tmp_path: Path) -> None:
+    raw = _record(_m("openvino", "bf16-recheck", 27, 1.0), flags=AMX).to_json()
+    for m in raw["measurements"]:
+        del m["margin"]
+    again = RuntimeRecord.from_json(raw)
+    assert [m.margin for m in again.all("openvino", "bf16-recheck")] == [0.05]
+    assert again.get("tensorflow", "fp32") is not None and again.get("tensorflow", "fp32").margin is None
+
+
+def test_a_margin_goes_with_bf16_recheck_only() -> None:
+    with pytest.raises(ValueError, match="margin"):
+        Serving("openvino", "bf16", reason="", margin=0.1)
+    with pytest.raises(ValueError, match="margin"):
+        Serving("openvino", "bf16-recheck", reason="")
+    # Unmeasured, asked for by name: the default margin.
+    assert _choose("bf16-recheck", AMX, record=None, runtime="openvino").margin == DEFAULT_RECHECK_MARGIN
