@@ -158,6 +158,22 @@ def in_domain_labels() -> dict[str, int]:
     return dict(generated)
 
 
+def _bert_config(shape: Shape, tokenizer: Any, *, labels: int) -> Any:
+    """The BERT configuration of ``shape`` for ``tokenizer``'s vocabulary, with ``labels`` outputs."""
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        intermediate_size=shape.intermediate,
+        max_position_embeddings=shape.max_length,
+        num_labels=labels,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def _batches(lengths: list[int], rows: int) -> list[list[int]]:
     """Row indices of length-sorted batches (little padding)."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -176,7 +192,7 @@ def _train(shape: Shape, recipe: dict[str, Any], tokenizer_dir: Path, work: Path
 
     tf = tensorflow()
     import tf_keras
-    from transformers import AutoTokenizer, BertConfig, TFBertForSequenceClassification
+    from transformers import AutoTokenizer, TFBertForSequenceClassification
 
     from serve_app import demo_data
     from serve_app.export.signature import save_serving_model
@@ -187,17 +203,7 @@ def _train(shape: Shape, recipe: dict[str, Any], tokenizer_dir: Path, work: Path
     texts, labels = _training_texts(recipe)
     ids = tokenizer(texts, truncation=True, max_length=recipe["max_length"])["input_ids"]
     batches = _batches([len(x) for x in ids], recipe["batch_rows"])
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        intermediate_size=shape.intermediate,
-        max_position_embeddings=shape.max_length,
-        num_labels=len(demo_data.LABELS),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = TFBertForSequenceClassification(config)
+    model = TFBertForSequenceClassification(_bert_config(shape, tokenizer, labels=len(demo_data.LABELS)))
     model(input_ids=np.ones((1, 8), np.int32), attention_mask=np.ones((1, 8), np.int32))
     frozen = shape.layers - recipe["trained_layers"]
     layers = model.bert.encoder.layer
@@ -210,27 +216,30 @@ def _train(shape: Shape, recipe: dict[str, Any], tokenizer_dir: Path, work: Path
             hidden = layer(hidden, bias(mask), None, None, None, None, False, training=training)[0]
         return hidden
 
-    # 1. The frozen part's output for every batch, once (the random init is seeded, so a resumed
-    #    run's model has the same frozen weights; the file is that computation's cache).
-    cached = work / "frozen.npz"
+    # 1. The frozen part's output for every batch, once, one file a batch (the random init is
+    #    seeded, so a resumed run's model has the same frozen weights; a killed pass resumes at
+    #    the first batch without a file).
     started = time.monotonic()
-    if not cached.is_file():
-        arrays: dict[str, Any] = {}
-        for b, members in enumerate(batches):
-            length = max(len(ids[i]) for i in members)
-            input_ids = np.zeros((len(members), length), np.int32)
-            mask = np.zeros_like(input_ids)
-            for r, i in enumerate(members):
-                input_ids[r, : len(ids[i])], mask[r, : len(ids[i])] = ids[i], 1
-            hidden = run(model.bert.embeddings(input_ids=input_ids, training=False), mask, layers[:frozen], False)
-            arrays[f"h{b}"], arrays[f"m{b}"] = hidden.numpy(), mask
-            print(
-                f"[bench-train] frozen part: batch {b + 1}/{len(batches)}, {time.monotonic() - started:.0f} s",
-                flush=True,
-            )
-        np.savez(work / "frozen.tmp.npz", **arrays)
-        (work / "frozen.tmp.npz").rename(cached)
-    features = np.load(cached)
+    (work / "frozen").mkdir(exist_ok=True)
+    for b, members in enumerate(batches):
+        cached = work / "frozen" / f"{b}.npz"
+        if cached.is_file():
+            continue
+        length = max(len(ids[i]) for i in members)
+        input_ids = np.zeros((len(members), length), np.int32)
+        mask = np.zeros_like(input_ids)
+        for r, i in enumerate(members):
+            input_ids[r, : len(ids[i])], mask[r, : len(ids[i])] = ids[i], 1
+        hidden = run(model.bert.embeddings(input_ids=input_ids, training=False), mask, layers[:frozen], False)
+        np.savez(work / "frozen" / f"{b}.tmp.npz", h=hidden.numpy(), m=mask)
+        (work / "frozen" / f"{b}.tmp.npz").rename(cached)
+        print(
+            f"[bench-train] frozen part: batch {b + 1}/{len(batches)}, {time.monotonic() - started:.0f} s", flush=True
+        )
+    features = {}
+    for b in range(len(batches)):
+        with np.load(work / "frozen" / f"{b}.npz") as f:
+            features[f"h{b}"], features[f"m{b}"] = f["h"], f["m"]
 
     # 2. The top layers, pooler and head, `epochs` passes over the cached batches in a seeded order.
     steps = recipe["epochs"] * len(batches)
@@ -364,24 +373,14 @@ def _build(shape: Shape, tokenizer_dir: Path, out: Path) -> None:
 
     tf = tensorflow()
     import tf_keras
-    from transformers import AutoTokenizer, BertConfig, TFBertForSequenceClassification
+    from transformers import AutoTokenizer, TFBertForSequenceClassification
 
     from serve_app import demo_data
     from serve_app.model import MODEL_FORMAT
 
     tf_keras.utils.set_random_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        intermediate_size=shape.intermediate,
-        max_position_embeddings=shape.max_length,
-        num_labels=shape.labels,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = TFBertForSequenceClassification(config)
+    model = TFBertForSequenceClassification(_bert_config(shape, tokenizer, labels=shape.labels))
     model(input_ids=np.ones((1, 8), np.int32), attention_mask=np.ones((1, 8), np.int32))
 
     class Serving(tf.Module):  # type: ignore[name-defined]
