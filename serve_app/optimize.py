@@ -262,8 +262,8 @@ def measure(
     candidates: dict[_Candidate, _Runner] = {(*s, None): runners[s] for s in wanted if s in runners}
     if recheck:
         fast, exact = runners["openvino", "bf16"], runners["openvino", "fp32"]
-        for margin in RECHECK_MARGINS:
-            candidates["openvino", "bf16-recheck", margin] = RecheckRunner(fast, exact, margin=margin)
+        for step in RECHECK_MARGINS:
+            candidates["openvino", "bf16-recheck", step] = RecheckRunner(fast, exact, margin=step)
     # Speed: every candidate (each recheck margin its own) in `rounds` interleaved rounds on the
     # first `SPEED_TEXTS` held-out texts (shuffled). Agreement: on all of them and on the
     # out-of-domain texts, once, through the compiled models only: a recheck margin's answers
