@@ -110,10 +110,10 @@ def compact(
         # The log's file statistics, read once: a run's compaction touches its partition only.
         actions = pa.table(dt.get_add_actions(flatten=True))
         for run_id in runs:
+            where = pc.field("run_id") == run_id
+            # The run's partition only: a dataset of the whole table costs its every file.
+            run = dt.to_pyarrow_dataset(file_pruning_predicate=[("run_id", "=", run_id)])
             for units in _compactable(actions, run_id, target_size or COMPACT_TARGET_BYTES):
-                where = pc.field("run_id") == run_id
-                # The run's partition only: a dataset of the whole table costs its every file.
-                run = dt.to_pyarrow_dataset(file_pruning_predicate=[("run_id", "=", run_id)])
                 rows = run.to_table(filter=where & pc.field("unit").isin(units)).sort_by("unit")
                 write_deltalake(
                     dt,

@@ -314,12 +314,13 @@ class Watcher:
         next_tick = next_report = time.monotonic()
         next_report += report_every
         looks = 0
+        look_wait = 0.0  # the part of the last pause the coming tick's look waits on the queue
         while not self.stop.is_set():
             now = time.monotonic()
-            if now >= next_tick:
-                self.tick()
+            if look_wait or now >= next_tick:
+                self.tick(wait_s=look_wait)
                 looks += 1
-                next_tick = now + every
+                next_tick = (time.monotonic() if look_wait else now) + every
                 if ticks is not None and looks >= ticks:
                     return
             else:
@@ -333,15 +334,6 @@ class Watcher:
                 wake = min(wake, time.monotonic() + max(0.0, (deadline - self.clock()).total_seconds()))
             pause = max(0.0, min(wake, next_report) - time.monotonic())
             # SQS waits whole seconds: a shorter pause is slept, and the tick at its end looks
-            if longest_look <= 0 or pause < 1:
-                wait(pause)
-                continue
-            if pause > longest_look and wait(pause - longest_look):
-                continue  # stopped while asleep
-            if self.stop.is_set():
-                continue
-            self.tick(wait_s=min(pause, longest_look))
-            looks += 1
-            next_tick = time.monotonic() + every  # this look was the tick
-            if ticks is not None and looks >= ticks:
-                return
+            look_wait = min(pause, longest_look) if pause >= 1 else 0.0
+            if pause > look_wait:
+                wait(pause - look_wait)
