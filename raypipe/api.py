@@ -8,8 +8,10 @@ already initialised in the process, else to `RAY_ADDRESS`, else start a local on
 (`input=` over the config's `input` section: `raypipe.config.run_input`) is kept apart from
 the rest of the config: only the checks and planning read it.
 
-The output is turned into its one owner object once per call (`raypipe.commit.output.Output`:
-its files and its table), and that object is what the checks and the run are given.
+The output is kept apart the same way: the `output` argument and the config's `output`
+section are turned into the output's one owner object once per call
+(`raypipe.commit.output.Output.for_run`: its settings, files and table), and that object, not the
+config, is what the checks and the run write through.
 
 Before any of that, `raypipe.run.preflight.check_run` checks the input, the output and the
 settings: a wrong one raises `ConfigError` or `InputError` before the model service is called,
@@ -25,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raypipe.config import PipelineConfig, check_run_id, load_config, run_input
+from raypipe.config import OutputConfig, PipelineConfig, check_run_id, load_config, run_input
 from raypipe.errors import RunNotFoundError
 from raypipe.run.preflight import check_input_run, check_replay, check_watch, parse_since
 
@@ -114,11 +116,12 @@ def build_config(
     return load_config(config_file, overrides, environ=os.environ)
 
 
-def _output(config: PipelineConfig) -> Output:
-    """The run's output as its one owner object, built here once; building it reads and writes nothing."""
+def _output(settings: OutputConfig, uri: str | None) -> Output:
+    """The run's output as its one owner object (`Output.for_run`), built here once; building it
+    reads and writes nothing. Imported here: the table's module brings pyarrow."""
     from raypipe.commit.output import Output
 
-    return Output.at(config.output.uri)
+    return Output.for_run(settings, uri=uri)
 
 
 def backfill(
@@ -131,10 +134,10 @@ def backfill(
     settings: dict[str, Any] | None = None,
 ) -> RunReport:
     """Classifies every paragraph of `input` into `output`; the same `run_id` resumes it."""
-    config = build_config(output=output, service=service, run_id=run_id, config_file=config_file, settings=settings)
+    config = build_config(service=service, run_id=run_id, config_file=config_file, settings=settings)
     source = run_input(config, input, "backfill")  # only the checks and planning read the input
-    place = _output(config)  # the output's one owner, for the checks and the run
-    check_input_run(config, source, "backfill", place)
+    place = _output(config.output, output)  # the output's one owner, for the checks and the run
+    check_input_run(source, "backfill", place)
     from raypipe.run import modes  # after the checks: it brings Ray Data
 
     return modes.backfill(config, source, place)
@@ -154,10 +157,10 @@ def daily(
     whatever their `updated_at`; `since` (an ISO time with a zone, or an aware `datetime`) also
     re-reads rows of earlier files updated after it."""
     after = parse_since(since)
-    config = build_config(output=output, service=service, run_id=run_id, config_file=config_file, settings=settings)
+    config = build_config(service=service, run_id=run_id, config_file=config_file, settings=settings)
     source = run_input(config, input, "daily")
-    place = _output(config)
-    check_input_run(config, source, "daily", place)
+    place = _output(config.output, output)
+    check_input_run(source, "daily", place)
     from raypipe.run import modes
 
     return modes.daily(config, source, place, since=after)
@@ -174,9 +177,9 @@ def replay(
 ) -> RunReport:
     """Re-infers the dead letters of run `run_id` and merges them into its results; `replay_id`
     names the replay (default: resume the latest unfinished `<run_id>.replay-<n>`, else a new one)."""
-    config = build_config(output=output, service=service, run_id=replay_id, config_file=config_file, settings=settings)
-    place = _output(config)
-    check_replay(config, run_id, place)
+    config = build_config(service=service, run_id=replay_id, config_file=config_file, settings=settings)
+    place = _output(config.output, output)
+    check_replay(run_id, place)
     from raypipe.run import modes
 
     return modes.replay(config, place, of_run=run_id)
@@ -217,11 +220,12 @@ def watch(
         base = config.model_dump(exclude_unset=True)
         for key, value in overrides.items():  # a section given here goes over the same section of `config`
             base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-        merged = build_config(output=output, service=service, run_id=run_id, settings=base)
+        merged = build_config(service=service, run_id=run_id, settings=base)
     else:
-        merged = build_config(output=output, service=service, run_id=run_id, config_file=config, settings=overrides)
+        merged = build_config(service=service, run_id=run_id, config_file=config, settings=overrides)
     source = run_input(merged, input, "watch")
-    check_watch(merged, source)
+    place = _output(merged.output, output)
+    check_watch(merged, source, place)
     from raypipe.run.watch.mode import watch as run_watch  # after the checks: it brings Ray Data
 
-    return run_watch(merged, source, stop=stop, ticks=ticks)
+    return run_watch(merged, source, place, stop=stop, ticks=ticks)

@@ -6,7 +6,7 @@ that either happens or raises. A run (`raypipe.run.modes._run`, through the step
 `raypipe.run.steps`) calls it in this order; the modes and steps name the steps, the order
 of the protocol's calls is told here::
 
-    protocol = CommitProtocol(config.output, mode, run_id, place=place)  # place: the run's `Output`
+    protocol = CommitProtocol(place, mode, run_id)  # place: the run's `Output`
     committed_report(protocol)       # a run id committed already: its report, done
                                      #   (`raypipe.run.steps`: rebuilt from the table if need be)
     protocol.setup_run(labels)       # the lease, the table made ready, the take-over: the fence
@@ -89,7 +89,6 @@ from raypipe.commit.state import (
     write_quarantine,
 )
 from raypipe.commit.table import FILES_SEEN_APP, QUARANTINE_APP, WATERMARK_APP, plan_app, scan_where
-from raypipe.config import OutputConfig
 from raypipe.errors import ConfigError, SinkError
 from raypipe.plan.planning import Plan
 from raypipe.plan.units import WorkUnit
@@ -114,21 +113,19 @@ class CommitProtocol:
 
     def __init__(
         self,
-        output: OutputConfig,
+        place: Output,
         mode: str,
         run_id: str,
         *,
-        place: Output,
         attempt: str | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.output = output
         self.mode = mode
         self.run_id = run_id
         self.attempt = attempt or uuid.uuid4().hex[:8]
         self.place = place  # the one the entry (api, cli, the watch, a maintenance command) built
-        self.store, self.table = self.place.store, self.place.table
+        self.settings, self.store, self.table = place.settings, place.store, place.table
         self._lease: Lease | None = None
         self._clock = clock
         self._sleep = sleep
@@ -156,10 +153,10 @@ class CommitProtocol:
         """The lease, then the take-over: `setup_run`'s, and what maintenance
         (`raypipe.commit.upkeep`) holds the output by. With `labels` the table is made ready
         for them first (created if need be); without, it must exist."""
-        lease = Lease(self.store, self.run_id, duration_s=self.output.lease_s, wait_s=self.output.lease_wait_s)
-        if self.output.require_conditional_writes:
+        lease = Lease(self.store, self.run_id, duration_s=self.settings.lease_s, wait_s=self.settings.lease_wait_s)
+        if self.settings.require_conditional_writes:
             lease.check_conditional_writes()
-        lease.acquire(force=self.output.take_over_lease)
+        lease.acquire(force=self.settings.take_over_lease)
         self._lease = lease
         try:
             if labels is not None:
@@ -203,7 +200,7 @@ class CommitProtocol:
                     f"it cannot be resumed as a {self.mode} of {input_uri}"
                 )
             if plan.model_version not in (None, model_version):
-                if not self.output.allow_model_change:
+                if not self.settings.allow_model_change:
                     raise ConfigError(
                         f"run {self.run_id} was started with model {plan.model_version} and the service now "
                         f"answers with {model_version}: serve {plan.model_version} again to resume it, start a "
@@ -453,14 +450,12 @@ class CommitProtocol:
 
 
 @contextlib.contextmanager
-def holding(
-    output: OutputConfig, operation: str, *, place: Output, labels: tuple[str, ...] | None = None
-) -> Iterator[CommitProtocol]:
+def holding(place: Output, operation: str, *, labels: tuple[str, ...] | None = None) -> Iterator[CommitProtocol]:
     """Maintenance as a holder of the output (`raypipe.commit.upkeep`): the lease (a live run
     refuses it, `OutputLockedError`), then a take-over, so every older holder, of any run id,
     is fenced off before the operation and no run starts during it; the lease is released at
     the end. Commits made meanwhile carry the fence (`fence_transactions`)."""
-    protocol = CommitProtocol(output, "maintenance", f"raypipe-{operation}", place=place)
+    protocol = CommitProtocol(place, "maintenance", f"raypipe-{operation}")
     protocol.take_output(labels)
     try:
         yield protocol

@@ -55,17 +55,14 @@ COMMITTED = "COMMITTED.json"
 """An earlier release's run commit marker (`_raypipe/runs/<run_id>/COMMITTED.json`)."""
 
 
-def _config(output: str | OutputConfig) -> OutputConfig:
-    return output if isinstance(output, OutputConfig) else OutputConfig(uri=output)
-
-
-def quarantine(output: str | OutputConfig, shards: list[str], *, reason: str, release: bool = False) -> list[str]:
+def quarantine(
+    output: str | OutputConfig | Output, shards: list[str], *, reason: str, release: bool = False
+) -> list[str]:
     """Adds shards to (or with `release`, removes them from) the output's quarantine, holding
     the output (refused while a run is live: it planned without them); returns the shards it
     holds now. A shard that stays bad stops making every run incomplete once an operator has
     decided so."""
-    config = _config(output)
-    with holding(config, "quarantine", labels=(), place=Output.at(config.uri)) as protocol:
+    with holding(Output.at(output), "quarantine", labels=()) as protocol:
         return protocol.set_quarantine(shards, reason=reason, release=release)
 
 
@@ -80,7 +77,7 @@ COMPACT_TARGET_BYTES = 128 * 2**20
 
 
 def compact(
-    output: str | OutputConfig, *, run_ids: list[str] | None = None, target_size: int | None = None
+    output: str | OutputConfig | Output, *, run_ids: list[str] | None = None, target_size: int | None = None
 ) -> dict[str, Any]:
     """Rewrites finished runs' small files into fewer, keeping the units a replay may rewrite
     apart (all finished runs by default; an unfinished run is refused).
@@ -95,8 +92,7 @@ def compact(
     """
     from deltalake import CommitProperties, write_deltalake
 
-    config = _config(output)
-    place = Output.at(config.uri)
+    place = Output.at(output)
     done = finished_runs(place)
     runs = run_ids if run_ids is not None else done
     unfinished = [r for r in runs if r not in set(done)]
@@ -104,7 +100,7 @@ def compact(
         raise ValueError(f"runs still unfinished (not compacted): {', '.join(unfinished)}")
     if not runs:
         return {"runs": 0}
-    with holding(config, "compact", place=place) as protocol:
+    with holding(place, "compact") as protocol:
         dt = keep_bounded(protocol)
         out = {"runs": len(runs), "units": 0, "files_before": len(dt.file_uris())}
         # The log's file statistics, read once: a run's compaction touches its partition only.
@@ -200,7 +196,7 @@ writing its file and committing it (a unit's inference, breaker waits, commit re
 
 
 def vacuum(
-    output: str | OutputConfig,
+    output: str | OutputConfig | Output,
     *,
     retention_hours: float = VACUUM_FLOOR_HOURS,
     dry_run: bool = False,
@@ -224,8 +220,7 @@ def vacuum(
             f"vacuum: a retention of {retention_hours:g} h is under {VACUUM_FLOOR_HOURS:g} h and may delete the files "
             "of a unit a live run has written but not committed yet; pass --force if no run writes to this output"
         )
-    config = _config(output)
-    with holding(config, "vacuum", place=Output.at(config.uri)) as protocol:
+    with holding(Output.at(output), "vacuum") as protocol:
         dt = keep_bounded(protocol) if not dry_run else protocol.table.load()
         files = dt.vacuum(
             retention_hours=math.ceil(retention_hours), dry_run=dry_run, enforce_retention_duration=False, full=True
@@ -237,7 +232,7 @@ def vacuum(
     return {"files": len(files), "dry_run": dry_run, "runs_state_removed": removed}
 
 
-def migrate(output: str | OutputConfig) -> dict[str, int]:
+def migrate(output: str | OutputConfig | Output) -> dict[str, int]:
     """Copies an output of raypipe's earlier layout (`results/run=R/*.parquet`,
     `dead_letters/run=R/*.parquet`, committed units' markers under `_raypipe/runs/R/units/`)
     into the outcomes table; the old files are left in place.
@@ -250,13 +245,12 @@ def migrate(output: str | OutputConfig) -> dict[str, int]:
     migrate killed between its copy and its mark is finished), so the command can be rerun.
     It holds the output (`holding`), and every commit carries the fence.
     """
-    config = _config(output)
-    place = Output.at(config.uri)
+    place = Output.at(output)
     old = LegacyLayout(place.store)
     runs = old.runs()
     if not runs:
         return {"runs": 0, "rows": 0}
-    with holding(config, "migrate", labels=(), place=place) as protocol:
+    with holding(place, "migrate", labels=()) as protocol:
         return _migrate(old, runs, protocol)
 
 
@@ -289,7 +283,7 @@ def finished_runs(output: str | Output) -> list[str]:
     """Run ids committed (their fenced run commit, or past its retention their completed
     report: `committed_runs`), among the runs with rows in the table or state under
     `_raypipe/runs/`."""
-    place = output if isinstance(output, Output) else Output.at(output)
+    place = Output.at(output)
     store, table = place.store, place.table
     runs = store.path(STATE_DIR, "runs")
     try:

@@ -83,9 +83,10 @@ class InputConfig(Frozen):
 
 
 class OutputConfig(Frozen):
-    uri: str
+    uri: str | None = None
     """Where the outcomes table (`outcomes/`), run reports (`runs/`) and raypipe's state
-    (`_raypipe/`) go; local or s3://."""
+    (`_raypipe/`) go; local or s3://. A run's named output (`--output`) goes over it; a run
+    with neither is refused (`raypipe.commit.output.Output.for_run`)."""
     lease_s: float = Field(120.0, gt=0)
     """How long the output lease lasts without a heartbeat before another run may take it; a
     retried attempt of the same run waits for the earlier one's lease to lapse (see
@@ -107,8 +108,8 @@ class OutputConfig(Frozen):
 
     @field_validator("uri")
     @classmethod
-    def _uri(cls, v: str) -> str:
-        return validate_uri(v)
+    def _uri(cls, v: str | None) -> str | None:
+        return None if v is None else validate_uri(v)
 
 
 #: Cluster CPUs per inference actor when `ActorPoolConfig.max_actors` is unset.
@@ -190,7 +191,9 @@ class WatchConfig(Frozen):
 
 
 class PipelineConfig(Frozen):
-    output: OutputConfig
+    output: OutputConfig = OutputConfig()
+    """The output's settings; a run holds its output as `raypipe.commit.output.Output`, built
+    from this and the run's named output, and reads them there."""
     input: InputConfig | None = None
     """Required by backfill and daily runs; a replay reads its run's dead letters instead."""
     service: ServiceConfig = ServiceConfig()

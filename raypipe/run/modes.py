@@ -76,7 +76,7 @@ def _run(
     # A default id names a new run: two runs started in the same second must not share one (the
     # second would find the first committed and do nothing).
     run_id = config.run_id or f"{mode}-{_stamp()}-{uuid.uuid4().hex[:6]}"
-    protocol = CommitProtocol(config.output, mode, run_id, place=place)
+    protocol = CommitProtocol(place, mode, run_id)
     done = committed_report(protocol)
     if done is not None:
         return done
@@ -116,7 +116,7 @@ def _run(
 
 
 def backfill(config: PipelineConfig, input: InputConfig, place: Output) -> RunReport:
-    """Infers every row of the input into `place`, the output of `config.output`; resumable by run id.
+    """Infers every row of the input into `place`, the run's output; resumable by run id.
 
     Once complete, the files it read are recorded as seen (a daily after it reads only new and
     changed files) and the watermark moves to the point its input was read as of.

@@ -80,16 +80,14 @@ def check_run(config: PipelineConfig, mode: Mode, *, of_run: str | None = None) 
     `of_run` is the run a replay re-infers; a backfill or a daily reads `config.input`."""
     from raypipe.commit.output import Output
 
-    place = Output.at(config.output.uri)
+    place = Output.for_run(config.output)
     if mode == "replay":
-        check_replay(config, of_run, place)
+        check_replay(of_run, place)
     else:
-        check_input_run(config, run_input(config, None, mode), mode, place)
+        check_input_run(run_input(config, None, mode), mode, place)
 
 
-def check_input_run(
-    config: PipelineConfig, input: InputConfig, mode: Literal["backfill", "daily"], place: Output
-) -> None:
+def check_input_run(input: InputConfig, mode: Literal["backfill", "daily"], place: Output) -> None:
     """`check_run` of a backfill or a daily of `input` (`raypipe.config.run_input`) into
     `place`, the run's output: the output, the input (its quarantined shards left out), the Ray
     address."""
@@ -100,11 +98,11 @@ def check_input_run(
     _check_ray()
 
 
-def check_watch(config: PipelineConfig, input: InputConfig) -> None:
-    """`check_run` of a watcher of `input`: the output, not inside the input, and the Ray
-    address. The input may hold no shard yet (a watcher waits for the first), so it is not listed.
-    With an events queue: the input is on S3 and the queue can be read."""
-    _check_output(config.output.uri, input_uri=input.uri)
+def check_watch(config: PipelineConfig, input: InputConfig, place: Output) -> None:
+    """`check_run` of a watcher of `input` into `place`: the output, not inside the input, and
+    the Ray address. The input may hold no shard yet (a watcher waits for the first), so it is
+    not listed. With an events queue: the input is on S3 and the queue can be read."""
+    _check_output(place.uri, input_uri=input.uri)
     if config.watch.events_queue:
         from raypipe.plan.events import SqsArrivals
 
@@ -116,7 +114,7 @@ def check_watch(config: PipelineConfig, input: InputConfig) -> None:
     _check_ray()
 
 
-def check_replay(config: PipelineConfig, of_run: str | None, place: Output) -> None:
+def check_replay(of_run: str | None, place: Output) -> None:
     """`check_run` of a replay of run `of_run` on `place`, the run's output: the output holds
     it, the Ray address."""
     _check_output(place.uri)

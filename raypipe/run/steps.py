@@ -427,7 +427,7 @@ def committed_report(protocol: CommitProtocol) -> RunReport | None:
     path = protocol.store.report_file(protocol.run_id)
     if report is None or report.status != "completed":
         plan = protocol.stored_plan()
-        report = RunReport(run_id=protocol.run_id, mode=protocol.mode, output=protocol.output.uri)
+        report = RunReport(run_id=protocol.run_id, mode=protocol.mode, output=protocol.place.uri)
         if plan is not None:
             report.input, report.replay_of, report.model_version = plan.input, plan.replay_of, plan.model_version or ""
             report.units_total = report.units_committed = len(plan.units)

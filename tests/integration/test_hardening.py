@@ -319,9 +319,7 @@ def _lost_answers_attempt(output: str, endpoint: str, results) -> None:
     from tests.fakes import LABELS
     from tests.unit.test_table import rows
 
-    protocol = CommitProtocol(
-        OutputConfig(uri=output, lease_s=60, lease_wait_s=5), "backfill", "lost", place=Output.at(output)
-    )
+    protocol = CommitProtocol(Output.at(OutputConfig(uri=output, lease_s=60, lease_wait_s=5)), "backfill", "lost")
     try:
         protocol.setup_run(LABELS)
         plan = Plan("backfill", "/in", [WorkUnit("/in/a.parquet", "parquet", 0, None, fingerprint="fp-a")], [])

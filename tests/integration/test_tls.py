@@ -65,7 +65,7 @@ def test_backfill_through_tls_has_every_id_in_the_results(tmp_path, corpus, tls_
     before = len(tls_proxy.sessions)
 
     assert config.input is not None
-    report = modes.backfill(config, config.input, Output.at(config.output.uri))
+    report = modes.backfill(config, config.input, Output.at(config.output))
 
     assert report.status == "completed", report.render()
     rows = raypipe.read_outcomes(out)

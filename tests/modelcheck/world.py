@@ -299,13 +299,13 @@ class World:
             try:
                 if mode == "backfill":
                     assert config.input is not None
-                    out.report = modes.backfill(config, config.input, Output.at(config.output.uri))
+                    out.report = modes.backfill(config, config.input, Output.at(config.output))
                 elif mode == "daily":
                     assert config.input is not None
-                    out.report = modes.daily(config, config.input, Output.at(config.output.uri), since=since)
+                    out.report = modes.daily(config, config.input, Output.at(config.output), since=since)
                 else:
                     assert of_run is not None
-                    out.report = modes.replay(config, Output.at(config.output.uri), of_run=of_run)
+                    out.report = modes.replay(config, Output.at(config.output), of_run=of_run)
             except Killed:
                 out.killed = True
             except Exception as e:

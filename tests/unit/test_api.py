@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -92,16 +93,27 @@ def test_a_run_call_builds_its_outputs_owner_once_and_gives_that_one_to_the_chec
     (tmp_path / "in").mkdir()
     pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), tmp_path / "in" / "part-0.parquet")
     built: list[Output] = []
-    real_at = Output.at.__func__  # type: ignore[attr-defined]
+    real = Output.for_run.__func__  # type: ignore[attr-defined]
 
-    def counting_at(cls: type[Output], uri: str) -> Output:
-        built.append(real_at(cls, uri))
+    def counting(cls: type[Output], *args: Any, **kwargs: Any) -> Output:
+        built.append(real(cls, *args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(Output, "at", classmethod(counting_at))
+    monkeypatch.setattr(Output, "for_run", classmethod(counting))
+    monkeypatch.setattr(Output, "at", None)  # nothing on the way builds one from a bare URI
     given: list[Output | None] = []
-    monkeypatch.setattr(modes, mode, lambda config, source, *place, **kw: given.extend(place or [None]) or "report")
+    configs: list[Any] = []
+    monkeypatch.setattr(
+        modes,
+        mode,
+        lambda config, source, *place, **kw: configs.append(config) or given.extend(place or [None]) or "report",
+    )
     run = getattr(raypipe, mode)
 
-    assert run(str(tmp_path / "in"), str(tmp_path / "out"), service="127.0.0.1:1") == "report"
+    out = str(tmp_path / "out")
+    assert run(str(tmp_path / "in"), out, service="127.0.0.1:1", settings={"output": {"lease_s": 7}}) == "report"
     assert len(built) == 1 and given == built
+    # The owner holds the named output with the config's output settings; the run's config does
+    # not carry the output, so nothing downstream can write anywhere but through the owner.
+    assert (built[0].uri, built[0].settings.lease_s) == (out, 7)
+    assert configs[0].output.uri is None

@@ -45,7 +45,7 @@ def attempts():
 def protocol(tmp_path, attempts, attempt: str, **kwargs) -> CommitProtocol:
     """An attempt of run r1; a later one takes the lease over at once (`--force`)."""
     output = OutputConfig(uri=str(tmp_path / "out"), take_over_lease=True, require_conditional_writes=False)
-    p = CommitProtocol(output, "backfill", "r1", attempt=attempt, **kwargs, place=Output.at(output.uri))
+    p = CommitProtocol(Output.at(output), "backfill", "r1", attempt=attempt, **kwargs)
     attempts.append(p)
     return p
 
@@ -150,7 +150,7 @@ def test_a_runs_own_transactions_expire_and_its_report_then_stands_for_its_commi
     assert dt.transaction_version("raypipe-output/slot-0") == p.fence.generation
     assert not p.table.is_committed("r1")
     assert not p.is_committed()  # no report: nothing says it was committed
-    p.write_report(RunReport(run_id="r1", mode="backfill", output=p.output.uri, status="completed"))
+    p.write_report(RunReport(run_id="r1", mode="backfill", output=p.place.uri, status="completed"))
     again = protocol(tmp_path, attempts, "a2")
     assert again.is_committed() and "r1" in finished_runs(again.place)
 
@@ -216,7 +216,7 @@ def test_a_run_resumes_under_another_model_version_only_when_asked(tmp_path, att
     output = OutputConfig(
         uri=str(tmp_path / "out"), take_over_lease=True, require_conditional_writes=False, allow_model_change=True
     )
-    allowed = CommitProtocol(output, "backfill", "r1", attempt="a2", place=Output.at(output.uri))
+    allowed = CommitProtocol(Output.at(output), "backfill", "r1", attempt="a2")
     attempts.append(allowed)
     allowed.setup_run(LABELS)
     resumed_plan, resumed = allowed.plan(lambda: plan("a.parquet"), input_uri=IN, model_version="bert-bbb")
@@ -229,7 +229,7 @@ def test_a_run_resumes_under_another_model_version_only_when_asked(tmp_path, att
 def other_run(tmp_path, attempts, run_id: str) -> CommitProtocol:
     """A daily of its own run id on the same output; it waits for no lease it does not hold."""
     output = OutputConfig(uri=str(tmp_path / "out"), require_conditional_writes=False)
-    p = CommitProtocol(output, "daily", run_id, attempt=run_id, place=Output.at(output.uri))
+    p = CommitProtocol(Output.at(output), "daily", run_id, attempt=run_id)
     attempts.append(p)
     return p
 

@@ -71,12 +71,23 @@ def test_env_typos_are_errors_too():
         ),
         ({"output": {"uri": "/o"}, "client": {"retry": {"max_attempts": 0}}}, "max_attempts"),
         ({"output": {"uri": "/o", "lease_wait_s": 0}}, "output.lease_wait_s"),
-        ({}, "output: Field required"),
     ],
 )
 def test_bad_values_are_clear(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_run_with_no_output_anywhere_is_refused_and_a_named_one_goes_over_the_configs():
+    from raypipe.commit.output import Output
+
+    with pytest.raises(ConfigError, match="no output: name one"):
+        Output.for_run(load_config(None, {}).output)
+    cfg = load_config(None, {"output": {"uri": "/o", "lease_s": 7}})
+    named = Output.for_run(cfg.output, "/elsewhere")
+    assert (named.uri, named.settings.lease_s) == ("/elsewhere", 7)  # the section's settings kept
+    with pytest.raises(ConfigError, match="scheme 'gs' is not supported"):
+        Output.for_run(cfg.output, "gs://bucket/x")
 
 
 def test_config_file_errors(tmp_path):

@@ -16,6 +16,7 @@ from raypipe.api import build_config
 from raypipe.call import reuse
 from raypipe.call.reuse import TextIndex, hash_texts
 from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.output import Output
 from raypipe.commit.schema import label_column, text_hashes
 from raypipe.config import ClientConfig, run_input
 from raypipe.run import steps
@@ -58,6 +59,7 @@ def test_a_text_committed_at_one_tick_is_reused_at_the_next_and_the_index_is_bui
     report = watch(
         cfg,
         run_input(cfg, str(tmp_path / "in"), "watch"),
+        Output.at(cfg.output),
         runner=lambda settings: InProcessUnits(settings, client_factory=lambda: client),
         ticks=4,
     )

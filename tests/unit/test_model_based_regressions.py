@@ -164,7 +164,7 @@ def test_a_replay_of_a_run_killed_right_after_its_run_commit_completes(world):
     completed(world, "backfill", "b1")
     assert world.run("daily", "d2", kill_at="after_commit_run").killed
     world.expire_lease()
-    check_replay(world.config(None), "d2", Output.at(str(world.output)))  # the CLI's preflight agrees
+    check_replay("d2", Output.at(str(world.output)))  # the CLI's preflight agrees
     completed(world, "replay", "d2.replay-1", of_run="d2")
     assert answers(world) == {"r0": hash_of("t0")}
 

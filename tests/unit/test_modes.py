@@ -33,7 +33,7 @@ def config(tmp_path: Any, **settings: Any) -> PipelineConfig:
 
 def backfill(cfg: PipelineConfig) -> RunReport:
     assert cfg.input is not None
-    return modes.backfill(cfg, cfg.input, Output.at(cfg.output.uri))
+    return modes.backfill(cfg, cfg.input, Output.at(cfg.output))
 
 
 class Story:
@@ -172,7 +172,7 @@ def test_a_daily_needs_an_aware_since(tmp_path):
 
     with pytest.raises(ConfigError, match="timezone-aware"):
         cfg = config(tmp_path)
-        modes.daily(cfg, InputConfig(uri=str(tmp_path / "in")), Output.at(cfg.output.uri), since=datetime(2026, 1, 1))
+        modes.daily(cfg, InputConfig(uri=str(tmp_path / "in")), Output.at(cfg.output), since=datetime(2026, 1, 1))
 
 
 # -- replay: its id and its plan, on a real table ---------------------------------------------------
@@ -209,7 +209,7 @@ def test_a_replay_resumes_its_latest_unfinished_attempt_else_starts_the_next(tmp
 def test_a_replay_plans_a_unit_per_unit_holding_dead_letters(tmp_path):
     out = str(tmp_path / "out")
     committed_run(out, "b1", {"a": "result", "b": "dead_letter", "c": "dead_letter"})
-    protocol = CommitProtocol(config(tmp_path).output, "replay", "b1.replay-1", place=Output.at(out))
+    protocol = CommitProtocol(Output.at(config(tmp_path).output), "replay", "b1.replay-1")
     version, dead = protocol.dead_letters_of("b1") or (None, None)
     assert dead == {"u1": 2} and version == OutcomeTable(out).load().version()
     assert protocol.dead_letters_of("nobody") is None

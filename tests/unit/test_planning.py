@@ -456,9 +456,7 @@ def test_a_daily_asks_the_output_what_it_read_through_the_commit_protocol(tmp_pa
     write(tmp_path / "in" / "late.parquet", ["a"], [T0])
     cfg = config(tmp_path)
     assert cfg.input is not None
-    plan = plan_input(
-        cfg.input, "daily", CommitProtocol(cfg.output, "daily", "d1", place=Output.at(cfg.output.uri)), since=T0
-    )
+    plan = plan_input(cfg.input, "daily", CommitProtocol(Output.at(cfg.output), "daily", "d1"), since=T0)
     assert read_plan(plan) == ["a"] and plan.observations["files"] == {"new": 1}
 
 

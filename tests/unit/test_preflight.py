@@ -378,7 +378,7 @@ def test_check_run_takes_a_replay_to_its_checks_and_a_backfill_to_the_input_chec
     from raypipe.config import run_input
     from raypipe.run.preflight import check_replay
 
-    for check in (lambda c: check_run(c, "replay"), lambda c: check_replay(c, None, Output.at(c.output.uri))):
+    for check in (lambda c: check_run(c, "replay"), lambda c: check_replay(None, Output.at(c.output))):
         with pytest.raises(ConfigError, match="needs the run whose dead letters to replay"):
             check(config(tmp_path))
     no_input = config(tmp_path).model_copy(update={"input": None})

@@ -76,7 +76,7 @@ def replay_protocol(out):
     from raypipe.commit.protocol import CommitProtocol
 
     cfg = build_config(output=str(out), service="127.0.0.1:1", run_id=REPLAY)
-    return CommitProtocol(cfg.output, "replay", REPLAY, place=Output.at(cfg.output.uri))
+    return CommitProtocol(Output.at(cfg.output), "replay", REPLAY)
 
 
 def replay_plan(out, units: list[str]):

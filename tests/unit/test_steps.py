@@ -297,7 +297,7 @@ def test_a_driver_killed_after_the_run_commit_leaves_a_report_rebuilt_from_the_t
     from tests.unit.test_table import UNIT, rows
 
     output = OutputConfig(uri=str(tmp_path / "out"), require_conditional_writes=False)
-    killed = CommitProtocol(output, "backfill", "r1", attempt="a1", place=Output.at(output.uri))
+    killed = CommitProtocol(Output.at(output), "backfill", "r1", attempt="a1")
     killed.setup_run(LABELS)
     plan = Plan("backfill", "/in", [WorkUnit("/in/a.parquet", "parquet", 0, None, name=UNIT)], [])
     killed.plan(lambda: plan, input_uri="/in", model_version="m")
@@ -307,8 +307,8 @@ def test_a_driver_killed_after_the_run_commit_leaves_a_report_rebuilt_from_the_t
     killed.commit_run(plan)
     killed.release()  # SIGKILL here: no report of this attempt
 
-    report = steps.committed_report(CommitProtocol(output, "backfill", "r1", attempt="a2", place=Output.at(output.uri)))
+    report = steps.committed_report(CommitProtocol(Output.at(output), "backfill", "r1", attempt="a2"))
     assert report is not None and report.status == "completed"
     assert (report.rows_ok, report.rows_dead_letters, report.units_total) == (2, 1, 1)
-    stored = CommitProtocol(output, "backfill", "r1", place=Output.at(output.uri)).stored_report()
+    stored = CommitProtocol(Output.at(output), "backfill", "r1").stored_report()
     assert stored is not None and (stored.status, stored.rows_ok, stored.rows_dead_letters) == ("completed", 2, 1)

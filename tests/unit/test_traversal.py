@@ -71,9 +71,9 @@ def test_the_replay_id_is_checked_where_it_is_made(tmp_path: Path, monkeypatch: 
     ran: list[object] = []
     monkeypatch.setattr(modes, "_run", lambda *a, **k: ran.append(a))
     with pytest.raises(ConfigError, match="replay id"):
-        modes.replay(config, Output.at(config.output.uri), of_run="run-1")
+        modes.replay(config, Output.at(config.output), of_run="run-1")
     with pytest.raises(ConfigError, match="replayed run id"):
-        modes.replay(config, Output.at(config.output.uri), of_run="../run-1")
+        modes.replay(config, Output.at(config.output), of_run="../run-1")
     assert not ran and not (tmp_path / "evil").exists()
 
 

@@ -60,7 +60,7 @@ def test_a_resume_lists_the_committed_units_of_a_non_ascii_shard(tmp_path, name)
     output = OutputConfig(uri=str(tmp_path / "out"), take_over_lease=True, require_conditional_writes=False)
     units = [WorkUnit(f"/in/{name}.parquet", "parquet", start, start + 10, fingerprint="1:2") for start in (0, 10)]
     plan = Plan("backfill", "/in", units, [])
-    first = CommitProtocol(output, "backfill", "r1", attempt="a1", place=Output.at(output.uri))
+    first = CommitProtocol(Output.at(output), "backfill", "r1", attempt="a1")
     try:
         first.setup_run(LABELS)
         for unit in units:
@@ -71,7 +71,7 @@ def test_a_resume_lists_the_committed_units_of_a_non_ascii_shard(tmp_path, name)
             assert first.commit_unit(unit.key, block)
     finally:
         first.release()
-    again = CommitProtocol(output, "backfill", "r1", attempt="a2", place=Output.at(output.uri))
+    again = CommitProtocol(Output.at(output), "backfill", "r1", attempt="a2")
     try:
         again.setup_run(LABELS)
         assert again.committed_units(plan) == {u.key for u in units}

@@ -174,7 +174,7 @@ def test_the_quarantine_holds_what_an_operator_set_aside_until_released(tmp_path
 def test_the_quarantine_is_changed_holding_the_output(tmp_path):
     """Not a read-modify-write beside a live run: refused while a run holds the output."""
     out = str(tmp_path)
-    run = CommitProtocol(OutputConfig(uri=out, require_conditional_writes=False), "daily", "live", place=Output.at(out))
+    run = CommitProtocol(Output.at(OutputConfig(uri=out, require_conditional_writes=False)), "daily", "live")
     run.setup_run(LABELS)
     try:
         with pytest.raises(OutputLockedError):

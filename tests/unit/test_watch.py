@@ -149,7 +149,9 @@ def config(tmp_path: Path, **watch: Any) -> PipelineConfig:
 
 def run_watch(tmp_path: Path, service: Service, **kwargs: Any) -> WatchReport:
     cfg = config(tmp_path)
-    return watch(cfg, run_input(cfg, str(tmp_path / "in"), "watch"), runner=service.runner, **kwargs)
+    return watch(
+        cfg, run_input(cfg, str(tmp_path / "in"), "watch"), Output.at(cfg.output), runner=service.runner, **kwargs
+    )
 
 
 def committed_ids(tmp_path: Path) -> list[str]:
@@ -180,7 +182,7 @@ def test_a_watcher_records_the_files_it_committed_as_a_daily_records_them(tmp_pa
     a = write(tmp_path / "in", "a", ["a1"])
     run_watch(tmp_path, service, ticks=1)
     cfg = config(tmp_path)
-    seen = CommitProtocol(cfg.output, "daily", "d", place=Output.at(cfg.output.uri)).files_seen()
+    seen = CommitProtocol(Output.at(cfg.output), "daily", "d").files_seen()
     assert set(seen) == {str(a)}
 
     from raypipe.plan.planning import plan_input
@@ -188,7 +190,7 @@ def test_a_watcher_records_the_files_it_committed_as_a_daily_records_them(tmp_pa
     plan = plan_input(
         run_input(cfg, str(tmp_path / "in"), "daily"),
         "daily",
-        CommitProtocol(cfg.output, "daily", "d", place=Output.at(cfg.output.uri)),
+        CommitProtocol(Output.at(cfg.output), "daily", "d"),
     )
     assert plan.units == [], "a daily after the watcher has nothing to read"
 
@@ -197,7 +199,9 @@ def test_arrivals_wait_for_max_wait_before_their_commit(tmp_path, monkeypatch):
     service = Service(monkeypatch)
     write(tmp_path / "in", "a", ["a1"])
     cfg = config(tmp_path, max_wait_s=3600)
-    report = watch(cfg, run_input(cfg, str(tmp_path / "in"), "watch"), runner=service.runner, ticks=2)
+    report = watch(
+        cfg, run_input(cfg, str(tmp_path / "in"), "watch"), Output.at(cfg.output), runner=service.runner, ticks=2
+    )
     assert service.classify_calls == 0 and report.backlog_files == 1 and report.backlog_rows == 1
     assert report.units == 0
 
@@ -245,13 +249,13 @@ def test_a_daily_refuses_an_output_a_watcher_holds_naming_it(tmp_path, monkeypat
     cfg = config(tmp_path, every_s=0.05)
     thread = threading.Thread(
         target=watch,
-        args=(cfg, run_input(cfg, str(tmp_path / "in"), "watch")),
+        args=(cfg, run_input(cfg, str(tmp_path / "in"), "watch"), Output.at(cfg.output)),
         kwargs={"runner": service.runner, "stop": stop},
     )
     thread.start()
     try:
         assert started.wait(30)
-        daily = CommitProtocol(cfg.output, "daily", "daily-1", place=Output.at(cfg.output.uri))
+        daily = CommitProtocol(Output.at(cfg.output), "daily", "daily-1")
         with pytest.raises(OutputLockedError) as e:
             daily.setup_run(LABELS)
         assert e.value.holder == default_watch_id(str(tmp_path / "in"))
@@ -265,7 +269,7 @@ def test_a_daily_refuses_an_output_a_watcher_holds_naming_it(tmp_path, monkeypat
 def test_a_watcher_refuses_an_output_a_daily_holds_naming_it(tmp_path, monkeypatch):
     service = Service(monkeypatch)
     cfg = config(tmp_path)
-    store = OutputStore(cfg.output.uri)
+    store = Output.at(cfg.output).store
     lease = Lease(store, "daily-7")
     lease.acquire()
     try:
@@ -439,7 +443,7 @@ def test_a_successor_does_not_read_again_a_file_another_run_recorded_as_read_mea
     service.on_call = None
 
     cfg = config(tmp_path)
-    daily = CommitProtocol(cfg.output, "daily", "daily-1", place=Output.at(cfg.output.uri))
+    daily = CommitProtocol(Output.at(cfg.output), "daily", "daily-1")
     daily.setup_run(LABELS)
     try:
         plan = plan_input(run_input(cfg, str(tmp_path / "in"), "daily"), "daily", daily)

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypipe.commit.outcomes import read_outcomes
+from raypipe.commit.output import Output
 from raypipe.config import run_input
 from raypipe.plan.events import SqsArrivals, configure_bucket_notifications
 from raypipe.run.watch.mode import watch
@@ -52,7 +53,14 @@ class KilledBeforeItsAcks(SqsArrivals):
 
 def run(tmp_path: Path, service: Service, inbox: Setup, events: SqsArrivals, ticks: int) -> Any:
     cfg = config(tmp_path)
-    return watch(cfg, run_input(cfg, inbox.input, "watch"), runner=service.runner, events=events, ticks=ticks)
+    return watch(
+        cfg,
+        run_input(cfg, inbox.input, "watch"),
+        Output.at(cfg.output),
+        runner=service.runner,
+        events=events,
+        ticks=ticks,
+    )
 
 
 def committed_ids(tmp_path: Path) -> list[str]:
@@ -116,11 +124,11 @@ def test_a_watcher_with_a_queue_it_cannot_read_or_an_input_not_on_s3_is_refused_
 
     cfg = config(tmp_path, events_queue=f"{aws_endpoint}/123456789012/no-such-queue")
     with pytest.raises(ConfigError, match="no-such-queue"):
-        check_watch(cfg, run_input(cfg, inbox.input, "watch"))
+        check_watch(cfg, run_input(cfg, inbox.input, "watch"), Output.at(cfg.output))
     cfg = config(tmp_path, events_queue=inbox.queue)
     with pytest.raises(ConfigError, match="not on S3"):
-        check_watch(cfg, run_input(cfg, str(tmp_path / "in"), "watch"))
-    check_watch(cfg, run_input(cfg, inbox.input, "watch"))  # a queue it can read, an input on S3
+        check_watch(cfg, run_input(cfg, str(tmp_path / "in"), "watch"), Output.at(cfg.output))
+    check_watch(cfg, run_input(cfg, inbox.input, "watch"), Output.at(cfg.output))  # a queue it can read, an input on S3
 
 
 def test_a_file_announced_after_the_first_look_listed_its_folder_is_found(inbox: Setup) -> None:
@@ -177,7 +185,7 @@ def test_a_watch_closes_the_queue_client_it_opened(
     service = Service(monkeypatch)
     inbox.write("a", ["a1"])
     cfg = config(tmp_path, events_queue=inbox.queue)
-    watch(cfg, run_input(cfg, inbox.input, "watch"), runner=service.runner, ticks=1)
+    watch(cfg, run_input(cfg, inbox.input, "watch"), Output.at(cfg.output), runner=service.runner, ticks=1)
     assert committed_ids(tmp_path) == ["a1"] and closed == [inbox.queue]
     run(tmp_path, service, inbox, SqsArrivals(inbox.queue), ticks=1)
     assert closed == [inbox.queue]

@@ -75,13 +75,14 @@ def _signals_stop(stop: threading.Event) -> Iterator[None]:
 def watch(
     config: PipelineConfig,
     input: InputConfig,
+    place: Output,
     *,
     stop: threading.Event | None = None,
     ticks: int | None = None,
     runner: Callable[[ActorSettings], UnitRunner] | None = None,
     events: Any = None,
 ) -> WatchReport:
-    """Watches `input` and commits what arrives into `config.output` until `stop` is set (or a
+    """Watches `input` and commits what arrives into `place` until `stop` is set (or a
     signal comes, or `ticks` looks were made); returns the report.
 
     `runner` builds what runs the units from the actors' settings (default: `WarmActors` on
@@ -96,11 +97,11 @@ def watch(
     watch_id = config.run_id or default_watch_id(input.uri)
     with _signals_stop(stop):
         model = ModelService.ask(config.service, config.client)
-        protocol = CommitProtocol(config.output, "watch", watch_id, place=Output.at(config.output.uri))
+        protocol = CommitProtocol(place, "watch", watch_id)
         protocol.setup_run(model.labels)
         report = WatchReport(
             watch_id=watch_id,
-            output=config.output.uri,
+            output=place.uri,
             input=input.uri,
             started_at=datetime.now(UTC).isoformat(),
             model_version=model.version,
@@ -111,7 +112,7 @@ def watch(
         write = True
         run_metrics: RunMetrics | None = None
         try:
-            tags = RunReport(run_id=watch_id, mode="watch", output=config.output.uri, model_version=model.version)
+            tags = RunReport(run_id=watch_id, mode="watch", output=place.uri, model_version=model.version)
             run_metrics = RunMetrics.start(config.metrics, tags, app=config.service.application)
             settings = ActorSettings(
                 committer=protocol.unit_committer(),
