@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
+from raypipe.config.sections import output_uri
 from raypipe.errors import SinkError
 
 __all__ = ["OutputStore"]
@@ -52,7 +53,7 @@ class OutputStore:
     """Paths and atomic reads/writes under one output URI (local or S3)."""
 
     def __init__(self, uri: str) -> None:
-        self.uri = uri.rstrip("/")
+        self.uri = output_uri(uri).rstrip("/")
         fs, root = url_to_fs(self.uri)
         self._fs: fsspec.AbstractFileSystem | None = fs
         self._root = root.rstrip("/")

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from raypipe.commit.schema import OUTCOME_DEAD_LETTER, OUTCOME_RESULT
 from raypipe.commit.table import OutcomeTable
+from raypipe.config.sections import output_uri  # a reader's URI, checked before delta-rs is asked
 
 __all__ = [
     "LATEST_SQL",
@@ -84,7 +85,7 @@ def _dataset(output: str | OutcomeTable, run_id: str | None = None) -> Any:
     """The committed files as a pyarrow dataset; of one run's partition only with `run_id`
     (pruned by the log, so a run's reads do not walk every file the table's history holds)."""
     # A table passed in is brought up to date: every committed row, not those of its snapshot.
-    dt = output.refresh() if isinstance(output, OutcomeTable) else OutcomeTable(output).load()
+    dt = output.refresh() if isinstance(output, OutcomeTable) else OutcomeTable(output_uri(output)).load()
     partitions = None if run_id is None else [("run_id", "=", run_id)]
     return dt.to_pyarrow_dataset(partitions=partitions)
 
@@ -130,7 +131,7 @@ def latest_of(outcomes: Any) -> pa.Table:
 def answered_versions(output: str | OutcomeTable, run_id: str) -> dict[str, int]:
     """The run's committed results by the model version that answered them, over every attempt
     (more than one only when a resume was allowed to change model)."""
-    if not (output if isinstance(output, OutcomeTable) else OutcomeTable(output)).exists():
+    if not (output if isinstance(output, OutcomeTable) else OutcomeTable(output_uri(output))).exists():
         return {}
     return versions_of(read_outcomes(output, run_id, columns=["model_version"]))
 

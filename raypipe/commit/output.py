@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from raypipe.commit.table import OutcomeTable
 from raypipe.config import OutputConfig
-from raypipe.config.sections import validate_uri
 from raypipe.errors import ConfigError
 from raypipe.store import OutputStore
 
@@ -40,10 +39,7 @@ class Output:
         if uri is None:
             uri = settings.uri
         elif uri != settings.uri:
-            try:
-                settings = settings.model_copy(update={"uri": validate_uri(uri)})
-            except ValueError as e:
-                raise ConfigError(f"output {uri!r}: {e}") from None
+            settings = settings.model_copy(update={"uri": uri})  # checked by the store, next
         if uri is None:
             raise ConfigError("no output: name one (--output URI, or output.uri in the config)")
         return Output(settings, OutputStore(uri), OutcomeTable(uri))

@@ -30,6 +30,16 @@ def validate_uri(uri: str) -> str:
     raise ValueError(f"{uri!r}: scheme {parsed.scheme!r} is not supported (use s3:// or a local path)")
 
 
+def output_uri(uri: str) -> str:
+    """`validate_uri` for an output given outside a config (the API's and the CLI's named
+    output, a reader's): a URI that is not one is a `ConfigError` naming the fix, raised before
+    any filesystem is asked (fsspec would try, say, Google's metadata server for `gs://`)."""
+    try:
+        return validate_uri(uri)
+    except ValueError as e:
+        raise ConfigError(f"output: {e}") from None
+
+
 class InputConfig(Frozen):
     uri: str = ""
     """Shards to read: a file, a folder or a glob; local or s3://. Empty here when the run call

@@ -386,3 +386,31 @@ def test_check_run_takes_a_replay_to_its_checks_and_a_backfill_to_the_input_chec
         check_run(no_input, "backfill")
     with pytest.raises(ConfigError, match="a backfill needs an input"):
         run_input(no_input, None, "backfill")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["compact"],
+        ["vacuum"],
+        ["migrate"],
+        ["lease", "show"],
+        ["shards", "release", "s3://b/in/a.parquet"],
+        ["report", "--run-id", "r1"],
+        ["backfill", "--input", "IN", "--service", "127.0.0.1:1"],
+    ],
+)
+def test_an_output_that_is_no_uri_is_refused_by_every_command_before_a_filesystem_is_asked(tmp_path, command):
+    """A `gs://` output (no such scheme here) was handed to fsspec and delta-rs by the output
+    commands, which asked a cloud metadata server and died with a traceback."""
+    (tmp_path / "in").mkdir()
+    args = [str(tmp_path / "in") if a == "IN" else a for a in command]
+    refused(cli(*args, "--output", "gs://bucket/out"), "scheme 'gs' is not supported")
+
+
+def test_a_reader_refuses_an_output_that_is_no_uri():
+    import raypipe
+
+    for read in (raypipe.read_outcomes, raypipe.latest):
+        with pytest.raises(ConfigError, match="scheme 'gs' is not supported"):
+            read("gs://bucket/out")
