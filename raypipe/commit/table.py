@@ -44,6 +44,7 @@ __all__ = [
     "CHECKPOINT_INTERVAL",
     "FILES_SEEN_APP",
     "QUARANTINE_APP",
+    "REOPEN_AFTER",
     "SLOTS",
     "TABLE_DIR",
     "TABLE_PROPERTIES",
@@ -150,6 +151,13 @@ dailies' worth), so opening a snapshot reads the checkpoint and at most this man
 after it. delta-rs's default is 100, Delta Lake's Spark writer's 10. The trade: a 90-entry tail
 made an open of a 267-file table 40 ms instead of 16 (one read per entry: more on S3), while each
 checkpoint is one write of the table's state, ~0.05 ms a file (compaction keeps the files few)."""
+REOPEN_AFTER = 5 * CHECKPOINT_INTERVAL
+"""How many versions `refresh` moves a snapshot incrementally before it opens it anew (from the
+latest checkpoint). A delta-rs snapshot moved by `update_incremental` makes each later write
+through it cost more, with the number of moves since it was opened, where one opened anew costs
+about the same every time (`bench/snapshot.py`); a run commits every unit through one
+snapshot, so without this a backfill's commits slowed with each unit it had committed. Opening
+reads the checkpoint, once per this many commits."""
 TABLE_PROPERTIES = {
     "delta.setTransactionRetentionDuration": TRANSACTION_RETENTION,
     "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
@@ -212,6 +220,7 @@ class OutcomeTable:
         self.uri = f"{self.output_uri}/{TABLE_DIR}"
         self._options = storage_options(self.uri)
         self._dt: Any = None
+        self._opened_at = -1  # the version `_open` opened the snapshot at
         self._lock = threading.Lock()
 
     # The snapshot holds delta-rs state and the lock a thread: a copy sent elsewhere opens its own.
@@ -230,7 +239,8 @@ class OutcomeTable:
 
     def load(self) -> Any:
         """This object's snapshot of the table (`deltalake.DeltaTable`): opened at the latest
-        version on first use, and not moved by reading it. Every caller gets the same object.
+        version on first use, and not moved by reading it. Every caller gets the same object (until
+        `refresh` opens it anew).
 
         The commit protocol moves it (`refresh`) where the table changed under it: after this
         run's own commits (a take-over, a pointer, the run commit, its actors' units) and after a
@@ -243,7 +253,8 @@ class OutcomeTable:
 
     def refresh(self) -> Any:
         """The snapshot brought up to the table's latest version (`update_incremental` reads only
-        the log entries after it; the first call opens it)."""
+        the log entries after it; the first call opens it, and so does the first past
+        `REOPEN_AFTER` versions since it was opened: then callers get a new object)."""
         with self._lock:
             if self._dt is None:
                 self._open()
@@ -252,6 +263,8 @@ class OutcomeTable:
                     self._dt.update_incremental()
                 except Exception as e:  # the store's errors, from delta-rs
                     raise as_sink_error(e, self.uri) from e
+                if self._dt.version() - self._opened_at >= REOPEN_AFTER:
+                    self._open()
             return self._dt
 
     def _open(self) -> None:
@@ -259,6 +272,7 @@ class OutcomeTable:
 
         try:
             self._dt = DeltaTable(self.uri, storage_options=self._options)
+            self._opened_at = self._dt.version()
         except Exception as e:  # TableNotFoundError and the store's errors, all from delta-rs
             if not self.exists():
                 raise SinkError(f"no outcomes table at {self.uri} (no run has written here yet)", path=self.uri) from e

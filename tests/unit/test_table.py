@@ -237,3 +237,26 @@ def test_scan_where_reads_files_a_merge_rewrote_and_prunes_by_statistics(tmp_pat
     got = scan_where(ds, {"unit": ["u2", "u3"], "outcome": "dead_letter"}, ["id"])
     assert sorted(got.column("id").to_pylist()) == ["au2", "au3"]
     assert scan_where(ds, {"unit": "none"}, ["id"]).num_rows == 0
+
+
+def test_a_snapshot_moved_incrementally_is_opened_anew_past_reopen_after(tmp_path, monkeypatch):
+    """A delta-rs snapshot moved by `update_incremental` makes every later write through it cost
+    more; a run commits all its units through one, so its backfill's commits slowed with each
+    unit committed (`bench/snapshot.py`). `refresh` opens it anew once it has moved
+    `REOPEN_AFTER` versions, and the snapshot it hands out is then the new one."""
+    from raypipe.commit import table as table_module
+
+    monkeypatch.setattr(table_module, "REOPEN_AFTER", 3)
+    table = table_for(tmp_path)
+    first = table.refresh()
+    opened = first.version()
+    writer = OutcomeTable(str(tmp_path / "out"))  # another holder moves the table
+    take_over(writer, "r1")
+    take_over(writer, "r2")
+    assert table.refresh() is first and first.version() == opened + 2  # moved, not reopened
+    take_over(writer, "r3")
+    again = table.refresh()
+    assert again is not first and again.version() == opened + 3
+    assert table.load() is again
+    take_over(writer, "r4")
+    assert table.refresh() is again  # counted from its own opening
