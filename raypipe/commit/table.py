@@ -152,12 +152,9 @@ after it. delta-rs's default is 100, Delta Lake's Spark writer's 10. The trade: 
 made an open of a 267-file table 40 ms instead of 16 (one read per entry: more on S3), while each
 checkpoint is one write of the table's state, ~0.05 ms a file (compaction keeps the files few)."""
 REOPEN_AFTER = 5 * CHECKPOINT_INTERVAL
-"""How many versions `refresh` moves a snapshot incrementally before it opens it anew (from the
-latest checkpoint). A delta-rs snapshot moved by `update_incremental` makes each later write
-through it cost more, with the number of moves since it was opened, where one opened anew costs
-about the same every time (`bench/snapshot.py`); a run commits every unit through one
-snapshot, so without this a backfill's commits slowed with each unit it had committed. Opening
-reads the checkpoint, once per this many commits."""
+"""Versions `refresh` moves a snapshot incrementally before opening it anew: each write through a
+delta-rs snapshot moved by `update_incremental` costs more the more it was moved (`bench/snapshot.py`),
+and a run commits every unit through one. Opening anew reads the checkpoint, once per this many."""
 TABLE_PROPERTIES = {
     "delta.setTransactionRetentionDuration": TRANSACTION_RETENTION,
     "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
