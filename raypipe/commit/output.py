@@ -38,11 +38,11 @@ class Output:
         `output` argument, the CLI's `--output`, goes over the config's `output.uri`)."""
         if uri is None:
             uri = settings.uri
-        elif uri != settings.uri:
+        else:
             settings = settings.model_copy(update={"uri": uri})  # checked by the store, next
         if uri is None:
             raise ConfigError("no output: name one (--output URI, or output.uri in the config)")
-        return Output(settings, OutputStore(uri), OutcomeTable(uri))
+        return cls(settings, OutputStore(uri), OutcomeTable(uri))
 
     @classmethod
     def at(cls, output: str | OutputConfig | Output) -> Output:
