@@ -87,6 +87,11 @@ def ensure_int8(model_dir: Path, model: Any, calibration: Any, *, max_reverts: i
     return f"NNCF accuracy control: {meta.get('accuracy_control', '?')} (built in {meta.get('seconds', '?')} s)"
 
 
+def _agree(answers: Any, reference: Any) -> float:
+    """Top-label agreement of ``answers`` with ``reference`` (probabilities, a row per text)."""
+    return float((answers.argmax(1) == reference.argmax(1)).mean())
+
+
 def measure_model(
     label: str, model_dir: Path, *, threads: int, rounds: int, int8_max_reverts: int | None, lock: str | None
 ) -> dict[str, Any]:
@@ -94,10 +99,10 @@ def measure_model(
     import numpy as np
 
     from bench.cluster import heavy_lock
-    from serve_app.compiled import RECHECK_MARGINS, RecheckRunner, load_openvino_runner, rechecked
+    from serve_app.compiled import RECHECK_BASES, RECHECK_MARGINS, RecheckRunner, load_openvino_runner, rechecked
     from serve_app.gate_texts import out_of_domain
     from serve_app.model import EmotionModel, Tokenized, cpu_flags
-    from serve_app.optimize import default_sample, int8_ir, split_sample
+    from serve_app.optimize import default_sample, int8_ir, split_sample, undominated_margins
     from serve_app.runtimes import Measurement, agreement_lower_bound, supported_settings
 
     flags = cpu_flags()
@@ -108,9 +113,10 @@ def measure_model(
     held = model.tokenize(sample.held_out[:cap])
     outside = model.tokenize(out_of_domain()[:cap])
     supported = [p for r, p in supported_settings(flags, openvino=True) if r == "openvino" and p != "int8"]
-    # bf16-recheck is a RecheckRunner over the bf16 and fp32 models, once per margin of the ladder.
-    precisions = [p for p in supported if p != "bf16-recheck"]
-    margins = {f"bf16-recheck m{m:g}": m for m in RECHECK_MARGINS} if "bf16-recheck" in supported else {}
+    # A recheck precision is a RecheckRunner over its first pass's and fp32's models, once per
+    # margin of the ladder (those a narrower margin matches are left out, as `measure` does).
+    precisions = [p for p in supported if p not in RECHECK_BASES]
+    rechecks = [p for p in supported if p in RECHECK_BASES]
     if int8_max_reverts is None:
         int8_note = "not measured (--no-int8)"
     else:
@@ -135,9 +141,14 @@ def measure_model(
             model._run = run
             answers[precision] = (model.infer(held).probabilities, model.infer(outside).probabilities)
         model._run = tensorflow
-    for name, margin in margins.items():
-        (fast_in, fast_out), (exact_in, exact_out) = answers["bf16"], answers["fp32"]
-        answers[name] = (rechecked(fast_in, exact_in, margin), rechecked(fast_out, exact_out, margin))
+    margins: dict[str, tuple[str, float]] = {}
+    for recheck in rechecks:
+        (fast_in, fast_out), (exact_in, exact_out) = answers[RECHECK_BASES[recheck]], answers["fp32"]
+        ladder = {m: (rechecked(fast_in, exact_in, m), rechecked(fast_out, exact_out, m)) for m in RECHECK_MARGINS}
+        figures_of = {m: (_agree(i, reference_in), _agree(o, reference_out)) for m, (i, o) in ladder.items()}
+        for m in undominated_margins(figures_of):
+            margins[f"{recheck} m{m:g}"] = (recheck, m)
+            answers[f"{recheck} m{m:g}"] = ladder[m]
     figures: dict[str, dict[str, Any]] = {}
     for precision, (inside, beyond) in answers.items():
         a_in = float((inside.argmax(1) == reference_in.argmax(1)).mean())
@@ -152,7 +163,7 @@ def measure_model(
             agreement_out=a_out,
             n_in=len(held),
             n_out=len(outside),
-            margin=margins.get(precision),
+            margin=margins[precision][1] if precision in margins else None,
         )
         figures[precision] = {
             "agreement_in": a_in,
@@ -163,8 +174,9 @@ def measure_model(
             "gate": m.passes(MIN_AGREEMENT),
         }
     # 2. Speed against OpenVINO fp32, interleaved (each recheck margin as served), another hold.
-    for name, margin in margins.items():
-        runners[name] = RecheckRunner(runners["bf16"], runners["fp32"], margin=margin)
+    for name, (recheck, margin) in margins.items():
+        fast = runners[RECHECK_BASES[recheck]]
+        runners[name] = RecheckRunner(fast, runners["fp32"], margin=margin, precision=recheck)
     n = min(SPEED_TEXTS.get(label, 200), len(held))
     timed = Tokenized(ids=held.ids[:n], truncated=held.truncated[:n])
 

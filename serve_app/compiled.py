@@ -34,6 +34,9 @@ agreement gate decides which, if any, a replica serves: `serve_app.runtimes`):
   and gates each margin of `RECHECK_MARGINS` and the replica serves the fastest that passes
   (`serve_app.runtimes`). A wider margin answers more rows in fp32: closer to fp32's answers,
   slower.
+- ``bf16-dense-recheck``: the same over ``bf16-dense`` (`RECHECK_BASES`). It moves probabilities
+  less than ``bf16``, so a narrower margin keeps the labels: fewer rows run twice, which can
+  more than pay for its slower first pass (the trained bert-base: bench/results).
 
 The first two are built as explicit bf16 matmuls in an fp32 model (`_bf16_matmuls`), compiled with
 an fp32 hint: the CPU plugin keeps an IR's own bf16 ops where the CPU has native bf16, whereas its
@@ -102,17 +105,23 @@ _OUTPUT = "probabilities"
 _Run = Callable[[np.ndarray, np.ndarray], np.ndarray]
 # CPU flags that change which kernels OpenVINO compiles (the rest do not name the blob).
 #: Precisions that need native bf16 (emulated bf16 is slower than fp32); module docstring.
-BF16_PRECISIONS = ("bf16", "bf16-dense", "bf16-ffn", "bf16-recheck")
+BF16_PRECISIONS = ("bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "bf16-dense-recheck")
+#: The recheck precisions, each with the precision that answers every row first (the close calls
+#: are answered again in fp32).
+RECHECK_BASES = {"bf16-recheck": "bf16", "bf16-dense-recheck": "bf16-dense"}
 #: Every precision `load_openvino_runner` compiles.
 OPENVINO_PRECISIONS = ("fp32", *BF16_PRECISIONS, "int8")
-#: The margins ``bf16-recheck`` is measured at (`serve_app.optimize.measure`), narrowest (fastest)
-#: first. A label can flip only where bf16's margin is under twice the largest probability bf16
-#: moved: 0.018-0.021 on the real-weights MiniLM, 0.08 on the trained bert-base (bench/results),
-#: so 0.05 covers the first and 0.2 the second; 0.1 is the step between.
-RECHECK_MARGINS = (0.05, 0.1, 0.2)
-#: The margin of a ``bf16-recheck`` asked for explicitly on a CPU with no record (the one every
+#: The margins a recheck precision is measured at (`serve_app.optimize.measure`), narrowest
+#: (fastest) first. A label can flip only where the first pass's margin is under twice the largest
+#: probability it moved: bf16 moved 0.018-0.021 on the real-weights MiniLM, 0.08-0.1 on the
+#: trained bert-base, bf16-dense 0.04 there (bench/results), so the ladder runs from 0.02 to 0.2
+#: and is finer where the labels of those models settle (0.02-0.07). A margin whose agreement a
+#: narrower one matches is not timed (`serve_app.optimize.undominated_margins`), so rungs that
+#: change nothing cost nothing.
+RECHECK_MARGINS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.2)
+#: The margin of a recheck precision asked for explicitly on a CPU with no record (the one every
 #: record before the ladder was measured at).
-DEFAULT_RECHECK_MARGIN = RECHECK_MARGINS[0]
+DEFAULT_RECHECK_MARGIN = 0.05
 _KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 
 
@@ -181,10 +190,10 @@ def load_openvino_runner(
     ``threads``: threads of one forward pass; ``streams``: forward passes that may run at once
     (the replica's model threads), each on its own infer request. ``int8`` needs the IR
     ``raypipe model optimize`` quantized on a sample of the user's text (``DIR/openvino/int8.xml``).
-    ``margin``: ``bf16-recheck``'s (default `DEFAULT_RECHECK_MARGIN`); other precisions take none.
+    ``margin``: a recheck precision's (default `DEFAULT_RECHECK_MARGIN`); other precisions take none.
     """
-    if margin is not None and precision != "bf16-recheck":
-        raise ValueError(f"a recheck margin is bf16-recheck's; precision {precision!r} takes none")
+    if margin is not None and precision not in RECHECK_BASES:
+        raise ValueError(f"a recheck margin goes with {' or '.join(RECHECK_BASES)}; precision {precision!r} takes none")
     if precision not in OPENVINO_PRECISIONS:
         raise ValueError(f"OpenVINO precision must be one of {', '.join(OPENVINO_PRECISIONS)}, not {precision!r}")
     if precision in BF16_PRECISIONS and not has_native_bf16(flags):
@@ -198,12 +207,13 @@ def load_openvino_runner(
     else:
         xml = ensure_ir(model_dir, cache_dir=cache_root) / _FP32
     blobs = cache_root / "compiled" / cpu_cache_tag(flags)
-    if precision == "bf16-recheck":
+    if precision in RECHECK_BASES:
         fast, exact = (
             _compile(xml, n_labels=n_labels, precision=p, threads=threads, streams=streams, blobs=blobs)
-            for p in ("bf16", "fp32")
+            for p in (RECHECK_BASES[precision], "fp32")
         )
-        return RecheckRunner(fast, exact, margin=DEFAULT_RECHECK_MARGIN if margin is None else margin)
+        margin = DEFAULT_RECHECK_MARGIN if margin is None else margin
+        return RecheckRunner(fast, exact, margin=margin, precision=precision)
     return _compile(xml, n_labels=n_labels, precision=precision, threads=threads, streams=streams, blobs=blobs)
 
 
@@ -296,17 +306,20 @@ class OpenVinoRunner:
 
 
 class RecheckRunner:
-    """``bf16-recheck``: ``fast``'s probabilities, except the rows whose two top probabilities are
-    closer than ``margin``, which ``exact`` answers (one more pass over those rows only)."""
+    """A recheck precision (`RECHECK_BASES`): ``fast``'s probabilities, except the rows whose two
+    top probabilities are closer than ``margin``, which ``exact`` answers (one more pass over those
+    rows only)."""
 
-    def __init__(self, fast: _Run, exact: _Run, *, margin: float) -> None:
+    def __init__(self, fast: _Run, exact: _Run, *, margin: float, precision: str = "bf16-recheck") -> None:
         if not 0 < margin <= 1:
             raise ValueError(f"a recheck margin is a probability difference in (0, 1], not {margin}")
+        if precision not in RECHECK_BASES:
+            raise ValueError(f"a recheck precision is one of {', '.join(RECHECK_BASES)}, not {precision!r}")
         self.fast = fast
         self.exact = exact
         self.margin = margin
         self.path = getattr(fast, "path", Path())
-        self.precision = "bf16-recheck"
+        self.precision = precision
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         out = np.array(self.fast(input_ids, attention_mask), dtype=np.float32)

@@ -236,10 +236,10 @@ def cut_sorted(padded: np.ndarray, budget: int, pass_cost: int = PASS_COST_TOKEN
     return ranges[::-1]
 
 
-Precision = Literal["fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "int8", "auto"]
+Precision = Literal["fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "bf16-dense-recheck", "int8", "auto"]
 #: The precisions `EmotionModel.load` runs (`serve_app.runtimes.choose` resolves ``auto``); the
 #: ``bf16-*`` ones, between fp32 and bf16, and int8 run on OpenVINO only (`serve_app.compiled`).
-PRECISIONS = ("fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "int8")
+PRECISIONS = ("fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "bf16-dense-recheck", "int8")
 #: The runtimes `EmotionModel.load` runs a model on.
 RUNTIMES = ("tensorflow", "openvino")
 
@@ -379,7 +379,7 @@ class EmotionModel:
         `configure_precision` set it); ``openvino`` runs it compiled by OpenVINO
         (`serve_app.compiled`; fp32, bf16, or the int8 build of ``raypipe model optimize``)
         with ``streams`` forward passes at once, each on ``threads`` threads (0: 1).
-        ``recheck_margin``: ``bf16-recheck``'s margin (`serve_app.runtimes.Serving.margin`).
+        ``recheck_margin``: a recheck precision's margin (`serve_app.runtimes.Serving.margin`).
         """
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")

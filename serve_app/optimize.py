@@ -15,13 +15,15 @@
    against TensorFlow fp32 on the held-out texts (speed in interleaved rounds, median and spread:
    `serve_app.timing`; top-label agreement in domain) and on
    the out-of-domain texts the project ships (`serve_app.gate_texts`; agreement out of domain),
-   with the largest probability difference of either. ``bf16-recheck`` is measured at each
-   margin of `serve_app.compiled.RECHECK_MARGINS` (each timed as served; its agreement read off
-   the bf16 and fp32 answers, `serve_app.compiled.rechecked`). This CPU's entry of ``DIR/runtimes.json``
-   (`serve_app.runtimes.RuntimeRecord`) is replaced; ``precision: auto`` and the gate read it,
-   and ``raypipe model check`` prints it. ``raypipe model export`` runs `measure` (no int8) on
-   the default sample, so an exported model is served at its fastest gated setting from the
-   start; ``optimize --sample`` refines the in-domain figure on the user's own text.
+   with the largest probability difference of either. A recheck precision (``bf16-recheck``,
+   ``bf16-dense-recheck``) is gated at each margin of `serve_app.compiled.RECHECK_MARGINS` (its
+   agreement read off its first pass's and fp32's answers, `serve_app.compiled.rechecked`) and
+   timed as served at the margins a narrower one does not match (`undominated_margins`). This
+   CPU's entry of ``DIR/runtimes.json`` (`serve_app.runtimes.RuntimeRecord`) is replaced;
+   ``precision: auto`` and the gate read it, and ``raypipe model check`` prints it. ``raypipe
+   model export`` runs `measure` (no int8) on the default sample, so an exported model is served
+   at its fastest gated setting from the start; ``optimize --sample`` refines the in-domain
+   figure on the user's own text.
 
 TensorFlow bf16 is not measured here: its oneDNN rewrite is process-wide (it would change the
 reference run), and OpenVINO bf16 is the faster bf16 path where the CPU has it.
@@ -66,6 +68,7 @@ __all__ = [
     "read_sample",
     "render_table",
     "split_sample",
+    "undominated_margins",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,7 +86,7 @@ _SEED = 19
 #: a spread.
 SPEED_TEXTS = 200
 _Runner = Callable[[np.ndarray, np.ndarray], np.ndarray]
-#: A setting as measured: runtime, precision, and ``bf16-recheck``'s margin (else None).
+#: A setting as measured: runtime, precision, and a recheck precision's margin (else None).
 _Candidate = tuple[str, str, float | None]
 K = TypeVar("K", bound=Hashable)
 
@@ -223,6 +226,7 @@ def measure(
     import tensorflow as tf  # already imported by the model; for its version
 
     from serve_app.compiled import (
+        RECHECK_BASES,
         RECHECK_MARGINS,
         RecheckRunner,
         export_ir,
@@ -249,54 +253,59 @@ def measure(
             continue
         if only is None or (runtime, precision) in only:
             wanted.append((runtime, precision))
-    # bf16-recheck is not compiled on its own: each margin of the ladder is a `RecheckRunner` over
-    # the bf16 and fp32 models compiled for those settings (what `load_openvino_runner` builds).
-    recheck = ("openvino", "bf16-recheck") in wanted
-    sources = [s for s in wanted if s[1] != "bf16-recheck"]
-    sources += [s for s in (("openvino", "bf16"), ("openvino", "fp32")) if recheck and s not in sources]
+    # A recheck precision is not compiled on its own: each margin of the ladder is a `RecheckRunner`
+    # over the models of its first pass and of fp32 (what `load_openvino_runner` builds for it).
+    rechecks = [p for _, p in wanted if p in RECHECK_BASES]
+    sources = [s for s in wanted if s[1] not in RECHECK_BASES]
+    for p in rechecks:
+        sources += [s for s in (("openvino", RECHECK_BASES[p]), ("openvino", "fp32")) if s not in sources]
     runners: dict[tuple[str, str], _Runner] = {REFERENCE: model._run}
     for runtime, precision in sources[1:]:
         runners[runtime, precision] = load_openvino_runner(
             model_dir, n_labels=n_labels, precision=precision, threads=threads, flags=flags
         )
-    candidates: dict[_Candidate, _Runner] = {(*s, None): runners[s] for s in wanted if s in runners}
-    if recheck:
-        fast, exact = runners["openvino", "bf16"], runners["openvino", "fp32"]
-        for step in RECHECK_MARGINS:
-            candidates["openvino", "bf16-recheck", step] = RecheckRunner(fast, exact, margin=step)
-    # Speed: every candidate (each recheck margin its own) in `rounds` interleaved rounds on the
-    # first `SPEED_TEXTS` held-out texts (shuffled). Agreement: on all of them and on the
-    # out-of-domain texts, once, through the compiled models only: a recheck margin's answers
-    # are bf16's and fp32's row by row (`serve_app.compiled.rechecked`), so more texts tighten
-    # the gate's bound at no cost per margin.
-    first = Tokenized(ids=held.ids[:SPEED_TEXTS], truncated=held.truncated[:SPEED_TEXTS])
-    timed = _measure_all(model, candidates, first, rounds=rounds)
-    timings = {candidate: timing for candidate, (_, timing) in timed.items()}
-    if len(held) <= SPEED_TEXTS:  # the timed texts are all of them: their answers are at hand
-        inside_answers = {c[:2]: p for c, (p, _) in timed.items() if c[2] is None}
-        rest = {s: run for s, run in runners.items() if s not in inside_answers}
-        inside_answers |= {s: p for s, (p, _) in _measure_all(model, rest, held).items()}
-    else:
-        inside_answers = {s: p for s, (p, _) in _measure_all(model, runners, held).items()}
+    # Agreement first: on all held-out texts and the out-of-domain texts, once per compiled model.
+    # A recheck margin's answers are its first pass's and fp32's row by row
+    # (`serve_app.compiled.rechecked`), so every margin of the ladder is gated at no cost.
+    inside_answers = {s: p for s, (p, _) in _measure_all(model, runners, held).items()}
     outside_answers = {s: p for s, (p, _) in _measure_all(model, runners, outside).items()}
+    reference, reference_out = inside_answers[REFERENCE], outside_answers[REFERENCE]
 
     def answers(found: dict[tuple[str, str], np.ndarray], candidate: _Candidate) -> np.ndarray:
         runtime, precision, margin = candidate
         if margin is None:
             return found[runtime, precision]
-        return rechecked(found["openvino", "bf16"], found["openvino", "fp32"], margin)
+        return rechecked(found["openvino", RECHECK_BASES[precision]], found["openvino", "fp32"], margin)
 
-    reference = inside_answers[REFERENCE]
+    def agreement(candidate: _Candidate) -> tuple[float, float, float]:
+        inside, beyond = answers(inside_answers, candidate), answers(outside_answers, candidate)
+        return (
+            float((inside.argmax(axis=1) == reference.argmax(axis=1)).mean()),
+            float((beyond.argmax(axis=1) == reference_out.argmax(axis=1)).mean()),
+            max(float(np.abs(inside - reference).max()), float(np.abs(beyond - reference_out).max())),
+        )
+
+    figures = {(*s, None): agreement((*s, None)) for s in wanted if s in runners}
+    for p in rechecks:
+        ladder = {m: agreement(("openvino", p, m)) for m in RECHECK_MARGINS}
+        figures |= {("openvino", p, m): ladder[m] for m in undominated_margins({m: f[:2] for m, f in ladder.items()})}
+    # Speed: every candidate kept (each recheck margin as served) in `rounds` interleaved rounds on
+    # the first `SPEED_TEXTS` held-out texts (shuffled).
+    candidates: dict[_Candidate, _Runner] = {}
+    for c in figures:
+        runtime, precision, margin = c
+        if margin is None:
+            candidates[c] = runners[runtime, precision]
+        else:
+            fast, exact = runners["openvino", RECHECK_BASES[precision]], runners["openvino", "fp32"]
+            candidates[c] = RecheckRunner(fast, exact, margin=margin, precision=precision)
+    first = Tokenized(ids=held.ids[:SPEED_TEXTS], truncated=held.truncated[:SPEED_TEXTS])
+    timings = {c: timing for c, (_, timing) in _measure_all(model, candidates, first, rounds=rounds).items()}
     reference_rate = timings[(*REFERENCE, None)].median
-    reference_out = outside_answers[REFERENCE]
     measurements = []
     for candidate, timing in timings.items():
         runtime, precision, margin = candidate
-        probabilities = answers(inside_answers, candidate)
-        probabilities_out = answers(outside_answers, candidate)
-        inside = float((probabilities.argmax(axis=1) == reference.argmax(axis=1)).mean())
-        outside_agreement = float((probabilities_out.argmax(axis=1) == reference_out.argmax(axis=1)).mean())
-        dp = max(float(np.abs(probabilities - reference).max()), float(np.abs(probabilities_out - reference_out).max()))
+        inside, outside_agreement, dp = figures[candidate]
         measurements.append(
             Measurement(
                 runtime,
@@ -324,6 +333,18 @@ def measure(
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         cpu=cpu_model_name(),
     )
+
+
+def undominated_margins(figures: Mapping[float, tuple[float, float]]) -> list[float]:
+    """The margins of a recheck ladder worth timing, narrowest first: ``figures`` maps each margin
+    to its agreement (in domain, out of domain). A wider margin answers a superset of a narrower
+    one's rows again in fp32, so it is slower; where a narrower margin agrees at least as well on
+    both halves, the gate can never prefer the wider one, and it is not timed (nor recorded)."""
+    kept: list[float] = []
+    for margin in sorted(figures):
+        if not any(all(a >= b for a, b in zip(figures[k], figures[margin], strict=True)) for k in kept):
+            kept.append(margin)
+    return kept
 
 
 def build_int8(
@@ -417,7 +438,7 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
         f"measured {record.measured_at or '?'} on {record.cpu or 'a CPU with ' + ' '.join(record.cpu_flags)}: "
         f"{record.sample.get('held_out', '?')} held-out texts in domain ({record.sample.get('source', '?')}), "
         f"{record.sample.get('out_of_domain', 'no')} out of domain; gate {threshold:.0%} on the worse of the two",
-        "runtime     precision          para/s   ± spread  speed-up  in domain  out of domain  max |dp|"
+        "runtime     precision                para/s   ± spread  speed-up  in domain  out of domain  max |dp|"
         "  at least  gate",
     ]
     for m in record.measurements:
@@ -427,13 +448,14 @@ def render_table(record: RuntimeRecord, *, threshold: float) -> str:
         spread = f"{m.spread / m.para_per_s:.1%}" if m.rounds and m.para_per_s else "-"
         precision = m.precision if m.margin is None else f"{m.precision} {m.margin:g}"
         lines.append(
-            f"{m.runtime:<11} {precision:<17} {m.para_per_s:>7.1f}  {spread:>8}  {m.speedup:>7.2f}x  "
+            f"{m.runtime:<11} {precision:<23} {m.para_per_s:>7.1f}  {spread:>8}  {m.speedup:>7.2f}x  "
             f"{inside:>9}  {outside:>13}  {m.max_abs_dp:>8.4f}  {bound:>8}  {'pass' if m.passes(threshold) else 'FAIL'}"
             f"{'  ' + m.note if m.note else ''}"
         )
     if any(m.margin is not None for m in record.measurements):
         lines.append(
-            "bf16-recheck m: rows whose bf16 top two probabilities are closer than m are answered again in fp32"
+            "bf16-recheck m, bf16-dense-recheck m: rows whose first pass's top two probabilities are closer"
+            " than m are answered again in fp32"
         )
     lines.append(
         "para/s: the median of interleaved rounds; ± spread: every round lay within it (a setting is"

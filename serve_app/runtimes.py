@@ -4,7 +4,7 @@ A *setting* is a runtime x precision: TensorFlow fp32 (the reference: export, ``
 check`` and every agreement are measured against it), TensorFlow bf16 (oneDNN auto mixed
 precision), OpenVINO fp32 / bf16 / int8 (`serve_app.compiled`; int8 is the NNCF-quantized IR of
 `serve_app.optimize`), and OpenVINO's candidates between fp32 and bf16 where the CPU has native
-bf16 (``bf16-dense``, ``bf16-ffn``, ``bf16-recheck``: `serve_app.compiled.BF16_PRECISIONS`).
+bf16 (``bf16-dense``, ``bf16-ffn`` and the recheck ones: `serve_app.compiled.BF16_PRECISIONS`).
 Measuring a setting (`serve_app.optimize.measure`, run by ``raypipe model
 export`` on its check texts and by ``raypipe model optimize DIR --sample URI`` on the user's)
 gives its speed on this CPU, its top-label agreement with TensorFlow fp32 on two sets of texts,
@@ -34,13 +34,14 @@ unmeasured.
   SavedModel files) the replica serves the fastest *equal-answer* setting, OpenVINO fp32 where
   OpenVINO is installed (its probabilities are TensorFlow's within 1e-4: float sums in another
   order), else TensorFlow fp32: nothing that changes answers is picked unmeasured.
-- ``bf16-recheck`` is measured at each margin of a ladder (`serve_app.compiled.RECHECK_MARGINS`),
-  each its own `Measurement` (``margin``): the gate and the speed rule treat every margin as a
-  candidate of its own, so the replica serves the narrowest (fastest) margin that passes, and
+- A recheck precision (``bf16-recheck``, ``bf16-dense-recheck``: `serve_app.compiled.RECHECK_BASES`)
+  is measured at each margin of a ladder (`serve_app.compiled.RECHECK_MARGINS`), each its own
+  `Measurement` (``margin``): the gate and the speed rule treat every margin as a candidate of
+  its own, so the replica serves the narrowest (fastest) margin that passes, and
   `Serving.margin` says which.
 - An explicit precision is served if the CPU supports it, unless the record says it fails the
   gate: then the replica refuses to start (`GateError`) unless ``force_precision``. int8 exists
-  only as a measured build, so it always has a record. An explicit ``bf16-recheck`` is served at
+  only as a measured build, so it always has a record. An explicit recheck precision is served at
   the fastest recorded margin that passes (the widest recorded when none does, which the gate
   then refuses), at `serve_app.compiled.DEFAULT_RECHECK_MARGIN` with no record.
 
@@ -48,7 +49,7 @@ unmeasured.
 settings (fp32 on either runtime) add nothing, so a changed default between them neither
 re-infers nor stops reusing a committed answer; settings that change answers add ``+bf16``
 (TensorFlow bf16), ``+ov-<precision>`` (``+ov-bf16``, ``+ov-bf16-dense``, ...: each candidate
-answers differently, so each is its own version; ``bf16-recheck`` adds its margin,
+answers differently, so each is its own version; a recheck precision adds its margin,
 ``+ov-bf16-recheck-m0.1``, since a wider margin answers more rows in fp32) or
 ``+ov-int8-<build>`` (the int8 IR's digest: two int8 builds calibrated on other texts answer
 differently, so they never share a reuse key). The setting
@@ -67,6 +68,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from serve_app.compiled import RECHECK_BASES
 from serve_app.model import PRECISIONS, ModelDirError, cpu_flags, has_native_bf16
 from serve_app.settings import RUNTIME_SETTINGS, ServerSettings
 from serve_app.timing import unbeaten
@@ -169,8 +171,8 @@ class Measurement:
     rounds: int = 0
     """How many interleaved rounds timed it (0: not recorded)."""
     margin: float | None = None
-    """``bf16-recheck``: the margin under which a row was answered again in fp32 (a record keeps
-    one measurement per margin of the ladder); None for every other precision."""
+    """A recheck precision's: the margin under which a row was answered again in fp32 (a record
+    keeps one measurement per margin of the ladder); None for every other precision."""
 
     @property
     def setting(self) -> tuple[str, str]:
@@ -225,11 +227,11 @@ class RuntimeRecord:
     """The CPU's model name, for people (the key is `cpu_flags`)."""
 
     def get(self, runtime: str, precision: str) -> Measurement | None:
-        """The setting's measurement (``bf16-recheck``: the first margin's; `all` gives each)."""
+        """The setting's measurement (a recheck precision: the first margin's; `all` gives each)."""
         return next((m for m in self.measurements if m.setting == (runtime, precision)), None)
 
     def all(self, runtime: str, precision: str) -> list[Measurement]:
-        """Every measurement of the setting: one, or one per margin for ``bf16-recheck``."""
+        """Every measurement of the setting: one, or one per margin for a recheck precision."""
         return [m for m in self.measurements if m.setting == (runtime, precision)]
 
     def to_json(self) -> dict[str, Any]:
@@ -334,12 +336,12 @@ class Serving:
     """``precision: auto`` found no record for this CPU (and these SavedModel files): the default
     is served, and the replica may measure itself (`serve_app.self_measure`)."""
     margin: float | None = None
-    """``bf16-recheck``: the margin under which rows are answered again in fp32 (the gate's pick,
-    `Measurement.margin`); None for every other precision."""
+    """A recheck precision's: the margin under which rows are answered again in fp32 (the gate's
+    pick, `Measurement.margin`); None for every other precision."""
 
     def __post_init__(self) -> None:
-        if (self.precision == "bf16-recheck") != (self.margin is not None):
-            raise ValueError(f"a margin goes with bf16-recheck and only with it (precision {self.precision!r})")
+        if (self.precision in RECHECK_BASES) != (self.margin is not None):
+            raise ValueError(f"a margin goes with a recheck precision and only with one (precision {self.precision!r})")
 
     @property
     def setting(self) -> str:
@@ -450,7 +452,7 @@ def choose(
 
 
 def _asked(measured: list[Measurement], min_agreement: float) -> Measurement | None:
-    """Of an explicitly asked setting's measurements (one per margin for ``bf16-recheck``): the
+    """Of an explicitly asked setting's measurements (one per margin for a recheck precision): the
     fastest that passes the gate, else the one closest to passing (the gate then refuses it)."""
     if not measured:
         return None
@@ -460,7 +462,7 @@ def _asked(measured: list[Measurement], min_agreement: float) -> Measurement | N
 
 def _margin(precision: str, measurement: Measurement | None) -> float | None:
     """The margin a replica serves ``precision`` at: the measured one, the default unmeasured."""
-    if precision != "bf16-recheck":
+    if precision not in RECHECK_BASES:
         return None
     if measurement is not None and measurement.margin is not None:
         return measurement.margin

@@ -17,7 +17,16 @@ from serve_app.metrics import ServerMetricsSettings
 __all__ = ["PRECISION_SETTINGS", "RUNTIME_SETTINGS", "FaultInjection", "ServerSettings"]
 
 #: Values of `ServerSettings.precision` (and `raypipe serve --precision`).
-PRECISION_SETTINGS = ("fp32", "bf16", "bf16-dense", "bf16-ffn", "bf16-recheck", "int8", "auto")
+PRECISION_SETTINGS = (
+    "fp32",
+    "bf16",
+    "bf16-dense",
+    "bf16-ffn",
+    "bf16-recheck",
+    "bf16-dense-recheck",
+    "int8",
+    "auto",
+)
 #: Values of `ServerSettings.runtime` (and `raypipe serve --runtime`).
 RUNTIME_SETTINGS = ("tensorflow", "openvino", "auto")
 
@@ -90,7 +99,8 @@ class ServerSettings:
     """`auto` (default): the fastest setting this CPU's measured record passes through the
     agreement gate, or with no record for this CPU the fastest with the reference's answers
     (OpenVINO fp32); or one precision: `fp32`, `bf16` (needs AVX512_BF16 or AMX), the OpenVINO
-    candidates between the two (`bf16-dense`, `bf16-ffn`, `bf16-recheck`: `serve_app.compiled`),
+    candidates between the two (`bf16-dense`, `bf16-ffn`, `bf16-recheck`, `bf16-dense-recheck`:
+    `serve_app.compiled`),
     `int8` (OpenVINO only: the NNCF build of `raypipe model optimize DIR`). See `serve_app.runtimes`."""
     runtime: str = "auto"
     """`auto` (default: whichever runtime the choice of `precision` lands on), `tensorflow` (the

@@ -305,7 +305,26 @@ def test_recheck_answers_close_calls_with_the_exact_runner() -> None:
         compiled.RecheckRunner(fast, exact, margin=0.0)
 
 
-@pytest.mark.parametrize("precision", ["bf16-dense", "bf16-ffn", "bf16-recheck"])
+@pytest.mark.parametrize(("precision", "first"), [("bf16-recheck", "bf16"), ("bf16-dense-recheck", "bf16-dense")])
+def test_a_recheck_precision_compiles_its_first_pass_and_fp32(
+    precision: str, first: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    built: list[str] = []
+    monkeypatch.setattr(compiled, "ensure_ir", lambda d, cache_dir=None: tmp_path)
+    monkeypatch.setattr(compiled, "_compile", lambda xml, *, precision, **kw: built.append(precision) or precision)
+    runner = compiled.load_openvino_runner(
+        tmp_path, n_labels=3, precision=precision, flags=frozenset({"amx_bf16"}), margin=0.03
+    )
+    assert isinstance(runner, compiled.RecheckRunner)
+    assert (runner.fast, runner.exact, runner.margin, runner.precision) == (first, "fp32", 0.03, precision)
+    assert built == [first, "fp32"]
+    with pytest.raises(ValueError, match="margin"):
+        compiled.load_openvino_runner(
+            tmp_path, n_labels=3, precision="bf16-dense", flags=frozenset({"amx_bf16"}), margin=0.03
+        )
+
+
+@pytest.mark.parametrize("precision", ["bf16-dense", "bf16-ffn", "bf16-recheck", "bf16-dense-recheck"])
 def test_a_candidate_is_refused_on_a_cpu_without_native_bf16(precision: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="AVX512_BF16"):
         compiled.load_openvino_runner(tmp_path, n_labels=3, precision=precision, flags=frozenset({"avx2"}))

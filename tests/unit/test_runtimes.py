@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.compiled import DEFAULT_RECHECK_MARGIN, RECHECK_MARGINS
+from serve_app.compiled import DEFAULT_RECHECK_MARGIN, RECHECK_BASES, RECHECK_MARGINS
 from serve_app.model import ModelDirError
 from serve_app.runtimes import (
     GateError,
@@ -393,7 +393,7 @@ def test_two_int8_builds_never_share_a_version(tmp_path: Path) -> None:
 
 # -- the precision candidates between fp32 and bf16 (serve_app.compiled.BF16_PRECISIONS) --------
 
-CANDIDATES = ("bf16-dense", "bf16-ffn", "bf16-recheck")
+CANDIDATES = ("bf16-dense", "bf16-ffn", "bf16-recheck", "bf16-dense-recheck")
 
 
 @pytest.mark.parametrize("flags", [AVX2, VNNI, BF16, AMX])
@@ -437,7 +437,7 @@ def test_auto_serves_the_fastest_candidate_through_the_gate_and_refuses_one_unde
 
 def test_each_candidate_answers_under_a_version_of_its_own() -> None:
     servings = [Serving("openvino", p, reason="") for p in ("fp32", "bf16", "bf16-dense", "bf16-ffn")]
-    servings += [Serving("openvino", "bf16-recheck", reason="", margin=m) for m in RECHECK_MARGINS]
+    servings += [Serving("openvino", p, reason="", margin=m) for p in RECHECK_BASES for m in RECHECK_MARGINS]
     suffixes = [s.version_suffix for s in servings]
     assert suffixes[0] == ""
     assert len(set(suffixes)) == len(suffixes)
