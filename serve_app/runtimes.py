@@ -23,8 +23,9 @@ unmeasured.
   its spread (`serve_app.timing`), and a setting is faster than another only when their ranges
   do not overlap. Among settings that tie that way the replica keeps the default: an
   equal-answer setting (in `EQUAL_ANSWER_SETTINGS` order), else the one whose gate figure is
-  highest (`_fastest`). A measurement a busy machine made noisy therefore keeps the reference's
-  answers rather than whichever setting was lucky. **The
+  highest (`fastest`). A measurement a busy machine made noisy therefore keeps the reference's
+  answers rather than whichever setting was lucky. Margins of one recheck precision are not
+  raced: the narrowest passing one reruns the fewest rows, so it is the one compared. **The
   gate**: a setting that changes answers (bf16, int8) must have both agreements measured, and
   passes when the worse of their *lower confidence bounds* (`agreement_lower_bound`: one sided,
   95%, from the figure and how many texts it was measured on) is at least ``min_agreement``. A
@@ -84,6 +85,7 @@ __all__ = [
     "agreement_lower_bound",
     "choose",
     "cpu_key",
+    "fastest",
     "int8_build",
     "read_record",
     "read_records",
@@ -433,7 +435,7 @@ def choose(
         # equal-answer order (OpenVINO first) for fp32.
         measured = [m for s in candidates for m in record.all(*s)] if record else []
         if measured:
-            candidates = [_fastest(measured).setting]
+            candidates = [fastest(measured).setting]
         elif precision == "fp32":
             candidates = [s for s in EQUAL_ANSWER_SETTINGS if s in candidates]
     chosen = candidates[0]
@@ -457,7 +459,7 @@ def _asked(measured: list[Measurement], min_agreement: float) -> Measurement | N
     if not measured:
         return None
     passing = [m for m in measured if m.passes(min_agreement)]
-    return _fastest(passing) if passing else max(measured, key=lambda m: m.gate_figure)
+    return fastest(passing) if passing else max(measured, key=lambda m: m.gate_figure)
 
 
 def _margin(precision: str, measurement: Measurement | None) -> float | None:
@@ -513,7 +515,7 @@ def _auto(
     eligible = [m for s in allowed for m in record.all(*s) if m.passes(min_agreement)]
     if not eligible:
         return Serving(*fallback, reason="auto: no measured setting passes the agreement gate; the reference's answers")
-    best = _fastest(eligible)
+    best = fastest(eligible)
     reason = (
         f"auto: fastest measured that passes the gate ({best.speedup:.2f}x TF fp32{_noise(best)}, {_figures(best)})"
     )
@@ -527,11 +529,17 @@ def _auto(
     )
 
 
-def _fastest(measurements: Iterable[Measurement]) -> Measurement:
+def fastest(measurements: Iterable[Measurement]) -> Measurement:
     """The setting served among measured ones: of those no other is faster than beyond the spread
     (`serve_app.timing.beats`), the one whose answers are the reference's, or closest to them
-    (`_preference`). A tie that noise makes keeps the default; only a clear win changes it."""
-    by_candidate = {m.candidate: m for m in measurements}
+    (`_preference`). A tie that noise makes keeps the default; only a clear win changes it.
+
+    Margins of one recheck precision are not raced: a wider margin answers a superset of a
+    narrower one's rows again in fp32, so of those given (the caller's passing ones) the
+    narrowest is the fastest by construction, and noise is not asked to say so."""
+    given = list(measurements)
+    narrowest = {m.setting: min((o.margin for o in given if o.setting == m.setting), default=None) for m in given}
+    by_candidate = {m.candidate: m for m in given if m.margin is None or m.margin == narrowest[m.setting]}
     return min((by_candidate[c] for c in unbeaten(by_candidate)), key=_preference)
 
 
