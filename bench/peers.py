@@ -71,7 +71,7 @@ LINE_NAMES = {
 TARGETS = {"c/b": 0.97, "c/d": 2.0, "cores_busy": 1.9}
 #: Paragraphs per line: a round of the four lines stays within a few minutes on 2 cores, so it fits
 #: one hold of a shared machine's lock (the speed section's sizes would take most of an hour).
-ROWS = {"bert-base": 300}
+ROWS = {"bert-base": 300, "trained-bert-base": 300}
 DEFAULT_ROWS = 3000
 #: Semaphore of the reference build's client (calls in flight per UDF).
 SPARK_CONCURRENCY = 50
@@ -243,6 +243,50 @@ def run_peers(
     return out
 
 
+#: The trained models the section can also run, beside the random-weight shapes: what a user
+#: serves, with the setting this CPU's record gates for them (random weights answer near uniform
+#: probabilities, so every faster precision is refused on them and they run fp32).
+TRAINED = {"trained-bert-base": "bert-base", "real-weights-minilm": "minilm-l6"}
+
+
+def peer_models(
+    labels: list[str], model_dirs: dict[str, Path], *, demo: Path, cache: Path, env: dict[str, str], lock: str | None
+) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The model directory and shape of each label: a shape's from ``model_dirs``, a trained one's
+    built on first use (`bench.models`) and measured on this CPU with ``raypipe model optimize
+    --no-int8`` where it has no record, as a user's export does. Returns (dirs, shapes)."""
+    from dataclasses import replace
+
+    from bench.models import SHAPES, ensure_real_weights_model, ensure_trained_model
+    from serve_app.model import read_model_card
+    from serve_app.runtimes import resolve
+    from serve_app.settings import ServerSettings
+
+    dirs: dict[str, Path] = {}
+    shapes: dict[str, Any] = {}
+    for label in labels:
+        if label in SHAPES:
+            dirs[label], shapes[label] = model_dirs[label], SHAPES[label]
+            continue
+        if label not in TRAINED:
+            raise SystemExit(f"bench: --peer-models takes {', '.join([*SHAPES, *TRAINED])}, not {label!r}")
+        with heavy_lock(lock):
+            if label == "trained-bert-base":
+                model_dir = ensure_trained_model(SHAPES["bert-base"], demo_model_dir=demo, cache=cache, env=env)
+            else:
+                found = ensure_real_weights_model(cache=cache, env=env)
+                if found is None:
+                    raise SystemExit("bench: the real-weights MiniLM is not installed (make venv)")
+                model_dir = found
+            if resolve(model_dir, ServerSettings()).unmeasured:
+                cmd = [sys.executable, "-m", "raypipe", "model", "optimize", str(model_dir), "--no-int8"]
+                subprocess.run(cmd, env=env, check=True)
+        dirs[label] = model_dir
+        card = read_model_card(model_dir)
+        shapes[label] = replace(SHAPES[TRAINED[label]], max_length=card.max_sequence_length)
+    return dirs, shapes
+
+
 def _model(
     bench: Any, model_dir: Path, corpus: Path, rows: int, shape: Any, entry: dict[str, Any], save: Callable[[], None]
 ) -> None:
@@ -258,7 +302,7 @@ def _model(
         {
             "model_dir": str(model_dir),
             "shape": shape.to_dict() if shape is not None else None,
-            "setting": f"{serving.runtime}:{serving.precision}",
+            "setting": f"{serving.setting}" + ("" if serving.margin is None else f" m{serving.margin:g}"),
             "paragraphs": rows,
             "rounds": bench.args.peer_rounds,
             "orders": round_orders(bench.args.peer_rounds),

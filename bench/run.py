@@ -561,6 +561,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--peer-rounds", type=int, default=3, help="rounds of the peers section's four lines")
     p.add_argument("--peer-rows", type=int, help="paragraphs per peers line (default: 3000, bert-base 300)")
+    p.add_argument(
+        "--peer-models",
+        help="comma-separated models of the peers section: of the --models shapes, trained-bert-base and"
+        " real-weights-minilm (default: the --models shapes)",
+    )
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--workdir", default=".cache/bench-work")
     p.add_argument("--models-cache", default=".cache/bench-models")
@@ -633,9 +638,12 @@ def main(argv: list[str] | None = None) -> int:
             results["speed"] = run_speed(bench, speed_models, corpus)
             save()
         if "peers" in sections:
-            from bench.peers import run_peers
+            from bench.peers import peer_models, run_peers
 
-            run_peers(bench, {n: model_dirs[n] for n in names}, corpus, SHAPES, results, save)
+            labels = (args.peer_models or ",".join(names)).split(",")
+            cache = Path(args.models_cache)
+            dirs, shapes = peer_models(labels, model_dirs, demo=demo, cache=cache, env=bench.env, lock=args.lock)
+            run_peers(bench, dirs, corpus, shapes, results, save)
             save()
         if "memory" in sections:
             print("bench: memory", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -185,3 +186,10 @@ def test_the_reference_client_sends_one_paragraph_per_call_with_the_token_at_mos
     assert labels.count(None) == 1
     expected = [LABELS[int(np.argmax(fake_probs(t)))] for t in texts]
     assert [got == want for got, want in zip(labels, expected, strict=True)].count(False) == 1
+
+
+def test_the_peers_section_refuses_a_model_it_does_not_know(tmp_path: Path) -> None:
+    from bench.peers import peer_models
+
+    with pytest.raises(SystemExit, match="trained-bert-base"):
+        peer_models(["gpt-9"], {}, demo=tmp_path, cache=tmp_path, env={}, lock=None)

@@ -147,3 +147,25 @@ def test_a_model_the_newest_run_left_out_keeps_its_figures_from_an_older_file(tm
     assert "**trained-bert-base**" in new and "**real-weights-minilm**" in new
     assert new.index("precision-20260102T000000Z.md") < new.index("precision-20260101T000000Z.md")
     assert new.count("**real-weights-minilm**") == 1
+
+
+def _passing(speedup: float, low: float, high: float, agreement: float = 1.0) -> dict[str, Any]:
+    return {**_figures(speedup, agreement, True), "spread": [low, high]}
+
+
+def test_the_bench_names_what_a_replica_serves_by_the_replica_s_rule_not_the_highest_median() -> None:
+    texts = {"in_domain": 900, "out_of_domain": 1000, "timed": 120, "rounds": 5}
+    figures = {
+        "fp32": {**_figures(1.0, 1.0, True), "spread": [1.0, 1.0]},
+        # The highest median, but within the spread of one with a higher gate figure: a tie.
+        "bf16-dense-recheck m0.02": _passing(1.80, 1.64, 2.02, agreement=0.9956),
+        "bf16-recheck m0.07": _passing(1.70, 1.54, 1.98, agreement=0.9978),
+        # A wider margin of the same precision is never preferred over a narrower passing one.
+        "bf16-recheck m0.1": _passing(1.41, 1.32, 1.73, agreement=1.0),
+        "bf16": {**_figures(2.8, 0.95, False)},
+    }
+    assert precision.served(figures, texts) == "bf16-recheck m0.07"
+    figures["bf16-dense-recheck m0.02"]["spread"] = [2.0, 2.1]
+    figures["bf16-dense-recheck m0.02"]["speedup"] = 2.05
+    assert precision.served(figures, texts) == "bf16-dense-recheck m0.02"
+    assert precision.served({"fp32": figures["fp32"]}, texts) == "fp32"
