@@ -144,11 +144,11 @@ def measure_model(
     margins: dict[str, tuple[str, float]] = {}
     for recheck in rechecks:
         (fast_in, fast_out), (exact_in, exact_out) = answers[RECHECK_BASES[recheck]], answers["fp32"]
-        ladder = {m: (rechecked(fast_in, exact_in, m), rechecked(fast_out, exact_out, m)) for m in RECHECK_MARGINS}
-        figures_of = {m: (_agree(i, reference_in), _agree(o, reference_out)) for m, (i, o) in ladder.items()}
-        for m in undominated_margins(figures_of):
-            margins[f"{recheck} m{m:g}"] = (recheck, m)
-            answers[f"{recheck} m{m:g}"] = ladder[m]
+        ladder = {x: (rechecked(fast_in, exact_in, x), rechecked(fast_out, exact_out, x)) for x in RECHECK_MARGINS}
+        figures_of = {x: (_agree(i, reference_in), _agree(o, reference_out)) for x, (i, o) in ladder.items()}
+        for kept in undominated_margins(figures_of):
+            margins[f"{recheck} m{kept:g}"] = (recheck, kept)
+            answers[f"{recheck} m{kept:g}"] = ladder[kept]
     figures: dict[str, dict[str, Any]] = {}
     for precision, (inside, beyond) in answers.items():
         a_in = float((inside.argmax(1) == reference_in.argmax(1)).mean())

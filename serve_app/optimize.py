@@ -285,7 +285,9 @@ def measure(
             max(float(np.abs(inside - reference).max()), float(np.abs(beyond - reference_out).max())),
         )
 
-    figures = {(*s, None): agreement((*s, None)) for s in wanted if s in runners}
+    figures: dict[_Candidate, tuple[float, float, float]] = {
+        (*s, None): agreement((*s, None)) for s in wanted if s in runners
+    }
     for p in rechecks:
         ladder = {m: agreement(("openvino", p, m)) for m in RECHECK_MARGINS}
         figures |= {("openvino", p, m): ladder[m] for m in undominated_margins({m: f[:2] for m, f in ladder.items()})}

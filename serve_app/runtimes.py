@@ -538,8 +538,9 @@ def fastest(measurements: Iterable[Measurement]) -> Measurement:
     narrower one's rows again in fp32, so of those given (the caller's passing ones) the
     narrowest is the fastest by construction, and noise is not asked to say so."""
     given = list(measurements)
-    narrowest = {m.setting: min((o.margin for o in given if o.setting == m.setting), default=None) for m in given}
-    by_candidate = {m.candidate: m for m in given if m.margin is None or m.margin == narrowest[m.setting]}
+    margins = [(m.setting, m.margin) for m in given if m.margin is not None]
+    narrowest = {setting: min(x for s, x in margins if s == setting) for setting, _ in margins}
+    by_candidate = {m.candidate: m for m in given if m.margin is None or m.margin == narrowest.get(m.setting)}
     return min((by_candidate[c] for c in unbeaten(by_candidate)), key=_preference)
 
 
